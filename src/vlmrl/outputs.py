@@ -1,0 +1,66 @@
+"""A stage that fails must leave no half-written outputs, or DVC and the next stage would trust
+them. Everything is written beside its destination and moved into place in one rename."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+@contextlib.contextmanager
+def atomic_dir(target: Path | str) -> Iterator[Path]:
+    """Yields an empty temporary directory that replaces `target` only if the block succeeds."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    replace_dir(staging, target)
+
+
+def replace_dir(source: Path, target: Path) -> None:
+    retired = target.with_name(f".{target.name}.old")
+    shutil.rmtree(retired, ignore_errors=True)
+    if target.exists():
+        os.replace(target, retired)
+    os.replace(source, target)
+    shutil.rmtree(retired, ignore_errors=True)
+
+
+def write_text_atomic(path: Path | str, text: str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json_atomic(path: Path | str, payload: Any) -> None:
+    write_text_atomic(path, json.dumps(payload, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def write_jsonl_atomic(path: Path | str, rows: list[dict[str, Any]]) -> None:
+    write_text_atomic(path, "".join(json.dumps(row, default=str) + "\n" for row in rows))
+
+
+def remove_outputs(*paths: Path | str) -> None:
+    """Removes stale outputs before a stage starts, so a failure cannot leave old ones behind."""
+    for path in map(Path, paths):
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()

@@ -1,0 +1,248 @@
+"""GRPO/GSPO reward functions in TRL's signature, and the registry that builds them.
+
+Each reward is `f(completions, **columns) -> list[float | None]`, the form TRL's
+trainers call with one completion and one value per dataset column. The
+correctness reward goes through `vlmrl.scoring.score`, and `score_completion`
+runs the same functions on a single text, so training, evaluation and the web
+UI agree on every number.
+
+Deliberate choices:
+- `format_reward` returns -2.0 in total for degenerate text (the tag points are
+  not added): a run of `addCriterion` that happens to contain the tags must
+  never look better than an honest answer without them.
+- `correctness_reward` returns None when the gold answer cannot be read: TRL
+  treats None as "no signal" instead of punishing the policy for bad data.
+- In `score_completion`'s weighted total a None reward counts as 0, as TRL's
+  nan-sum does.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from numbers import Real
+from typing import Any
+
+from vlmrl import scoring
+
+__all__ = [
+    "REWARD_FUNCS",
+    "build_rewards",
+    "build_rewards_from_params",
+    "completion_text",
+    "correctness_reward",
+    "format_reward",
+    "length_penalty",
+    "score_completion",
+]
+
+RECORD_COLUMNS = ("answer", "question_type", "answer_type", "choices", "precision", "unit")
+DEGENERATE_TOKEN = "addCriterion"
+
+Completion = str | Sequence[Mapping[str, Any]]
+RewardFunc = Callable[..., list[float | None]]
+
+
+# ----------------------------------------------------------------- completions
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, Iterable):
+        return "".join(
+            part.get("text") or ""
+            for part in content
+            if isinstance(part, Mapping) and part.get("type", "text") == "text"
+        )
+    return ""
+
+
+def completion_text(completion: Completion) -> str:
+    """The assistant text of a plain or conversational completion."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, (bytes, bytearray)):
+        return bytes(completion).decode("utf-8", errors="replace")
+    messages = (
+        [m for m in completion if isinstance(m, Mapping)]
+        if isinstance(completion, Iterable)
+        else []
+    )
+    return "\n".join(
+        _content_text(m.get("content"))
+        for m in messages
+        if m.get("role", "assistant") == "assistant"
+    )
+
+
+def _records(count: int, columns: Mapping[str, Any]) -> list[dict[str, Any]]:
+    if "answer" not in columns:
+        raise ValueError("correctness_reward needs an 'answer' column")
+    present = {name: columns[name] for name in RECORD_COLUMNS if name in columns}
+    for name, values in present.items():
+        if len(values) != count:
+            raise ValueError(f"column {name!r} has {len(values)} values for {count} completions")
+    return [{name: values[i] for name, values in present.items()} for i in range(count)]
+
+
+# --------------------------------------------------------------------- rewards
+
+
+def is_degenerate(text: str) -> bool:
+    """Whether `addCriterion` tokens and newlines make up half the text or more."""
+    junk = text.count(DEGENERATE_TOKEN) * len(DEGENERATE_TOKEN) + text.count("\n")
+    return bool(text) and 2 * junk >= len(text)
+
+
+def _format_value(text: str) -> float:
+    if is_degenerate(text):
+        return -2.0
+    reasoning = scoring.single_block(text, scoring.OPEN_REASONING, scoring.CLOSE_REASONING)
+    solution = scoring.single_block(text, scoring.OPEN_SOLUTION, scoring.CLOSE_SOLUTION)
+    return float(reasoning is not None) + float(solution is not None)
+
+
+def format_reward(completions: Sequence[Completion], **columns: Any) -> list[float | None]:
+    """+1 for one REASONING block, +1 for one SOLUTION block; -2 for degenerate text."""
+    return [_format_value(completion_text(c)) for c in completions]
+
+
+def _correctness_value(text: str, record: Mapping[str, Any]) -> float | None:
+    if not scoring.gold_parseable(record):
+        return None
+    result = scoring.score(text, record)
+    if result.correct and result.extracted == str(record["answer"]).strip():
+        return 2.0
+    return 1.5 if result.correct else 0.0
+
+
+def correctness_reward(completions: Sequence[Completion], **columns: Any) -> list[float | None]:
+    """2.0 for the gold answer verbatim, 1.5 after normalisation, else 0; None for bad gold."""
+    records = _records(len(completions), columns)
+    return [
+        _correctness_value(completion_text(c), r) for c, r in zip(completions, records, strict=True)
+    ]
+
+
+def length_penalty(
+    completions: Sequence[Completion], *, min_chars: int = 50, max_chars: int = 2000, **columns: Any
+) -> list[float | None]:
+    """-1.0 below `min_chars` characters, -0.5 above `max_chars`, else 0."""
+    if min_chars > max_chars:
+        raise ValueError(f"length_penalty: min_chars ({min_chars}) exceeds max_chars ({max_chars})")
+    lengths = [len(completion_text(c)) for c in completions]
+    return [-1.0 if n < min_chars else -0.5 if n > max_chars else 0.0 for n in lengths]
+
+
+REWARD_FUNCS: dict[str, RewardFunc] = {
+    "format_reward": format_reward,
+    "correctness_reward": correctness_reward,
+    "length_penalty": length_penalty,
+}
+
+
+# -------------------------------------------------------------------- registry
+
+
+def _lookup(name: str) -> RewardFunc:
+    if name not in REWARD_FUNCS:
+        raise ValueError(
+            f"unknown reward {name!r}; known rewards: {', '.join(sorted(REWARD_FUNCS))}"
+        )
+    return REWARD_FUNCS[name]
+
+
+def _option_names(func: RewardFunc) -> set[str]:
+    params = inspect.signature(func).parameters.values()
+    return {p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+def _bind(name: str, options: Mapping[str, Any]) -> RewardFunc:
+    func = _lookup(name)
+    if not isinstance(options, Mapping):
+        raise ValueError(
+            f"options for reward {name!r} must be a mapping, got {type(options).__name__}"
+        )
+    unknown = sorted(set(options) - _option_names(func))
+    if unknown:
+        known = ", ".join(sorted(_option_names(func))) or "none"
+        raise ValueError(
+            f"unknown option(s) {', '.join(map(repr, unknown))} for reward {name!r}; known: {known}"
+        )
+    if not options:
+        return func
+    # TRL logs each reward under its __name__, which a bare partial lacks.
+    return functools.update_wrapper(functools.partial(func, **options), func)
+
+
+def _weight(name: str, weight: Any) -> float:
+    if isinstance(weight, bool) or not isinstance(weight, Real) or not math.isfinite(weight):
+        raise ValueError(f"weight for reward {name!r} must be a finite number, got {weight!r}")
+    return float(weight)
+
+
+def _weights(spec: Mapping[str, Any] | Sequence[str]) -> dict[str, float]:
+    if isinstance(spec, Mapping):
+        return {str(name): _weight(str(name), w) for name, w in spec.items()}
+    if isinstance(spec, str) or not isinstance(spec, Sequence):
+        raise ValueError(
+            f"reward weights must be a mapping or a list of names, got {type(spec).__name__}"
+        )
+    return {str(name): 1.0 for name in spec}
+
+
+def build_rewards(
+    weights: Mapping[str, float] | Sequence[str],
+    options: Mapping[str, Mapping[str, Any]] | None = None,
+) -> tuple[list[RewardFunc], list[float]]:
+    """TRL's `reward_funcs` and `reward_weights` from `{name: weight}` (a list means weight 1 each).
+
+    `options` maps a reward name to keyword arguments bound into it; options
+    for a known reward that carries no weight are checked and then unused.
+    """
+    options = options or {}
+    if not isinstance(options, Mapping):
+        raise ValueError(f"reward options must be a mapping, got {type(options).__name__}")
+    bound = {name: _bind(name, opts) for name, opts in options.items()}
+    table = _weights(weights)
+    funcs = [bound.get(name) or _lookup(name) for name in table]
+    return funcs, list(table.values())
+
+
+def build_rewards_from_params(section: Mapping[str, Any]) -> tuple[list[RewardFunc], list[float]]:
+    """`build_rewards` from params.yaml's `rewards:` section (`weights` plus per-reward options)."""
+    options = {name: value for name, value in section.items() if name != "weights"}
+    return build_rewards(section.get("weights", {}), options)
+
+
+# --------------------------------------------------------------------- single
+
+
+def score_completion(
+    text: Completion,
+    record: Mapping[str, Any],
+    weights: Mapping[str, float] | Sequence[str] | None = None,
+    options: Mapping[str, Mapping[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """Every weighted reward, their weighted total and the scorer's verdict for one completion.
+
+    `weights` defaults to every registered reward at weight 1.
+    """
+    funcs, factors = build_rewards(list(REWARD_FUNCS) if weights is None else weights, options)
+    columns = {name: [record.get(name)] for name in RECORD_COLUMNS}
+    rewards = {func.__name__: func([text], **columns)[0] for func in funcs}
+    total = sum(w * v for w, v in zip(factors, rewards.values(), strict=True) if v is not None)
+    result = scoring.score(completion_text(text), record)
+    return {
+        "rewards": rewards,
+        "weights": dict(zip(rewards, factors, strict=True)),
+        "total": total,
+        "extracted": result.extracted,
+        "normalized": result.normalized,
+        "gold": result.gold,
+        "correct": result.correct,
+        "format_ok": result.format_ok,
+    }

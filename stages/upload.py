@@ -1,0 +1,71 @@
+"""DVC stage `upload`: publish this run's adapter, merged model, GGUF files and metrics to S3.
+
+Thin on purpose: it parses params, calls vlmrl.publish and writes the two outputs, which appear
+(atomically) only once the upload has fully succeeded. With no upload.bucket it writes the manifest
+locally, uploads nothing and succeeds, so the pipeline runs end to end without cloud credentials.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from vlmrl.publish import PublishError, UploadParams, params_hash, publish, write_json_atomic
+
+
+def load_params(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    return yaml.safe_load(path.read_text()) or {}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", type=Path, default=Path("params.yaml"))
+    parser.add_argument("--adapter-dir", type=Path, default=Path("data/models/adapter"))
+    parser.add_argument("--merged-dir", type=Path, default=Path("data/models/merged"))
+    parser.add_argument("--gguf-dir", type=Path, default=Path("data/models/gguf"))
+    parser.add_argument("--metrics-dir", type=Path, default=Path("data/metrics"))
+    parser.add_argument(
+        "--manifest-out", type=Path, default=Path("data/reports/upload_manifest.json")
+    )
+    parser.add_argument("--metrics-out", type=Path, default=Path("data/metrics/upload.json"))
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    all_params = load_params(args.params)
+    inputs = {
+        "adapter": args.adapter_dir,
+        "merged": args.merged_dir,
+        "gguf": args.gguf_dir,
+        "metrics": args.metrics_dir,
+    }
+    try:
+        upload_params = UploadParams.from_mapping(all_params.get("upload"))
+        result = publish(inputs, upload_params, params_digest=params_hash(all_params))
+    except PublishError as exc:
+        print(f"upload failed: {exc}", file=sys.stderr)
+        return 1
+    write_json_atomic(args.manifest_out, result.manifest)
+    write_json_atomic(args.metrics_out, result.summary())
+    if result.location is None:
+        print(
+            "no upload.bucket configured: nothing was uploaded; "
+            f"manifest written to {args.manifest_out} (version {result.version})"
+        )
+    else:
+        print(
+            f"published {result.location.url(result.version)}/: {result.uploaded_files} objects "
+            f"uploaded, {result.skipped_files} already there; manifest written to {args.manifest_out}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
