@@ -569,6 +569,8 @@ def test_version_derivation_order(tmp_path: Path) -> None:
     assert (
         pub.derive_version("", digest, tmp_path, env={"DVC_EXP_NAME": "lucky-lion"}) == "lucky-lion"
     )
+    git(tmp_path, "tag", "-a", "gguf@v1.0.0", "-m", "artifact registry tag, not a release")
+    assert pub.derive_version("", digest, tmp_path, env={}) == f"git-{short_sha}-dirty"
     git(tmp_path, "tag", "release/v1.2")
     assert pub.derive_version("", digest, tmp_path, env={"DVC_EXP_NAME": "x"}) == "release-v1.2"
     assert pub.derive_version("v9", digest, tmp_path, env={}) == "v9"

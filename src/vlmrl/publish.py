@@ -116,12 +116,12 @@ class UploadParams:
     max_attempts: int = 5
 
     @classmethod
-    def from_mapping(cls, section: Mapping[str, Any] | None) -> UploadParams:
-        section = dict(section or {})
-        unknown = sorted(set(section) - set(cls.__dataclass_fields__))
+    def from_mapping(cls, values: Mapping[str, Any] | None) -> UploadParams:
+        values = dict(values or {})
+        unknown = sorted(set(values) - set(cls.__dataclass_fields__))
         if unknown:
             raise PublishError(f"unknown keys in params upload section: {', '.join(unknown)}")
-        clean = {name: value for name, value in section.items() if value is not None}
+        clean = {name: value for name, value in values.items() if value is not None}
         params = cls(**clean)
         if params.multipart_threshold_mb * MIB < MIN_PART_SIZE:
             raise PublishError(
@@ -147,10 +147,6 @@ class ArtifactFile:
     local_path: Path
     size: int
     sha256: str
-
-    @property
-    def name(self) -> str:
-        return f"{self.group}/{self.path}"
 
     def manifest_entry(self) -> dict[str, Any]:
         return {"group": self.group, "path": self.path, "size": self.size, "sha256": self.sha256}
@@ -248,10 +244,11 @@ def derive_version(
     configured: str, params_digest: str, repo_dir: Path, env: Mapping[str, str] = os.environ
 ) -> str:
     """params' version, else the exact git tag at HEAD, else $DVC_EXP_NAME, else git-SHORTSHA
-    (+ -dirty), else local-PARAMSHASH[:12]."""
+    (+ -dirty), else local-PARAMSHASH[:12]. Artifact-registry tags (NAME@vX.Y.Z, read by
+    `dvc artifacts get`) name one artifact, not the release, so they are not versions."""
     if configured:
         return validate_version(configured)
-    tag = _git(["describe", "--tags", "--exact-match", "HEAD"], repo_dir)
+    tag = _git(["describe", "--tags", "--exact-match", "--exclude=*@*", "HEAD"], repo_dir)
     if tag:
         return validate_version(_sanitize_version(tag))
     if env.get("DVC_EXP_NAME"):
@@ -875,7 +872,9 @@ def cli_pull(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="vlmrl pull", description="Fetch a published version.")
     parser.add_argument("--version", default="latest", help="a version name, or latest (default)")
     parser.add_argument("--what", choices=[*GROUPS, "all"], default="all")
-    parser.add_argument("--to", type=Path, required=True, help="destination directory")
+    parser.add_argument(
+        "--to", type=Path, required=True, metavar="DIR", help="destination directory"
+    )
     parser.add_argument("--force", action="store_true", help="replace a non-empty destination")
     _add_location_arguments(parser)
     args = parser.parse_args(argv)
