@@ -18,15 +18,28 @@ from vlmrl.publish import PublishError, UploadParams, params_hash, publish
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--params", type=Path, default=Path("params.yaml"))
-    parser.add_argument("--adapter-dir", type=Path, default=Path("data/models/adapter"))
-    parser.add_argument("--merged-dir", type=Path, default=Path("data/models/merged"))
-    parser.add_argument("--gguf-dir", type=Path, default=Path("data/models/gguf"))
-    parser.add_argument("--metrics-dir", type=Path, default=Path("data/metrics"))
-    parser.add_argument(
-        "--manifest-out", type=Path, default=Path("data/reports/upload_manifest.json")
+    option = parser.add_argument
+    option("--params", type=Path, default=Path("params.yaml"))
+    option(
+        "--adapter", "--adapter-dir", dest="adapter", type=Path, default=Path("data/models/adapter")
     )
-    parser.add_argument("--metrics-out", type=Path, default=Path("data/metrics/upload.json"))
+    option("--merged", "--merged-dir", dest="merged", type=Path, default=Path("data/models/merged"))
+    option("--gguf", "--gguf-dir", dest="gguf", type=Path, default=Path("data/models/gguf"))
+    option("--metrics-dir", type=Path, default=Path("data/metrics"))
+    option(
+        "--manifest",
+        "--manifest-out",
+        dest="manifest_out",
+        type=Path,
+        default=Path("data/reports/upload_manifest.json"),
+    )
+    option(
+        "--out-metrics",
+        "--metrics-out",
+        dest="metrics_out",
+        type=Path,
+        default=Path("data/metrics/upload.json"),
+    )
     return parser.parse_args(argv)
 
 
@@ -34,9 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     remove_outputs(args.manifest_out, args.metrics_out)
     inputs = {
-        "adapter": args.adapter_dir,
-        "merged": args.merged_dir,
-        "gguf": args.gguf_dir,
+        "adapter": args.adapter,
+        "merged": args.merged,
+        "gguf": args.gguf,
         "metrics": args.metrics_dir,
     }
     try:

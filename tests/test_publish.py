@@ -153,9 +153,9 @@ def stage_env(**overrides: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": python_path, **overrides}
 
 
-def run_stage(project: Path, **env: str) -> subprocess.CompletedProcess[str]:
+def run_stage(project: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, str(UPLOAD_STAGE)],
+        [sys.executable, str(UPLOAD_STAGE), *args],
         check=False,
         cwd=project,
         env=stage_env(**env),
@@ -470,7 +470,13 @@ def test_missing_bucket_is_named(s3_server: MotoServer, tmp_path: Path) -> None:
 
 def test_no_bucket_writes_the_manifest_and_uploads_nothing(tmp_path: Path) -> None:
     project = make_project(tmp_path, {"bucket": ""})
-    completed = run_stage(project)
+    completed = run_stage(  # the flags dvc.yaml passes
+        project,
+        *("--adapter", "data/models/adapter", "--merged", "data/models/merged"),
+        *("--gguf", "data/models/gguf", "--metrics-dir", "data/metrics"),
+        *("--manifest", "data/reports/upload_manifest.json"),
+        *("--out-metrics", "data/metrics/upload.json"),
+    )
     assert completed.returncode == 0, completed.stderr
     assert (
         "no upload.bucket configured: nothing was uploaded; manifest written to" in completed.stdout

@@ -693,15 +693,31 @@ def _draw_line(draw: ImageDraw.ImageDraw, synth: dict[str, Any], size: int) -> N
     left, top, right, bottom = box = _plot_box(size)
     y_of = _draw_value_axis(draw, box, max(synth["y"]), size)
     slot = (right - left) / len(synth["x"])
-    points = [(left + slot * (i + 0.5), y_of(y)) for i, y in enumerate(synth["y"])]
+    ys = synth["y"]
+    points = [(left + slot * (i + 0.5), y_of(y)) for i, y in enumerate(ys)]
     color, font, radius = PALETTE[synth["color"]], _font(round(size * 0.03)), size * 0.009
     draw.line(points, fill=color, width=_line_width(size) + 1)
-    for (px, py), x, y in zip(points, synth["x"], synth["y"]):
+    for px, py in points:
         draw.ellipse([px - radius, py - radius, px + radius, py + radius], fill=color)
-        draw.text((px, py - size * 0.018), str(y), fill=INK, font=font, anchor="md")
+    offset = size * 0.018
+    for i, ((px, py), x, y) in enumerate(zip(points, synth["x"], ys)):
+        is_valley = all(ys[j] > y for j in (i - 1, i + 1) if 0 <= j < len(ys))
+        if is_valley and py + offset + size * 0.04 < bottom:
+            _backed_text(draw, (px, py + offset), str(y), font, "ma")
+        else:
+            _backed_text(draw, (px, py - offset), str(y), font, "md")
         draw.text((px, bottom + size * 0.02), str(x), fill=INK, font=font, anchor="ma")
-    draw.text(((left + right) / 2, size * 0.95), synth["x_name"].capitalize() if synth["x_name"] == "year" else "x",
-              fill=INK, font=font, anchor="mm")
+    axis_name = "Year" if synth["x_name"] == "year" else "x"
+    draw.text(((left + right) / 2, size * 0.95), axis_name, fill=INK, font=font, anchor="mm")
+
+
+def _backed_text(draw: ImageDraw.ImageDraw, xy: tuple[float, float], text: str,
+                 font: ImageFont.FreeTypeFont | ImageFont.ImageFont, anchor: str) -> None:
+    """Text on a white patch, so that a line running under a value label cannot hide a digit."""
+    x0, y0, x1, y1 = draw.textbbox(xy, text, font=font, anchor=anchor)
+    pad = max(1, (y1 - y0) // 5)
+    draw.rectangle([x0 - pad, y0 - pad, x1 + pad, y1 + pad], fill=BACKGROUND)
+    draw.text(xy, text, fill=INK, font=font, anchor=anchor)
 
 
 def _draw_table(draw: ImageDraw.ImageDraw, synth: dict[str, Any], size: int) -> None:

@@ -1,0 +1,312 @@
+"""Evaluation of the base model (baseline_eval) and of the trained adapter (post_eval).
+
+Both stages go through this one module, so the before/after comparison differs only in the
+adapter: the same prompts, the same decoding settings, and the same reward functions and scorer
+that training optimised (`vlmrl.rewards.score_completion`). A number in the report therefore
+means exactly what the reward meant during GSPO.
+
+Deliberate choices:
+- Inputs are checked before the model is loaded: a missing eval set or adapter should cost a
+  second, not a model load, and the error names the stage that makes it.
+- A response that breaks the scorer is scored wrong (with `score_error` recorded), never a
+  crash: a policy that learned to emit garbage must show up in the metrics, not kill the stage.
+- Throughput counts generation only (not model loading or scoring), and generated tokens stop at
+  the first EOS, so padding of finished rows in a batch does not inflate tokens per second.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vlmrl.config import ParamsError
+from vlmrl.rewards import build_rewards_from_params, score_completion
+
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+REQUIRED_COLUMNS = ("pid", "prompt", "image", "answer", "question_type", "answer_type")
+GROUP_COLUMNS = {"answer_type": "accuracy_by_answer_type", "category": "accuracy_by_category",
+                 "source": "accuracy_by_source"}
+
+
+class EvalError(ValueError):
+    """The eval set or a prompt cannot be evaluated; the message names the record or path."""
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    max_new_tokens: int = 512
+    batch_size: int = 8
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    @classmethod
+    def from_params(cls, eval_params: Mapping[str, Any]) -> EvalSettings:
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(eval_params) - known)
+        if unknown:
+            raise ParamsError(f"params.yaml `eval` has unknown keys {unknown}; known: {sorted(known)}")
+        settings = cls(**eval_params)
+        settings.validate()
+        return settings
+
+    def validate(self) -> None:
+        for key in ("max_new_tokens", "batch_size"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ParamsError(f"params.yaml `eval.{key}` must be a positive integer, got {value!r}")
+        if not isinstance(self.do_sample, bool):
+            raise ParamsError(f"params.yaml `eval.do_sample` must be true or false, got {self.do_sample!r}")
+        if not self.temperature > 0:
+            raise ParamsError(f"params.yaml `eval.temperature` must be > 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ParamsError(f"params.yaml `eval.top_p` must be in (0, 1], got {self.top_p!r}")
+
+
+@dataclass(frozen=True)
+class Generation:
+    pid: str
+    text: str
+    generated_tokens: int
+
+
+# ------------------------------------------------------------------ generation
+
+
+def render_prompt(processor, row: Mapping[str, Any]) -> str:
+    """The chat-template text of a row's prompt; it must hold exactly one image placeholder,
+    or the processor would pair the wrong number of images with it."""
+    text = processor.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
+    count = text.count(IMAGE_PLACEHOLDER)
+    if count != 1:
+        raise EvalError(f"record pid={row.get('pid')}: the chat template rendered {count} image "
+                        f"placeholders ({IMAGE_PLACEHOLDER}), expected exactly 1")
+    return text
+
+
+def generation_kwargs(processor, settings: EvalSettings) -> dict[str, Any]:
+    from vlmrl.modeling import suppressed_generation_kwargs
+
+    kwargs: dict[str, Any] = {"max_new_tokens": settings.max_new_tokens,
+                              "do_sample": settings.do_sample,
+                              "pad_token_id": processor.tokenizer.pad_token_id,
+                              **suppressed_generation_kwargs(processor)}
+    if settings.do_sample:
+        kwargs.update(temperature=settings.temperature, top_p=settings.top_p)
+    return kwargs
+
+
+def eos_token_ids(model, processor) -> set[int]:
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = set(configured if isinstance(configured, (list, tuple)) else [configured])
+    ids.add(processor.tokenizer.eos_token_id)
+    return {i for i in ids if isinstance(i, int)}
+
+
+def count_generated_tokens(new_tokens, eos_ids: set[int]) -> list[int]:
+    """Per row: tokens up to and including the first EOS; the whole row when there is none.
+    Anything after the first EOS is padding of a finished row."""
+    counts = []
+    for row in new_tokens.tolist():
+        first_eos = next((i for i, token in enumerate(row) if token in eos_ids), None)
+        counts.append(len(row) if first_eos is None else first_eos + 1)
+    return counts
+
+
+def batches(rows: Sequence[Mapping[str, Any]], size: int) -> Iterator[list[Mapping[str, Any]]]:
+    """Works on a list or a `datasets.Dataset` (whose images decode only when indexed)."""
+    for start in range(0, len(rows), size):
+        yield [rows[i] for i in range(start, min(start + size, len(rows)))]
+
+
+def generate_batch(model, processor, batch: list[Mapping[str, Any]], kwargs: dict[str, Any],
+                   eos_ids: set[int]) -> list[Generation]:
+    import torch
+
+    from vlmrl.modeling import model_device
+
+    texts = [render_prompt(processor, row) for row in batch]
+    inputs = processor(text=texts, images=[[row["image"]] for row in batch],
+                       return_tensors="pt", padding=True).to(model_device(model))
+    with torch.inference_mode():
+        output = model.generate(**inputs, **kwargs)
+    new_tokens = output[:, inputs["input_ids"].shape[1]:].cpu()
+    responses = processor.batch_decode(new_tokens, skip_special_tokens=True)
+    counts = count_generated_tokens(new_tokens, eos_ids)
+    return [Generation(str(row["pid"]), text, count)
+            for row, text, count in zip(batch, responses, counts, strict=True)]
+
+
+def generate_responses(model, processor, rows: Sequence[Mapping[str, Any]],
+                       settings: EvalSettings) -> list[Generation]:
+    """One response per row, batched with left padding (generation appends on the right)."""
+    import torch
+    from tqdm.auto import tqdm
+
+    processor.tokenizer.padding_side = "left"
+    kwargs = generation_kwargs(processor, settings)
+    eos_ids = eos_token_ids(model, processor)
+    if settings.do_sample:
+        torch.manual_seed(settings.seed)
+    generations: list[Generation] = []
+    with tqdm(total=len(rows), desc="generating", unit="sample") as progress:
+        for batch in batches(rows, settings.batch_size):
+            generations += generate_batch(model, processor, batch, kwargs, eos_ids)
+            progress.update(len(batch))
+    return generations
+
+
+# --------------------------------------------------------------------- scoring
+
+
+def reward_spec(rewards_params: Mapping[str, Any]) -> tuple[Mapping[str, Any], dict[str, Any]]:
+    """(weights, per-reward options) split as `build_rewards_from_params` splits them."""
+    options = {name: value for name, value in rewards_params.items() if name != "weights"}
+    return rewards_params.get("weights", {}), options
+
+
+def reward_names(rewards_params: Mapping[str, Any]) -> list[str]:
+    funcs, _weights = build_rewards_from_params(rewards_params)
+    return [func.__name__ for func in funcs]
+
+
+def score_record(row: Mapping[str, Any], generation: Generation, weights: Mapping[str, Any],
+                 options: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    record = {"pid": str(row["pid"]), "question_type": row.get("question_type"),
+              "answer_type": row.get("answer_type"), "category": row.get("category"),
+              "source": row.get("source"), "gold": row.get("answer"),
+              "response": generation.text}
+    try:
+        scored = score_completion(generation.text, row, weights, options)
+        record.update(gold_normalized=scored["gold"], extracted=scored["extracted"],
+                      normalized=scored["normalized"], correct=bool(scored["correct"]),
+                      format_ok=bool(scored["format_ok"]))
+        record.update({f"reward_{name}": scored["rewards"][name] for name in names})
+        record.update(reward_total=float(scored["total"]), score_error=None)
+    except Exception as error:  # noqa: BLE001 - any scorer failure scores the response wrong
+        record.update(gold_normalized=None, extracted=None, normalized=None, correct=False,
+                      format_ok=False)
+        record.update({f"reward_{name}": None for name in names})
+        record.update(reward_total=0.0, score_error=f"{type(error).__name__}: {error}"[:500])
+    record["generated_tokens"] = generation.generated_tokens
+    return record
+
+
+def score_records(rows: Sequence[Mapping[str, Any]], generations: Sequence[Generation],
+                  rewards_params: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Per-sample records, scored with the rewards (and weights) that training uses."""
+    if len(rows) != len(generations):
+        raise EvalError(f"{len(generations)} generations for {len(rows)} rows")
+    names = reward_names(rewards_params)
+    weights, options = reward_spec(rewards_params)
+    records = []
+    for row, generation in zip(rows, generations, strict=True):
+        if str(row["pid"]) != generation.pid:
+            raise EvalError(f"generation for pid={generation.pid} paired with row pid={row['pid']}")
+        records.append(score_record(row, generation, weights, options, names))
+    return records
+
+
+# ----------------------------------------------------------------- aggregation
+
+
+def mean(values: Sequence[float | None]) -> float | None:
+    """Mean of the values that are not None (None rewards carry no signal); None if none."""
+    present = [float(v) for v in values if v is not None]
+    return sum(present) / len(present) if present else None
+
+
+def accuracy_by(records: Sequence[Mapping[str, Any]], column: str) -> dict[str, float]:
+    groups: dict[str, list[bool]] = defaultdict(list)
+    for record in records:
+        groups[str(record.get(column))].append(bool(record["correct"]))
+    return {name: sum(flags) / len(flags) for name, flags in sorted(groups.items())}
+
+
+def record_reward_names(records: Sequence[Mapping[str, Any]]) -> list[str]:
+    keys = dict.fromkeys(key for record in records for key in record)
+    return [key.removeprefix("reward_") for key in keys
+            if key.startswith("reward_") and key != "reward_total"]
+
+
+def aggregate(records: Sequence[Mapping[str, Any]], *, seconds: float,
+              generated_tokens: int) -> dict[str, Any]:
+    """Headline metrics, per-reward means, per-group accuracy and generation throughput."""
+    if not records:
+        raise EvalError("no records to aggregate")
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise EvalError(f"generation time must be a positive number of seconds, got {seconds!r}")
+    n = len(records)
+    metrics: dict[str, Any] = {
+        "n": n,
+        "accuracy": sum(bool(r["correct"]) for r in records) / n,
+        "format_compliance": sum(bool(r["format_ok"]) for r in records) / n,
+        "mean_reward": sum(float(r["reward_total"]) for r in records) / n,
+        "rewards": {name: mean([r.get(f"reward_{name}") for r in records])
+                    for name in record_reward_names(records)},
+        "score_errors": sum(r.get("score_error") is not None for r in records),
+    }
+    for column, key in GROUP_COLUMNS.items():
+        metrics[key] = accuracy_by(records, column)
+    metrics.update(seconds=seconds, generated_tokens=generated_tokens,
+                   samples_per_second=n / seconds,
+                   generated_tokens_per_second=generated_tokens / seconds,
+                   mean_generated_tokens=generated_tokens / n)
+    return metrics
+
+
+# ------------------------------------------------------------------- pipeline
+
+
+def check_eval_set(path: Path) -> None:
+    if not (path / "dataset_info.json").is_file() and not (path / "state.json").is_file():
+        raise FileNotFoundError(f"{path}: no prepared eval set there; the prepare_data stage "
+                                f"makes it (dvc repro prepare_data)")
+
+
+def check_adapter(path: Path) -> None:
+    if not (path / "adapter_config.json").is_file():
+        raise FileNotFoundError(f"{path}: no LoRA adapter (adapter_config.json) there; the "
+                                f"train_gspo stage makes it (dvc repro train_gspo)")
+
+
+def load_eval_set(path: Path):
+    from datasets import load_from_disk
+
+    dataset = load_from_disk(str(path))
+    missing = [column for column in REQUIRED_COLUMNS if column not in dataset.column_names]
+    if missing:
+        raise EvalError(f"{path}: eval set lacks columns {missing}; re-run prepare_data")
+    if len(dataset) == 0:
+        raise EvalError(f"{path}: eval set is empty; check params.yaml `data.eval_size`")
+    return dataset
+
+
+def run_evaluation(eval_set_path: Path | str, model_params: Mapping[str, Any],
+                   eval_params: Mapping[str, Any], rewards_params: Mapping[str, Any],
+                   adapter: Path | str | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Generates on every eval row with the (optionally adapted) model and scores the responses."""
+    from vlmrl.modeling import ModelSettings, load_model
+
+    eval_set_path = Path(eval_set_path)
+    check_eval_set(eval_set_path)
+    if adapter is not None:
+        check_adapter(Path(adapter))
+    model_settings = ModelSettings.from_params(model_params)
+    settings = EvalSettings.from_params(eval_params)
+    reward_names(rewards_params)  # a bad rewards section fails here, before the model loads
+    dataset = load_eval_set(eval_set_path)
+    model, processor, _backend = load_model(model_settings, adapter=adapter)
+    start = time.perf_counter()
+    generations = generate_responses(model, processor, dataset, settings)
+    seconds = time.perf_counter() - start
+    records = score_records(dataset.remove_columns(["image"]), generations, rewards_params)
+    metrics = aggregate(records, seconds=seconds,
+                        generated_tokens=sum(g.generated_tokens for g in generations))
+    return records, metrics

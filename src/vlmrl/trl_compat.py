@@ -1,0 +1,58 @@
+"""TRL 1.15's GRPOTrainer always computes per-token log-probabilities through a Triton kernel
+(`trl.kernels.ChunkedLogProbFunction`), and Triton only ships with CUDA builds of torch. Where
+Triton is missing, a plain-torch function with the same call signature and outputs takes its
+place, chunked over tokens so the [tokens, vocab] logits never exist all at once."""
+
+from __future__ import annotations
+
+import importlib.util
+
+TOKEN_CHUNK = 256
+
+
+class TorchChunkedLogProb:
+    """Same contract as trl.kernels.ChunkedLogProbFunction.apply; gradients through autograd."""
+
+    @staticmethod
+    def apply(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None,
+              logit_scale=1.0, outputs=("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")):
+        import torch
+
+        parts = [_chunk_outputs(hidden[start:start + TOKEN_CHUNK], weight, bias,
+                                targets[start:start + TOKEN_CHUNK], temperature,
+                                final_logit_softcapping, logit_scale, outputs)
+                 for start in range(0, hidden.shape[0], TOKEN_CHUNK)]
+        if not parts:
+            empty = hidden.new_zeros((0,), dtype=torch.float32) + hidden.sum() * 0
+            parts = [(empty, *(empty.detach() if name in outputs else None
+                               for name in ("entropy", "log_sum_sq_probs", "mean_logits",
+                                            "is_top1")))]
+        return tuple(None if part[0] is None else torch.cat(part) for part in zip(*parts))
+
+
+def _chunk_outputs(hidden, weight, bias, targets, temperature, softcap, logit_scale, outputs):
+    import torch
+
+    logits = torch.nn.functional.linear(hidden, weight, bias).float() * logit_scale
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    logits = logits / temperature
+    log_probs = torch.log_softmax(logits, dim=-1)
+    target_log_probs = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = (-(log_probs.exp() * log_probs).sum(-1)) if "entropy" in outputs else None
+    with torch.no_grad():
+        log_sum_sq = (torch.logsumexp(2 * log_probs, dim=-1)
+                      if "log_sum_sq_probs" in outputs else None)
+        mean_logits = logits.mean(-1) if "mean_logits" in outputs else None
+        is_top1 = (logits.argmax(-1) == targets) if "is_top1" in outputs else None
+    return target_log_probs, entropy, log_sum_sq, mean_logits, is_top1
+
+
+def install_cpu_fallback() -> bool:
+    """Puts the torch version in place when Triton is missing; True if it did."""
+    import trl.trainer.utils as trl_utils
+
+    if importlib.util.find_spec("triton") is not None or trl_utils._ChunkedLogProbFunction:
+        return False
+    trl_utils._ChunkedLogProbFunction = TorchChunkedLogProb
+    return True

@@ -1,0 +1,111 @@
+"""DVC stages baseline_eval and post_eval: score the base model, or the model with the trained
+adapter, on the prepared eval set; post also writes the before/after report.
+
+Thin on purpose: the work is in vlmrl.evaluation and vlmrl.eval_report. Stale outputs are removed
+first and every output appears atomically, so a failed run leaves none behind for DVC to trust.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from vlmrl.config import ParamsError, load_params, section
+from vlmrl.eval_report import comparison_metrics, find_flips, read_records, write_report
+from vlmrl.evaluation import EvalError, run_evaluation
+from vlmrl.outputs import atomic_dir, remove_outputs, write_json_atomic, write_jsonl_atomic
+
+POST_ONLY = ("adapter", "baseline", "baseline_metrics", "report")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mode", choices=("baseline", "post"))
+    parser.add_argument("--eval-set", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True, help="directory for records.jsonl")
+    parser.add_argument("--metrics", type=Path, required=True)
+    parser.add_argument("--adapter", type=Path)
+    parser.add_argument("--baseline", type=Path, help="baseline records.jsonl")
+    parser.add_argument("--baseline-metrics", type=Path)
+    parser.add_argument("--report", type=Path, help="report directory")
+    parser.add_argument("--params", type=Path, default=Path("params.yaml"))
+    args = parser.parse_args(argv)
+    given = [name for name in POST_ONLY if getattr(args, name) is not None]
+    if args.mode == "post" and len(given) != len(POST_ONLY):
+        missing = sorted(set(POST_ONLY) - set(given))
+        parser.error("post needs " + ", ".join("--" + m.replace("_", "-") for m in missing))
+    if args.mode == "baseline" and given:
+        parser.error("baseline evaluates the base model; "
+                     + ", ".join("--" + g.replace("_", "-") for g in given) + " belong to post")
+    return args
+
+
+def check_baseline_inputs(args: argparse.Namespace) -> None:
+    for path in (args.baseline, args.baseline_metrics):
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: not found; the baseline_eval stage makes it "
+                                    f"(dvc repro baseline_eval)")
+
+
+def load_baseline(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    import json
+
+    return read_records(args.baseline), json.loads(args.baseline_metrics.read_text(encoding="utf-8"))
+
+
+def flipped_images(eval_set: Path, pids: set[str]) -> dict[str, Any]:
+    from datasets import load_from_disk
+
+    dataset = load_from_disk(str(eval_set))
+    indices = [i for i, pid in enumerate(dataset["pid"]) if pid in pids]
+    return {row["pid"]: row["image"] for row in dataset.select(indices)}
+
+
+def write_post_report(args: argparse.Namespace, records: list[dict[str, Any]],
+                      metrics: dict[str, Any]) -> dict[str, Any]:
+    baseline_records, baseline_metrics = load_baseline(args)
+    flips = find_flips(baseline_records, records)
+    images = flipped_images(args.eval_set, set(flips["wrong_to_right"] + flips["right_to_wrong"]))
+    with atomic_dir(args.report) as staging:
+        report = write_report(staging, baseline_records, records, baseline_metrics, metrics, images)
+    return {**metrics, "vs_baseline": comparison_metrics(report)}
+
+
+def evaluate(args: argparse.Namespace) -> dict[str, Any]:
+    params = load_params(args.params)
+    if args.mode == "post":
+        check_baseline_inputs(args)
+    records, metrics = run_evaluation(args.eval_set, section(params, "model"),
+                                      section(params, "eval"), section(params, "rewards"),
+                                      adapter=args.adapter)
+    if args.mode == "post":
+        metrics = write_post_report(args, records, metrics)
+    write_jsonl_atomic(args.out / "records.jsonl", records)
+    write_json_atomic(args.metrics, metrics)
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    outputs = [args.out / "records.jsonl", args.metrics, *([args.report] if args.report else [])]
+    remove_outputs(*outputs)
+    try:
+        metrics = evaluate(args)
+    except (FileNotFoundError, ParamsError, EvalError) as error:
+        remove_outputs(*outputs)
+        print(f"{args.mode}_eval failed: {error}", file=sys.stderr)
+        return 1
+    except BaseException:
+        remove_outputs(*outputs)
+        raise
+    print(f"{args.mode}_eval: {metrics['n']} records, accuracy {metrics['accuracy']:.3f}, "
+          f"format compliance {metrics['format_compliance']:.3f}, mean reward "
+          f"{metrics['mean_reward']:.3f}, {metrics['samples_per_second']:.2f} samples/s, "
+          f"{metrics['generated_tokens_per_second']:.1f} generated tokens/s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
