@@ -127,7 +127,7 @@ def _transformers_policy(path: str, model_settings: ModelSettings, lora: Mapping
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True)
     config = LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
                         target_modules=language_model_targets(model, lora["target_modules"]),
-                        bias="none", task_type="CAUSAL_LM")
+                        exclude_modules=r".*\.visual\..*", bias="none", task_type="CAUSAL_LM")
     return get_peft_model(model, config)
 
 

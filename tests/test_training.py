@@ -1,0 +1,155 @@
+"""train_gspo on the embedded default, through DVC: GSPO must really clip, LoRA must really
+train, and an interrupted run must resume instead of starting over."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+from conftest import dvc_env, dvc_repro, make_project_repo, run, update_params
+
+from vlmrl.config import ParamsError
+from vlmrl.modeling import ModelSettings
+from vlmrl.training import build_grpo_config, language_model_targets, step_log_rows
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def lora_b_norms(adapter: Path) -> dict[str, float]:
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    return {name: float(t.abs().sum()) for name, t in tensors.items() if "lora_B" in name}
+
+
+@pytest.mark.slow
+def test_train_gspo_through_dvc(pipeline_repo: Path) -> None:
+    result = dvc_repro(pipeline_repo, "train_gspo")
+    assert "Running stage 'train_gspo'" in result.stdout
+
+    adapter = pipeline_repo / "data/models/adapter"
+    norms = lora_b_norms(adapter)
+    assert norms and all(value > 0 for value in norms.values()), norms
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert not any("visual" in name for name in config["target_modules"])
+    assert (adapter / "preprocessor_config.json").is_file()
+
+    log = read_jsonl(pipeline_repo / "data/metrics/train_log.jsonl")
+    assert [row["step"] for row in log] == [1, 2, 3, 4]
+    assert any(row.get("clip_ratio_region_mean", 0) > 0 for row in log), "GSPO never clipped"
+    assert all("step_time" in row for row in log)
+    summary = json.loads((pipeline_repo / "data/metrics/train.json").read_text())
+    assert summary["steps"] == 4 and summary["max_clip_ratio"] > 0
+    assert list((pipeline_repo / "data/reports/train_completions").glob("*.parquet"))
+    assert (pipeline_repo / "data/reports/train_curves.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_interrupted_training_resumes(tmp_path: Path) -> None:
+    repo = make_project_repo(tmp_path / "repo", {"train.grpo.max_steps": 6})
+    dvc_repro(repo, "prepare_data")
+    checkpoint_state = repo / "data/checkpoints/train_gspo/checkpoint-2/trainer_state.json"
+    process = subprocess.Popen(["dvc", "repro", "train_gspo"], cwd=repo, env=dvc_env(),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not checkpoint_state.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(0.5)  # let the checkpoint's files land
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    assert checkpoint_state.exists(), "no checkpoint was written before the kill"
+    assert not (repo / "data/models/adapter").exists(), "adapter written before training finished"
+
+    result = dvc_repro(repo, "train_gspo")
+    assert "resuming from" in result.stdout + result.stderr
+    summary = json.loads((repo / "data/metrics/train.json").read_text())
+    assert summary["steps"] == 6
+    assert summary["resumed_from"].endswith("checkpoint-2") or summary["resumed_from"].endswith(
+        "checkpoint-4")
+    steps = [row["step"] for row in read_jsonl(repo / "data/metrics/train_log.jsonl")]
+    assert steps[-1] == 6
+
+
+def test_unknown_grpo_key_names_it() -> None:
+    with pytest.raises(ParamsError, match=r"train\.grpo\.max_prompt_length"):
+        build_grpo_config({"max_prompt_length": 512}, output_dir=Path("/tmp/x"), save_steps=2,
+                          reward_weights=[1.0], model_settings=ModelSettings(name="x"))
+
+
+def test_pipeline_managed_key_is_refused() -> None:
+    with pytest.raises(ParamsError, match=r"train\.grpo\.output_dir"):
+        build_grpo_config({"output_dir": "elsewhere"}, output_dir=Path("/tmp/x"), save_steps=2,
+                          reward_weights=[1.0], model_settings=ModelSettings(name="x"))
+
+
+def test_on_policy_gspo_warns() -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        build_grpo_config({"importance_sampling_level": "sequence", "num_iterations": 1,
+                           "steps_per_generation": 1, "gradient_accumulation_steps": 1,
+                           "per_device_train_batch_size": 4, "num_generations": 4},
+                          output_dir=Path("/tmp/x"), save_steps=2, reward_weights=[1.0],
+                          model_settings=ModelSettings(name="x"))
+    assert any("GSPO has no effect" in str(w.message) for w in caught)
+
+
+def test_gspo_defaults_move_the_ratio() -> None:
+    import yaml
+
+    from conftest import ROOT
+
+    grpo = yaml.safe_load((ROOT / "params.yaml").read_text())["train"]["grpo"]
+    assert grpo["importance_sampling_level"] == "sequence"
+    assert grpo["beta"] == 0 and grpo["loss_type"] == "grpo"
+    assert (grpo["steps_per_generation"] > grpo["gradient_accumulation_steps"]
+            or grpo["num_iterations"] > 1)
+
+
+def test_bad_reward_name_fails_the_stage(fresh_repo: Path) -> None:
+    update_params(fresh_repo, {"rewards.weights": {"format_reward": 0.3, "no_such_reward": 1.0}})
+    dvc_repro(fresh_repo, "prepare_data")
+    result = run(["python", "stages/train_gspo.py"], fresh_repo, check=False)
+    assert result.returncode != 0
+    assert "no_such_reward" in result.stderr and "correctness_reward" in result.stderr
+    assert not (fresh_repo / "data/models/adapter").exists()
+    assert not (fresh_repo / "data/metrics/train.json").exists()
+
+
+def test_unknown_grpo_key_fails_the_stage(fresh_repo: Path) -> None:
+    update_params(fresh_repo, {"train.grpo.warmup_ratio": 0.1})
+    dvc_repro(fresh_repo, "prepare_data")
+    result = run(["python", "stages/train_gspo.py"], fresh_repo, check=False)
+    assert result.returncode != 0 and "train.grpo.warmup_ratio" in result.stderr
+
+
+def test_lora_targets_skip_the_vision_tower() -> None:
+    import torch
+
+    class Tower(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q_proj = torch.nn.Linear(2, 2)
+
+    model = torch.nn.Module()
+    model.visual = Tower()
+    model.language_model = Tower()
+    assert language_model_targets(model, ["q_proj"]) == ["q_proj"]
+    with pytest.raises(ParamsError, match="gate_proj"):
+        language_model_targets(model, ["q_proj", "gate_proj"])
+
+
+def test_step_log_rows_flatten_trainer_keys() -> None:
+    rows = step_log_rows([{"step": 1, "reward": 0.5, "clip_ratio/region_mean": 0.25,
+                           "completions/mean_length": 32.0},
+                          {"step": 1, "train_runtime": 3.0}])
+    assert rows == [{"step": 1, "reward": 0.5, "clip_ratio_region_mean": 0.25,
+                     "completions_mean_length": 32.0}]
