@@ -49,7 +49,10 @@ def without_image(record: dict) -> dict:
 # ---------------------------------------------------------------- arguments
 
 
-@pytest.mark.parametrize(("kwargs", "name"), [({"n": 0}, "n"), ({"n": -3}, "n"), ({"n": 2, "image_size": 63}, "image_size")])
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [({"n": 0}, "n"), ({"n": -3}, "n"), ({"n": 2, "image_size": 63}, "image_size")],
+)
 def test_bad_arguments_name_the_argument(kwargs: dict, name: str) -> None:
     with pytest.raises(ValueError, match=rf"^{name} "):
         synth.generate(**kwargs)
@@ -59,26 +62,37 @@ def test_bad_arguments_name_the_argument(kwargs: dict, name: str) -> None:
 
 
 def test_same_seed_gives_identical_records_and_png_bytes() -> None:
-    first, second = synth.generate(8, seed=3, image_size=SIZE), synth.generate(8, seed=3, image_size=SIZE)
+    first, second = (
+        synth.generate(8, seed=3, image_size=SIZE),
+        synth.generate(8, seed=3, image_size=SIZE),
+    )
     assert [without_image(r) for r in first] == [without_image(r) for r in second]
     assert [png_bytes(r["image"]) for r in first] == [png_bytes(r["image"]) for r in second]
 
 
 def test_different_seeds_differ() -> None:
-    first, second = synth.generate(8, seed=1, image_size=SIZE), synth.generate(8, seed=2, image_size=SIZE)
+    first, second = (
+        synth.generate(8, seed=1, image_size=SIZE),
+        synth.generate(8, seed=2, image_size=SIZE),
+    )
     assert [r["question"] for r in first] != [r["question"] for r in second]
     assert sum(a["image"].tobytes() != b["image"].tobytes() for a, b in zip(first, second)) >= 6
 
 
 def test_record_i_does_not_depend_on_n() -> None:
-    short, long = synth.generate(5, seed=11, image_size=SIZE), synth.generate(10, seed=11, image_size=SIZE)
+    short, long = (
+        synth.generate(5, seed=11, image_size=SIZE),
+        synth.generate(10, seed=11, image_size=SIZE),
+    )
     assert [without_image(r) for r in long[:5]] == [without_image(r) for r in short]
     assert [r["image"].tobytes() for r in long[:5]] == [r["image"].tobytes() for r in short]
 
 
 def test_image_is_drawn_from_the_stored_data_alone(records: list[dict]) -> None:
     for record in records[:24]:
-        assert synth.render(record["metadata"]["synth"], SIZE).tobytes() == record["image"].tobytes()
+        assert (
+            synth.render(record["metadata"]["synth"], SIZE).tobytes() == record["image"].tobytes()
+        )
 
 
 # -------------------------------------------------------------------- schema
@@ -116,8 +130,15 @@ def test_field_types_and_values(records: list[dict]) -> None:
         assert metadata["split"] == "synthetic" and metadata["language"] == "english"
         assert metadata["category"] == "math-targeted-vqa"
         assert metadata["img_width"] == metadata["img_height"] == SIZE
-        assert metadata["context"] == {"bar": "bar chart", "line": "line plot", "table": "table",
-                                       "geometry": "geometry diagram"}[kind]
+        assert (
+            metadata["context"]
+            == {
+                "bar": "bar chart",
+                "line": "line plot",
+                "table": "table",
+                "geometry": "geometry diagram",
+            }[kind]
+        )
         assert isinstance(metadata["task"], str) and isinstance(metadata["grade"], str)
         assert metadata["skills"] and all(isinstance(skill, str) for skill in metadata["skills"])
         json.dumps(without_image(record))
@@ -128,18 +149,28 @@ def mathvista_query(record: dict) -> str:
     if record["question_type"] == "multi_choice":
         hint = "Hint: Please answer the question and provide the correct option letter, e.g., A, B, C, D, at the end."
     elif record["answer_type"] == "integer":
-        hint = ("Hint: Please answer the question requiring an integer answer and provide the final value, "
-                "e.g., 1, 2, 3, at the end.")
+        hint = (
+            "Hint: Please answer the question requiring an integer answer and provide the final value, "
+            "e.g., 1, 2, 3, at the end."
+        )
     elif record["precision"] == 1:
-        hint = ("Hint: Please answer the question requiring a floating-point number with one decimal place and "
-                "provide the final value, e.g., 1.2, 1.3, 1.4, at the end.")
+        hint = (
+            "Hint: Please answer the question requiring a floating-point number with one decimal place and "
+            "provide the final value, e.g., 1.2, 1.3, 1.4, at the end."
+        )
     else:
-        hint = ("Hint: Please answer the question requiring a floating-point number with two decimal places and "
-                "provide the final value, e.g., 1.23, 1.34, 1.45, at the end.")
-    question = f"Question: {record['question']}" + (f" (Unit: {record['unit']})" if record["unit"] else "")
+        hint = (
+            "Hint: Please answer the question requiring a floating-point number with two decimal places and "
+            "provide the final value, e.g., 1.23, 1.34, 1.45, at the end."
+        )
+    question = f"Question: {record['question']}" + (
+        f" (Unit: {record['unit']})" if record["unit"] else ""
+    )
     choices = ""
     if record["choices"]:
-        choices = "\n".join(["Choices:"] + [f"({'ABCD'[i]}) {c}" for i, c in enumerate(record["choices"])])
+        choices = "\n".join(
+            ["Choices:"] + [f"({'ABCD'[i]}) {c}" for i, c in enumerate(record["choices"])]
+        )
     return "\n".join(part for part in (hint, question, choices) if part)
 
 
@@ -221,7 +252,9 @@ def test_answers_match_the_drawn_data(many_small: list[dict]) -> None:
         if record["answer_type"] == "integer":
             assert float(truth) == int(truth) and answer == str(int(truth)), record["pid"]
         elif record["answer_type"] == "float":
-            assert abs(float(answer) - truth) <= 0.5 * 10 ** -record["precision"] + 1e-9, record["pid"]
+            assert abs(float(answer) - truth) <= 0.5 * 10 ** -record["precision"] + 1e-9, record[
+                "pid"
+            ]
         elif isinstance(truth, str):
             assert answer == truth, record["pid"]
         else:
@@ -229,8 +262,10 @@ def test_answers_match_the_drawn_data(many_small: list[dict]) -> None:
 
 
 def test_every_template_is_exercised(many_small: list[dict]) -> None:
-    templates = Counter((r["metadata"]["synth"]["kind"], r["metadata"]["synth"]["template"], r["answer_type"])
-                        for r in many_small)
+    templates = Counter(
+        (r["metadata"]["synth"]["kind"], r["metadata"]["synth"]["template"], r["answer_type"])
+        for r in many_small
+    )
     kinds_by_format = {(kind, answer_type) for kind, _, answer_type in templates}
     assert kinds_by_format == {(k, t) for k in synth.KINDS for t in ("integer", "float", "text")}
     assert len(templates) >= 35
@@ -267,7 +302,9 @@ def test_float_answers_are_written_at_their_precision(records: list[dict]) -> No
 def test_project_scorer_accepts_the_gold_answers(records: list[dict]) -> None:
     for record in records:
         assert gold_parseable(record)
-        assert score(f"<REASONING>r</REASONING>\n<SOLUTION>{record['answer']}</SOLUTION>", record).correct
+        assert score(
+            f"<REASONING>r</REASONING>\n<SOLUTION>{record['answer']}</SOLUTION>", record
+        ).correct
 
 
 def test_format_helper_refuses_ties_and_trailing_zeros() -> None:
@@ -292,7 +329,9 @@ def test_answer_formats_are_spread(many_small: list[dict]) -> None:
     assert 0.4 <= shares["integer"] / 400 <= 0.6
     assert 0.12 <= shares["float"] / 400 <= 0.28
     assert 0.2 <= shares["text"] / 400 <= 0.4
-    assert Counter(r["metadata"]["synth"]["kind"] for r in records) == {kind: 100 for kind in synth.KINDS}
+    assert Counter(r["metadata"]["synth"]["kind"] for r in records) == {
+        kind: 100 for kind in synth.KINDS
+    }
 
 
 def test_images_are_not_blank(records: list[dict]) -> None:
@@ -301,7 +340,8 @@ def test_images_are_not_blank(records: list[dict]) -> None:
         drawn = (pixels != 255).any(axis=-1)
         assert drawn.mean() > 0.008, record["pid"]
         rows, columns = np.nonzero(drawn)
-        assert columns.max() - columns.min() > SIZE / 2 and rows.max() - rows.min() > SIZE / 4, record["pid"]
+        spans = sorted((columns.max() - columns.min(), rows.max() - rows.min()))
+        assert spans[1] > SIZE / 2 and spans[0] > SIZE / 4, record["pid"]
 
 
 # ---------------------------------------------------------------------- save
@@ -310,10 +350,16 @@ def test_images_are_not_blank(records: list[dict]) -> None:
 def test_save_writes_pngs_and_matching_jsonl(tmp_path: Path) -> None:
     records = synth.generate(6, seed=9, image_size=SIZE)
     synth.save(records, tmp_path / "set")
-    rows = [json.loads(line) for line in (tmp_path / "set" / "data.jsonl").read_text(encoding="utf-8").splitlines()]
+    rows = [
+        json.loads(line)
+        for line in (tmp_path / "set" / "data.jsonl").read_text(encoding="utf-8").splitlines()
+    ]
     assert len(rows) == len(records)
     for row, record in zip(rows, records):
         assert row["image"] == f"images/{record['pid']}.png"
         assert {k: v for k, v in row.items() if k != "image"} == without_image(record)
         with Image.open(tmp_path / "set" / row["image"]) as saved:
-            assert saved.format == "PNG" and saved.convert("RGB").tobytes() == record["image"].tobytes()
+            assert (
+                saved.format == "PNG"
+                and saved.convert("RGB").tobytes() == record["image"].tobytes()
+            )

@@ -25,7 +25,7 @@ import json
 import math
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
 from pathlib import Path
@@ -33,7 +33,7 @@ from typing import Any
 
 from PIL import Image, ImageDraw, ImageFont
 
-__all__ = ["KINDS", "generate", "render", "save"]
+__all__ = ["KINDS", "format_float", "generate", "render", "save"]
 
 KINDS = ("bar", "line", "table", "geometry")
 ANSWER_FORMATS = ("integer", "float", "multi_choice")
@@ -115,14 +115,25 @@ class LineTheme:
 class BarTheme:
     title: str
     labels: tuple[str, ...]
-    keep_order: bool = field(default=False)
+    keep_order: bool = False  # months and letters keep their natural order
 
 
 BAR_THEMES = (
-    BarTheme("Fruit sold at a market", ("Apple", "Banana", "Cherry", "Grape", "Mango", "Orange", "Pear", "Plum")),
-    BarTheme("Books read each month", ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug"), keep_order=True),
-    BarTheme("Votes for class president", ("Ava", "Ben", "Cara", "Dev", "Eli", "Fay", "Gus", "Hana")),
-    BarTheme("Cars in a car park by colour", ("Red", "Blue", "Green", "Black", "White", "Silver", "Grey")),
+    BarTheme(
+        "Fruit sold at a market",
+        ("Apple", "Banana", "Cherry", "Grape", "Mango", "Orange", "Pear", "Plum"),
+    ),
+    BarTheme(
+        "Books read each month",
+        ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug"),
+        keep_order=True,
+    ),
+    BarTheme(
+        "Votes for class president", ("Ava", "Ben", "Cara", "Dev", "Eli", "Fay", "Gus", "Hana")
+    ),
+    BarTheme(
+        "Cars in a car park by colour", ("Red", "Blue", "Green", "Black", "White", "Silver", "Grey")
+    ),
     BarTheme("Survey answers", ("A", "B", "C", "D", "E", "F", "G"), keep_order=True),
 )
 
@@ -136,23 +147,71 @@ LINE_THEMES = (
 
 PEOPLE = ("Alice", "Bruno", "Chen", "Dara", "Emil", "Farah", "Greta", "Hugo", "Ines", "Jonas")
 TABLE_THEMES = (
-    TableTheme("Ages of family members", "Name", "Age (years)", "age", "family members", "years", (4, 90),
-               PEOPLE, "What is the total age of all the family members?",
-               "Who is the oldest?", "Who is the youngest?"),
-    TableTheme("Heights of plants", "Plant", "Height (cm)", "height", "plants", "cm", (5, 150),
-               ("Basil", "Fern", "Ivy", "Mint", "Orchid", "Rose", "Sage", "Tulip"),
-               "What is the total height of all the plants?",
-               "Which plant is the tallest?", "Which plant is the shortest?"),
-    TableTheme("Maths test scores", "Student", "Score", "score", "students", None, (35, 100),
-               PEOPLE, "What is the total score of all the students?",
-               "Which student has the highest score?", "Which student has the lowest score?"),
-    TableTheme("Distance run in a week", "Runner", "Distance (km)", "distance", "runners", "km", (3, 60),
-               PEOPLE, "What is the total distance run by all the runners?",
-               "Which runner ran the longest distance?", "Which runner ran the shortest distance?"),
-    TableTheme("Weights of parcels", "Parcel", "Weight (kg)", "weight", "parcels", "kg", (1, 45),
-               ("Parcel A", "Parcel B", "Parcel C", "Parcel D", "Parcel E", "Parcel F", "Parcel G"),
-               "What is the total weight of all the parcels?",
-               "Which parcel is the heaviest?", "Which parcel is the lightest?"),
+    TableTheme(
+        "Ages of family members",
+        "Name",
+        "Age (years)",
+        "age",
+        "family members",
+        "years",
+        (4, 90),
+        PEOPLE,
+        "What is the total age of all the family members?",
+        "Who is the oldest?",
+        "Who is the youngest?",
+    ),
+    TableTheme(
+        "Heights of plants",
+        "Plant",
+        "Height (cm)",
+        "height",
+        "plants",
+        "cm",
+        (5, 150),
+        ("Basil", "Fern", "Ivy", "Mint", "Orchid", "Rose", "Sage", "Tulip"),
+        "What is the total height of all the plants?",
+        "Which plant is the tallest?",
+        "Which plant is the shortest?",
+    ),
+    TableTheme(
+        "Maths test scores",
+        "Student",
+        "Score",
+        "score",
+        "students",
+        None,
+        (35, 100),
+        PEOPLE,
+        "What is the total score of all the students?",
+        "Which student has the highest score?",
+        "Which student has the lowest score?",
+    ),
+    TableTheme(
+        "Distance run in a week",
+        "Runner",
+        "Distance (km)",
+        "distance",
+        "runners",
+        "km",
+        (3, 60),
+        PEOPLE,
+        "What is the total distance run by all the runners?",
+        "Which runner ran the longest distance?",
+        "Which runner ran the shortest distance?",
+    ),
+    TableTheme(
+        "Weights of parcels",
+        "Parcel",
+        "Weight (kg)",
+        "weight",
+        "parcels",
+        "kg",
+        (1, 45),
+        ("Parcel A", "Parcel B", "Parcel C", "Parcel D", "Parcel E", "Parcel F", "Parcel G"),
+        "What is the total weight of all the parcels?",
+        "Which parcel is the heaviest?",
+        "Which parcel is the lightest?",
+    ),
 )
 
 PYTHAGOREAN_TRIPLES = tuple(
@@ -274,8 +333,14 @@ def format_float(value: Fraction | float, precision: int) -> str | None:
     return f"{text[:-precision]}.{text[-precision:]}"
 
 
-def _float_problem(synth: dict[str, Any], question: str, value: Fraction | float, precision: int,
-                   skills: tuple[str, ...], unit: str | None = None) -> Problem | None:
+def _float_problem(
+    synth: dict[str, Any],
+    question: str,
+    value: Fraction | float,
+    precision: int,
+    skills: tuple[str, ...],
+    unit: str | None = None,
+) -> Problem | None:
     answer = format_float(value, precision)
     if answer is None:
         return None
@@ -299,6 +364,10 @@ def _distinct_values(rng: random.Random, count: int, low: int, high: int) -> lis
     return rng.sample(range(low, high + 1), count)
 
 
+def _article(noun: str) -> str:
+    return "an" if noun[0] in "aeiou" else "a"
+
+
 def _mean(values: Sequence[int]) -> Fraction:
     return Fraction(sum(values), len(values))
 
@@ -314,8 +383,14 @@ def _bar_data(rng: random.Random, template: str) -> dict[str, Any]:
         labels.sort(key=theme.labels.index)
     values = _distinct_values(rng, count, 3, 95)
     color = rng.randrange(len(PALETTE))
-    return {"kind": "bar", "title": theme.title, "labels": labels, "values": values,
-            "color": color, "template": template}
+    return {
+        "kind": "bar",
+        "title": theme.title,
+        "labels": labels,
+        "values": values,
+        "color": color,
+        "template": template,
+    }
 
 
 def _bar_integer(rng: random.Random) -> Problem | None:
@@ -325,25 +400,46 @@ def _bar_integer(rng: random.Random) -> Problem | None:
     first, second = rng.sample(range(len(labels)), 2)
     a, b = labels[first], labels[second]
     if template == "max":
-        return Problem(synth, "What is the value of the tallest bar?", str(max(values)), "integer", STATISTICS)
+        return Problem(
+            synth, "What is the value of the tallest bar?", str(max(values)), "integer", STATISTICS
+        )
     if template == "min":
-        return Problem(synth, "What is the value of the shortest bar?", str(min(values)), "integer", STATISTICS)
+        return Problem(
+            synth, "What is the value of the shortest bar?", str(min(values)), "integer", STATISTICS
+        )
     if template in ("sum_pair", "difference_pair"):
         synth["operands"] = [a, b]
         if template == "sum_pair":
-            question, answer = f"What is the sum of the values of {a} and {b}?", values[first] + values[second]
+            question, answer = (
+                f"What is the sum of the values of {a} and {b}?",
+                values[first] + values[second],
+            )
         else:
-            question, answer = f"What is the difference between the values of {a} and {b}?", abs(values[first] - values[second])
+            question, answer = (
+                f"What is the difference between the values of {a} and {b}?",
+                abs(values[first] - values[second]),
+            )
         return Problem(synth, question, str(answer), "integer", ARITHMETIC_STATISTICS)
     if template == "total":
-        return Problem(synth, "What is the sum of all the values in the chart?", str(sum(values)), "integer",
-                       ARITHMETIC_STATISTICS)
+        return Problem(
+            synth,
+            "What is the sum of all the values in the chart?",
+            str(sum(values)),
+            "integer",
+            ARITHMETIC_STATISTICS,
+        )
     threshold = _threshold_between(rng, values)
     if threshold is None:
         return None
     synth["threshold"] = threshold
     answer = sum(value > threshold for value in values)
-    return Problem(synth, f"How many bars have a value greater than {threshold}?", str(answer), "integer", STATISTICS)
+    return Problem(
+        synth,
+        f"How many bars have a value greater than {threshold}?",
+        str(answer),
+        "integer",
+        STATISTICS,
+    )
 
 
 def _bar_float(rng: random.Random) -> Problem | None:
@@ -352,12 +448,21 @@ def _bar_float(rng: random.Random) -> Problem | None:
     labels, values = synth["labels"], synth["values"]
     if template == "mean":
         precision = rng.choice((1, 2))
-        return _float_problem(synth, "What is the average of all the values in the chart?", _mean(values),
-                              precision, ARITHMETIC_STATISTICS)
+        return _float_problem(
+            synth,
+            "What is the average of all the values in the chart?",
+            _mean(values),
+            precision,
+            ARITHMETIC_STATISTICS,
+        )
     first, second = rng.sample(range(len(labels)), 2)
     synth["operands"] = [labels[first], labels[second]]
-    question = f"What is the ratio of the value of {labels[first]} to the value of {labels[second]}?"
-    return _float_problem(synth, question, Fraction(values[first], values[second]), 2, ARITHMETIC_STATISTICS)
+    question = (
+        f"What is the ratio of the value of {labels[first]} to the value of {labels[second]}?"
+    )
+    return _float_problem(
+        synth, question, Fraction(values[first], values[second]), 2, ARITHMETIC_STATISTICS
+    )
 
 
 def _bar_choice(rng: random.Random) -> Problem | None:
@@ -367,8 +472,14 @@ def _bar_choice(rng: random.Random) -> Problem | None:
     pick = max if template == "argmax" else min
     answer = labels[values.index(pick(values))]
     adjective = "largest" if template == "argmax" else "smallest"
-    return Problem(synth, f"Which category has the {adjective} value?", answer, "text", STATISTICS,
-                   choices=_text_choices(rng, answer, labels))
+    return Problem(
+        synth,
+        f"Which category has the {adjective} value?",
+        answer,
+        "text",
+        STATISTICS,
+        choices=_text_choices(rng, answer, labels),
+    )
 
 
 # ------------------------------------------------------------------ line plots
@@ -379,9 +490,17 @@ def _line_data(rng: random.Random, template: str) -> dict[str, Any]:
     count = rng.randint(5, 8)
     start = rng.randint(2008, 2018) if theme.x_name == "year" else rng.randint(0, 2)
     values = _distinct_values(rng, count, 5, 95)
-    return {"kind": "line", "title": theme.title, "measure": theme.measure, "unit": theme.unit,
-            "x_name": theme.x_name, "x": list(range(start, start + count)), "y": values,
-            "color": rng.randrange(len(PALETTE)), "template": template}
+    return {
+        "kind": "line",
+        "title": theme.title,
+        "measure": theme.measure,
+        "unit": theme.unit,
+        "x_name": theme.x_name,
+        "x": list(range(start, start + count)),
+        "y": values,
+        "color": rng.randrange(len(PALETTE)),
+        "template": template,
+    }
 
 
 def _at(synth: dict[str, Any], x: int) -> str:
@@ -406,18 +525,33 @@ def _line_integer(rng: random.Random) -> Problem | None:
     if template == "value_at":
         index = rng.randrange(len(xs))
         synth["operands"] = [xs[index]]
-        return Problem(synth, f"What is the {measure} {_at(synth, xs[index])}?", str(ys[index]), "integer",
-                       STATISTICS, unit=synth["unit"])
+        return Problem(
+            synth,
+            f"What is the {measure} {_at(synth, xs[index])}?",
+            str(ys[index]),
+            "integer",
+            STATISTICS,
+            unit=synth["unit"],
+        )
     if template == "range":
         question = f"What is the difference between the highest and the lowest {measure}?"
-        return Problem(synth, question, str(max(ys) - min(ys)), "integer", ARITHMETIC_STATISTICS, unit=synth["unit"])
+        return Problem(
+            synth,
+            question,
+            str(max(ys) - min(ys)),
+            "integer",
+            ARITHMETIC_STATISTICS,
+            unit=synth["unit"],
+        )
     pair = _rising_pair(rng, ys, 1)
     if pair is None:
         return None
     i, j = pair
     synth["operands"] = [xs[i], xs[j]]
     question = f"By how much did the {measure} increase {_from_to(synth, xs[i], xs[j])}?"
-    return Problem(synth, question, str(ys[j] - ys[i]), "integer", ARITHMETIC_STATISTICS, unit=synth["unit"])
+    return Problem(
+        synth, question, str(ys[j] - ys[i]), "integer", ARITHMETIC_STATISTICS, unit=synth["unit"]
+    )
 
 
 def _line_float(rng: random.Random) -> Problem | None:
@@ -430,16 +564,26 @@ def _line_float(rng: random.Random) -> Problem | None:
         j = rng.randrange(i + 2, len(xs))
         synth["operands"] = [xs[i], xs[j]]
         question = f"What is the average {measure} {_from_to(synth, xs[i], xs[j])}?"
-        return _float_problem(synth, question, _mean(ys[i : j + 1]), precision, ARITHMETIC_STATISTICS,
-                              unit=synth["unit"])
+        return _float_problem(
+            synth,
+            question,
+            _mean(ys[i : j + 1]),
+            precision,
+            ARITHMETIC_STATISTICS,
+            unit=synth["unit"],
+        )
     pair = _rising_pair(rng, ys, 2)
     if pair is None:
         return None
     i, j = pair
     synth["operands"] = [xs[i], xs[j]]
     step = "year" if synth["x_name"] == "year" else "unit of x"
-    question = f"What is the average increase per {step} in the {measure} {_from_to(synth, xs[i], xs[j])}?"
-    return _float_problem(synth, question, Fraction(ys[j] - ys[i], j - i), precision, ARITHMETIC_STATISTICS)
+    question = (
+        f"What is the average increase per {step} in the {measure} {_from_to(synth, xs[i], xs[j])}?"
+    )
+    return _float_problem(
+        synth, question, Fraction(ys[j] - ys[i], j - i), precision, ARITHMETIC_STATISTICS
+    )
 
 
 def _line_choice(rng: random.Random) -> Problem | None:
@@ -452,8 +596,14 @@ def _line_choice(rng: random.Random) -> Problem | None:
     choices = [str(x) for x in sorted(others + [answer])]
     which = "In which year" if synth["x_name"] == "year" else "At which x value"
     extreme = "highest" if template == "argmax" else "lowest"
-    return Problem(synth, f"{which} was the {synth['measure']} the {extreme}?", str(answer), "text", STATISTICS,
-                   choices=choices)
+    return Problem(
+        synth,
+        f"{which} was the {synth['measure']} the {extreme}?",
+        str(answer),
+        "text",
+        STATISTICS,
+        choices=choices,
+    )
 
 
 # ---------------------------------------------------------------------- tables
@@ -464,8 +614,14 @@ def _table_data(rng: random.Random, template: str) -> tuple[dict[str, Any], Tabl
     count = rng.choice((5, 7)) if template == "median" else rng.randint(4, 7)
     names = rng.sample(theme.names, count)
     values = _distinct_values(rng, count, *theme.value_range)
-    synth = {"kind": "table", "title": theme.title, "header": [theme.entity_header, theme.measure_header],
-             "names": names, "values": values, "template": template}
+    synth = {
+        "kind": "table",
+        "title": theme.title,
+        "header": [theme.entity_header, theme.measure_header],
+        "names": names,
+        "values": values,
+        "template": template,
+    }
     return synth, theme
 
 
@@ -474,34 +630,71 @@ def _table_integer(rng: random.Random) -> Problem | None:
     synth, theme = _table_data(rng, template)
     names, values = synth["names"], synth["values"]
     if template == "total":
-        return Problem(synth, theme.total_question, str(sum(values)), "integer", ARITHMETIC_STATISTICS, unit=theme.unit)
+        return Problem(
+            synth,
+            theme.total_question,
+            str(sum(values)),
+            "integer",
+            ARITHMETIC_STATISTICS,
+            unit=theme.unit,
+        )
     if template == "pair_sum":
         first, second = rng.sample(range(len(names)), 2)
         synth["operands"] = [names[first], names[second]]
         question = f"What is the combined {theme.measure} of {names[first]} and {names[second]}?"
-        return Problem(synth, question, str(values[first] + values[second]), "integer", ARITHMETIC_STATISTICS,
-                       unit=theme.unit)
+        return Problem(
+            synth,
+            question,
+            str(values[first] + values[second]),
+            "integer",
+            ARITHMETIC_STATISTICS,
+            unit=theme.unit,
+        )
     if template == "range":
         question = f"What is the difference between the highest and the lowest {theme.measure}?"
-        return Problem(synth, question, str(max(values) - min(values)), "integer", ARITHMETIC_STATISTICS,
-                       unit=theme.unit)
+        return Problem(
+            synth,
+            question,
+            str(max(values) - min(values)),
+            "integer",
+            ARITHMETIC_STATISTICS,
+            unit=theme.unit,
+        )
     if template == "median":
         median = sorted(values)[len(values) // 2]
-        return Problem(synth, f"What is the median {theme.measure}?", str(median), "integer", ARITHMETIC_STATISTICS,
-                       unit=theme.unit)
+        return Problem(
+            synth,
+            f"What is the median {theme.measure}?",
+            str(median),
+            "integer",
+            ARITHMETIC_STATISTICS,
+            unit=theme.unit,
+        )
     threshold = _threshold_between(rng, values)
     if threshold is None:
         return None
     synth["threshold"] = threshold
-    question = f"How many {theme.plural} have a {theme.measure} greater than {threshold}?"
-    return Problem(synth, question, str(sum(value > threshold for value in values)), "integer", ARITHMETIC_STATISTICS)
+    question = f"How many {theme.plural} have {_article(theme.measure)} {theme.measure} greater than {threshold}?"
+    return Problem(
+        synth,
+        question,
+        str(sum(value > threshold for value in values)),
+        "integer",
+        ARITHMETIC_STATISTICS,
+    )
 
 
 def _table_float(rng: random.Random) -> Problem | None:
     synth, theme = _table_data(rng, "mean")
     question = f"What is the average {theme.measure} of the {theme.plural}?"
-    return _float_problem(synth, question, _mean(synth["values"]), rng.choice((1, 2)), ARITHMETIC_STATISTICS,
-                          unit=theme.unit)
+    return _float_problem(
+        synth,
+        question,
+        _mean(synth["values"]),
+        rng.choice((1, 2)),
+        ARITHMETIC_STATISTICS,
+        unit=theme.unit,
+    )
 
 
 def _table_choice(rng: random.Random) -> Problem | None:
@@ -511,16 +704,30 @@ def _table_choice(rng: random.Random) -> Problem | None:
     pick = max if template == "argmax" else min
     answer = names[values.index(pick(values))]
     question = theme.most_question if template == "argmax" else theme.least_question
-    return Problem(synth, question, answer, "text", ARITHMETIC_STATISTICS, choices=_text_choices(rng, answer, names))
+    return Problem(
+        synth,
+        question,
+        answer,
+        "text",
+        ARITHMETIC_STATISTICS,
+        choices=_text_choices(rng, answer, names),
+    )
 
 
 # -------------------------------------------------------------------- geometry
 
 
-def _right_triangle(template: str, vertical: int | None, horizontal: int | None,
-                    hypotenuse: int | None) -> dict[str, Any]:
-    return {"kind": "geometry", "shape": "right_triangle", "template": template,
-            "vertical": vertical, "horizontal": horizontal, "hypotenuse": hypotenuse}
+def _right_triangle(
+    template: str, vertical: int | None, horizontal: int | None, hypotenuse: int | None
+) -> dict[str, Any]:
+    return {
+        "kind": "geometry",
+        "shape": "right_triangle",
+        "template": template,
+        "vertical": vertical,
+        "horizontal": horizontal,
+        "hypotenuse": hypotenuse,
+    }
 
 
 def _right_triangle_problem(rng: random.Random, precision: int | None) -> Problem | None:
@@ -549,7 +756,11 @@ def _right_triangle_problem(rng: random.Random, precision: int | None) -> Proble
 
 
 def _angle_choices(rng: random.Random, answer: int, known: Sequence[int]) -> list[str]:
-    near = {answer + delta for delta in (-20, -15, -10, -5, 5, 10, 15, 20)} | set(known) | {180 - answer}
+    near = (
+        {answer + delta for delta in (-20, -15, -10, -5, 5, 10, 15, 20)}
+        | set(known)
+        | {180 - answer}
+    )
     candidates = sorted(angle for angle in near if 0 < angle < 180 and angle != answer)
     return [f"{angle}°" for angle in sorted(rng.sample(candidates, 3) + [answer])]
 
@@ -558,21 +769,53 @@ def _angle_problem(rng: random.Random, as_choice: bool) -> Problem:
     if rng.random() < 0.6:
         first = rng.randint(25, 100)
         second = rng.randint(25, 155 - first)
-        synth = {"kind": "geometry", "shape": "triangle", "template": "third_angle", "angles": [first, second]}
-        question, answer, known = "What is the measure of angle C in triangle ABC?", 180 - first - second, [first, second]
+        synth = {
+            "kind": "geometry",
+            "shape": "triangle",
+            "template": "third_angle",
+            "angles": [first, second],
+        }
+        question, answer, known = (
+            "What is the measure of angle C in triangle ABC?",
+            180 - first - second,
+            [first, second],
+        )
     else:
         given = rng.choice([angle for angle in range(30, 151) if angle != 90])
-        synth = {"kind": "geometry", "shape": "straight_angle", "template": "supplement", "angle": given}
-        question, answer, known = "The two angles lie on a straight line. What is the value of x?", 180 - given, [given]
+        synth = {
+            "kind": "geometry",
+            "shape": "straight_angle",
+            "template": "supplement",
+            "angle": given,
+        }
+        question, answer, known = (
+            "The two angles lie on a straight line. What is the value of x?",
+            180 - given,
+            [given],
+        )
     if as_choice:
-        return Problem(synth, question, f"{answer}°", "text", GEOMETRY_ALGEBRA,
-                       choices=_angle_choices(rng, answer, known))
+        return Problem(
+            synth,
+            question,
+            f"{answer}°",
+            "text",
+            GEOMETRY_ALGEBRA,
+            choices=_angle_choices(rng, answer, known),
+        )
     return Problem(synth, f"{question} (in degrees)", str(answer), "integer", GEOMETRY_ALGEBRA)
 
 
-def _rectangle_problem(rng: random.Random, width: float, height: float, precision: int | None) -> Problem | None:
+def _rectangle_problem(
+    rng: random.Random, width: float, height: float, precision: int | None
+) -> Problem | None:
     template = rng.choice(("area", "perimeter"))
-    synth = {"kind": "geometry", "shape": "rectangle", "template": template, "width": width, "height": height}
+    synth = {
+        "kind": "geometry",
+        "shape": "rectangle",
+        "template": template,
+        "width": width,
+        "height": height,
+    }
     exact_width, exact_height = Fraction(str(width)), Fraction(str(height))
     value = exact_width * exact_height if template == "area" else 2 * (exact_width + exact_height)
     question = f"What is the {template} of the rectangle?"
@@ -623,7 +866,11 @@ BUILDERS: dict[str, dict[str, Callable[[random.Random], Problem | None]]] = {
     "bar": {"integer": _bar_integer, "float": _bar_float, "multi_choice": _bar_choice},
     "line": {"integer": _line_integer, "float": _line_float, "multi_choice": _line_choice},
     "table": {"integer": _table_integer, "float": _table_float, "multi_choice": _table_choice},
-    "geometry": {"integer": _geometry_integer, "float": _geometry_float, "multi_choice": _geometry_choice},
+    "geometry": {
+        "integer": _geometry_integer,
+        "float": _geometry_float,
+        "multi_choice": _geometry_choice,
+    },
 }
 
 
@@ -644,7 +891,9 @@ def _line_width(size: int) -> int:
 
 
 def _draw_title(draw: ImageDraw.ImageDraw, title: str, size: int) -> None:
-    draw.text((size / 2, size * 0.06), title, fill=INK, font=_font(round(size * 0.042)), anchor="mm")
+    draw.text(
+        (size / 2, size * 0.06), title, fill=INK, font=_font(round(size * 0.042)), anchor="mm"
+    )
 
 
 def _axis_scale(max_value: int) -> tuple[int, int]:
@@ -653,8 +902,9 @@ def _axis_scale(max_value: int) -> tuple[int, int]:
     return step * (max_value // step + 1), step
 
 
-def _draw_value_axis(draw: ImageDraw.ImageDraw, box: tuple[float, float, float, float], max_value: int,
-                     size: int) -> Callable[[float], float]:
+def _draw_value_axis(
+    draw: ImageDraw.ImageDraw, box: tuple[float, float, float, float], max_value: int, size: int
+) -> Callable[[float], float]:
     """Grid lines and tick labels; returns the value -> y pixel mapping."""
     left, top, right, bottom = box
     axis_top, step = _axis_scale(max_value)
@@ -677,20 +927,25 @@ def _plot_box(size: int) -> tuple[float, float, float, float]:
 
 def _draw_bar(draw: ImageDraw.ImageDraw, synth: dict[str, Any], size: int) -> None:
     _draw_title(draw, synth["title"], size)
-    left, top, right, bottom = box = _plot_box(size)
+    left, _, right, bottom = box = _plot_box(size)
     y_of = _draw_value_axis(draw, box, max(synth["values"]), size)
     slot = (right - left) / len(synth["values"])
     font = _font(round(size * 0.032))
     for i, (label, value) in enumerate(zip(synth["labels"], synth["values"])):
         center = left + slot * (i + 0.5)
-        draw.rectangle([center - slot * 0.3, y_of(value), center + slot * 0.3, bottom - 1], fill=PALETTE[synth["color"]])
-        draw.text((center, y_of(value) - size * 0.008), str(value), fill=INK, font=font, anchor="md")
+        draw.rectangle(
+            [center - slot * 0.3, y_of(value), center + slot * 0.3, bottom - 1],
+            fill=PALETTE[synth["color"]],
+        )
+        draw.text(
+            (center, y_of(value) - size * 0.008), str(value), fill=INK, font=font, anchor="md"
+        )
         draw.text((center, bottom + size * 0.02), label, fill=INK, font=font, anchor="ma")
 
 
 def _draw_line(draw: ImageDraw.ImageDraw, synth: dict[str, Any], size: int) -> None:
     _draw_title(draw, synth["title"], size)
-    left, top, right, bottom = box = _plot_box(size)
+    left, _, right, bottom = box = _plot_box(size)
     y_of = _draw_value_axis(draw, box, max(synth["y"]), size)
     slot = (right - left) / len(synth["x"])
     ys = synth["y"]
@@ -711,8 +966,13 @@ def _draw_line(draw: ImageDraw.ImageDraw, synth: dict[str, Any], size: int) -> N
     draw.text(((left + right) / 2, size * 0.95), axis_name, fill=INK, font=font, anchor="mm")
 
 
-def _backed_text(draw: ImageDraw.ImageDraw, xy: tuple[float, float], text: str,
-                 font: ImageFont.FreeTypeFont | ImageFont.ImageFont, anchor: str) -> None:
+def _backed_text(
+    draw: ImageDraw.ImageDraw,
+    xy: tuple[float, float],
+    text: str,
+    font: ImageFont.FreeTypeFont | ImageFont.ImageFont,
+    anchor: str,
+) -> None:
     """Text on a white patch, so that a line running under a value label cannot hide a digit."""
     x0, y0, x1, y1 = draw.textbbox(xy, text, font=font, anchor=anchor)
     pad = max(1, (y1 - y0) // 5)
@@ -722,7 +982,9 @@ def _backed_text(draw: ImageDraw.ImageDraw, xy: tuple[float, float], text: str,
 
 def _draw_table(draw: ImageDraw.ImageDraw, synth: dict[str, Any], size: int) -> None:
     _draw_title(draw, synth["title"], size)
-    rows = [synth["header"]] + [[name, str(value)] for name, value in zip(synth["names"], synth["values"])]
+    rows = [synth["header"]] + [
+        [name, str(value)] for name, value in zip(synth["names"], synth["values"])
+    ]
     left, right, top = size * 0.15, size * 0.85, size * 0.14
     row_height = min(size * 0.1, size * 0.8 / len(rows))
     middle = left + (right - left) * 0.5
@@ -734,19 +996,26 @@ def _draw_table(draw: ImageDraw.ImageDraw, synth: dict[str, Any], size: int) -> 
         draw.text(((middle + right) / 2, center_y), value, fill=INK, font=font, anchor="mm")
     bottom = top + row_height * len(rows)
     for r in range(len(rows) + 1):
-        draw.line([(left, top + row_height * r), (right, top + row_height * r)], fill=INK, width=width)
+        draw.line(
+            [(left, top + row_height * r), (right, top + row_height * r)], fill=INK, width=width
+        )
     for x in (left, middle, right):
         draw.line([(x, top), (x, bottom)], fill=INK, width=width)
 
 
-def _fit(points: Sequence[tuple[float, float]], size: int, margin: float = 0.2) -> list[tuple[float, float]]:
+def _fit(
+    points: Sequence[tuple[float, float]], size: int, margin: float = 0.2
+) -> list[tuple[float, float]]:
     """Scale and centre shape coordinates (y up) into the image (y down)."""
     xs, ys = [p[0] for p in points], [p[1] for p in points]
     span = max(max(xs) - min(xs), max(ys) - min(ys))
     scale = size * (1 - 2 * margin) / span
     offset_x = (size - (max(xs) - min(xs)) * scale) / 2
     offset_y = (size - (max(ys) - min(ys)) * scale) / 2
-    return [(offset_x + (x - min(xs)) * scale, size - offset_y - (y - min(ys)) * scale) for x, y in points]
+    return [
+        (offset_x + (x - min(xs)) * scale, size - offset_y - (y - min(ys)) * scale)
+        for x, y in points
+    ]
 
 
 def _label_or_unknown(value: float | None) -> str:
@@ -762,14 +1031,36 @@ def _draw_right_triangle(draw: ImageDraw.ImageDraw, synth: dict[str, Any], size:
     width, font, gap = _line_width(size) + 1, _font(round(size * 0.042)), size * 0.03
     draw.polygon([corner, end, top], outline=INK, width=width)
     mark = size * 0.035
-    draw.line([(corner[0] + mark, corner[1]), (corner[0] + mark, corner[1] - mark), (corner[0], corner[1] - mark)],
-              fill=INK, width=max(1, width - 1))
-    draw.text(((corner[0] + end[0]) / 2, corner[1] + gap), _label_or_unknown(synth["horizontal"]), fill=INK,
-              font=font, anchor="ma")
-    draw.text((corner[0] - gap, (corner[1] + top[1]) / 2), _label_or_unknown(synth["vertical"]), fill=INK,
-              font=font, anchor="rm")
-    draw.text(((end[0] + top[0]) / 2 + gap, (end[1] + top[1]) / 2 - gap), _label_or_unknown(synth["hypotenuse"]),
-              fill=INK, font=font, anchor="ld")
+    draw.line(
+        [
+            (corner[0] + mark, corner[1]),
+            (corner[0] + mark, corner[1] - mark),
+            (corner[0], corner[1] - mark),
+        ],
+        fill=INK,
+        width=max(1, width - 1),
+    )
+    draw.text(
+        ((corner[0] + end[0]) / 2, corner[1] + gap),
+        _label_or_unknown(synth["horizontal"]),
+        fill=INK,
+        font=font,
+        anchor="ma",
+    )
+    draw.text(
+        (corner[0] - gap, (corner[1] + top[1]) / 2),
+        _label_or_unknown(synth["vertical"]),
+        fill=INK,
+        font=font,
+        anchor="rm",
+    )
+    draw.text(
+        ((end[0] + top[0]) / 2 + gap, (end[1] + top[1]) / 2 - gap),
+        _label_or_unknown(synth["hypotenuse"]),
+        fill=INK,
+        font=font,
+        anchor="ld",
+    )
 
 
 def _draw_rectangle(draw: ImageDraw.ImageDraw, synth: dict[str, Any], size: int) -> None:
@@ -784,25 +1075,42 @@ def _draw_rectangle(draw: ImageDraw.ImageDraw, synth: dict[str, Any], size: int)
 
 def _polar(origin: tuple[float, float], degrees: float, distance: float) -> tuple[float, float]:
     """The point `distance` from `origin` at `degrees` counter-clockwise on screen."""
-    return origin[0] + distance * math.cos(math.radians(degrees)), origin[1] - distance * math.sin(math.radians(degrees))
+    return origin[0] + distance * math.cos(math.radians(degrees)), origin[1] - distance * math.sin(
+        math.radians(degrees)
+    )
 
 
-def _draw_angle(draw: ImageDraw.ImageDraw, vertex: tuple[float, float], start: float, end: float, radius: float,
-                label: str, size: int) -> None:
+def _draw_angle(
+    draw: ImageDraw.ImageDraw,
+    vertex: tuple[float, float],
+    start: float,
+    end: float,
+    radius: float,
+    label: str,
+    size: int,
+) -> None:
     """Arc from `start` to `end` degrees counter-clockwise, labelled on its bisector."""
     box = [vertex[0] - radius, vertex[1] - radius, vertex[0] + radius, vertex[1] + radius]
     draw.arc(box, -end, -start, fill=INK, width=_line_width(size))
     # A narrow angle pushes its label further out so that the text clears both sides.
     clearance = size * 0.045 / math.sin(math.radians((end - start) / 2))
     distance = min(max(radius * 1.75, clearance), size * 0.2)
-    draw.text(_polar(vertex, (start + end) / 2, distance), label, fill=INK, font=_font(round(size * 0.038)),
-              anchor="mm")
+    draw.text(
+        _polar(vertex, (start + end) / 2, distance),
+        label,
+        fill=INK,
+        font=_font(round(size * 0.038)),
+        anchor="mm",
+    )
 
 
 def _draw_triangle(draw: ImageDraw.ImageDraw, synth: dict[str, Any], size: int) -> None:
     first, second = synth["angles"]
     apex_distance = math.sin(math.radians(second)) / math.sin(math.radians(180 - first - second))
-    apex = (apex_distance * math.cos(math.radians(first)), apex_distance * math.sin(math.radians(first)))
+    apex = (
+        apex_distance * math.cos(math.radians(first)),
+        apex_distance * math.sin(math.radians(first)),
+    )
     a, b, c = _fit([(0, 0), (1, 0), apex], size, margin=0.18)
     draw.polygon([a, b, c], outline=INK, width=_line_width(size) + 1)
     radius = size * 0.06
@@ -813,8 +1121,13 @@ def _draw_triangle(draw: ImageDraw.ImageDraw, synth: dict[str, Any], size: int) 
     centroid = ((a[0] + b[0] + c[0]) / 3, (a[1] + b[1] + c[1]) / 3)
     for name, (x, y) in zip("ABC", (a, b, c)):
         away = math.hypot(x - centroid[0], y - centroid[1])
-        draw.text((x + (x - centroid[0]) / away * gap, y + (y - centroid[1]) / away * gap), name, fill=INK,
-                  font=font, anchor="mm")
+        draw.text(
+            (x + (x - centroid[0]) / away * gap, y + (y - centroid[1]) / away * gap),
+            name,
+            fill=INK,
+            font=font,
+            anchor="mm",
+        )
 
 
 def _draw_straight_angle(draw: ImageDraw.ImageDraw, synth: dict[str, Any], size: int) -> None:
@@ -831,12 +1144,20 @@ def _draw_straight_angle(draw: ImageDraw.ImageDraw, synth: dict[str, Any], size:
 def _draw_circle(draw: ImageDraw.ImageDraw, synth: dict[str, Any], size: int) -> None:
     center, radius = (size / 2, size / 2), size * 0.33
     width, dot = _line_width(size) + 1, size * 0.012
-    draw.ellipse([center[0] - radius, center[1] - radius, center[0] + radius, center[1] + radius], outline=INK,
-                 width=width)
+    draw.ellipse(
+        [center[0] - radius, center[1] - radius, center[0] + radius, center[1] + radius],
+        outline=INK,
+        width=width,
+    )
     draw.ellipse([center[0] - dot, center[1] - dot, center[0] + dot, center[1] + dot], fill=INK)
     draw.line([center, (center[0] + radius, center[1])], fill=INK, width=width)
-    draw.text((center[0] + radius / 2, center[1] - size * 0.02), f"r = {synth['radius']}", fill=INK,
-              font=_font(round(size * 0.045)), anchor="md")
+    draw.text(
+        (center[0] + radius / 2, center[1] - size * 0.02),
+        f"r = {synth['radius']}",
+        fill=INK,
+        font=_font(round(size * 0.045)),
+        anchor="md",
+    )
 
 
 GEOMETRY_RENDERERS = {

@@ -1,0 +1,81 @@
+"""The vlmrl pipeline as a Prefect flow: one task per DVC stage, in dvc.yaml's order.
+
+Prefect schedules the pipeline and shows it (per-stage logs, metrics artifacts, retries); DVC
+decides what is stale, so each task runs its stage through `dvc repro` and Prefect's own caching is
+off. Param overrides become one DVC experiment (`dvc exp run -S`) instead of edits to params.yaml.
+Run once with `vlmrl run`, on a schedule with `vlmrl schedule --cron "0 3 * * *"`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vlmrl.orchestration import (  # first: it sets the offline defaults before Prefect loads
+    PipelineReport,
+    StageReport,
+    resolve_repo,
+    run_experiment,
+    run_stage,
+    select_stages,
+    stage_artifacts,
+    stage_table,
+)
+
+from prefect import Task, flow, get_run_logger, task  # noqa: E402
+from prefect.artifacts import create_markdown_artifact, create_table_artifact  # noqa: E402
+from prefect.cache_policies import NO_CACHE  # noqa: E402
+
+
+def publish_artifacts(stage: str, repo: str) -> None:
+    for key, markdown, description in stage_artifacts(stage, resolve_repo(repo)):
+        create_markdown_artifact(markdown=markdown, key=key, description=description)
+
+
+def stage_task(stage: str, **options: Any) -> Task[[str], StageReport]:
+    def run(repo: str) -> StageReport:
+        logger = get_run_logger()
+        report = run_stage(stage, resolve_repo(repo), logger.info)
+        logger.info("stage '%s': %s in %.1f s", stage, report.outcome.value, report.seconds)
+        publish_artifacts(stage, repo)
+        return report
+
+    run.__name__ = run.__qualname__ = stage  # Prefect keys tasks by function name
+    return task(run, name=stage, cache_policy=NO_CACHE, **options)
+
+
+prepare_data = stage_task("prepare_data")
+baseline_eval = stage_task("baseline_eval")
+train_gspo = stage_task("train_gspo")
+post_eval = stage_task("post_eval")
+verify_lora = stage_task("verify_lora")
+export = stage_task("export")
+upload = stage_task("upload", retries=2, retry_delay_seconds=10)  # S3 only; never GPU stages
+
+PIPELINE = (prepare_data, baseline_eval, train_gspo, post_eval, verify_lora, export, upload)
+STAGE_NAMES = tuple(stage.name for stage in PIPELINE)
+
+
+@task(name="dvc-experiment", cache_policy=NO_CACHE)
+def experiment(stages: list[str], overrides: dict[str, Any], repo: str) -> PipelineReport:
+    logger = get_run_logger()
+    report = run_experiment(stages, overrides, resolve_repo(repo), logger.info)
+    logger.info("DVC experiment %s: %s", report.experiment, report.outcomes)
+    for stage in stages:
+        publish_artifacts(stage, repo)
+    return report
+
+
+@flow(name="vlmrl-pipeline")
+def pipeline(stages: list[str] | None = None, repo: str | None = None,
+             overrides: dict[str, Any] | None = None) -> PipelineReport:
+    """Reproduces the selected DVC stages (default: all) of the project in `repo` (default: the
+    current directory); `overrides` ({"train.grpo.learning_rate": 1e-4}) run as a DVC experiment."""
+    selected = select_stages(stages, STAGE_NAMES)
+    repo = str(resolve_repo(repo))
+    if overrides:
+        report = experiment(selected, overrides, repo)
+    else:
+        report = PipelineReport([stage(repo) for stage in PIPELINE if stage.name in selected])
+    create_table_artifact(table=stage_table(report.stages), key="pipeline-stages",
+                          description="What DVC did with each stage: ran, cached or restored")
+    return report

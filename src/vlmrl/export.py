@@ -1,0 +1,580 @@
+"""Users run the trained model without PEFT: as one 16-bit checkpoint, or as GGUF files under
+llama.cpp. Each conversion can silently lose the adapter (a merge into 4-bit weights rounds it
+away, a wrong file converts the base model) or break the model (a wrong tokenizer, a missing
+projector), so every artifact is checked against the one before it on fixed inputs: the merged
+model against the adapter model, the f16 GGUF against the merged model, and the base model's GGUF
+must NOT match, or the check could not tell the adapter apart from noise. Everything is built in
+staging directories and appears only when every check has passed."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from vlmrl.config import ParamsError, section
+from vlmrl.gguf_tools import (
+    CONVERTER_OUTTYPES,
+    GGUFError,
+    convert_hf_to_gguf,
+    converter_source,
+    expected_tensor_type,
+    greedy_tokens,
+    image_chat,
+    last_position_logits,
+    llama_ftype,
+    open_gguf,
+    quantize_gguf,
+    read_gguf_summaries,
+)
+from vlmrl.modeling import ModelSettings
+from vlmrl.outputs import atomic_dir
+from vlmrl.verify import first_eval_row, forward_logits, image_question_inputs
+
+EXPORT_DTYPES = ("bfloat16", "float16")
+# The f16 GGUF and the float32 reference share weights exactly (bf16 and f16 both hold the merged
+# bf16 values), so they differ only by llama.cpp's f16 arithmetic: activations are rounded to f16
+# (unit roundoff 2**-11 = 4.9e-4) before each matmul. On the embedded model the largest deviation
+# measured was 6e-4 of the largest |logit| (9e-4 absolute at max |logit| 1.5), i.e. ~1.2 roundoffs;
+# 8 roundoffs leaves a 6x margin and still sits far below what any adapter that moves the logits
+# by verify.logit_tolerance... upwards in practice changes (the base-GGUF control checks that).
+GGUF_F16_RTOL = 8 * 2.0**-11
+GENERATED_TOKENS = 4
+MMPROJ_OUTTYPE = "f16"
+
+
+class ExportError(RuntimeError):
+    """An export check failed; the message lists every failed check."""
+
+
+@dataclass(frozen=True)
+class ExportSettings:
+    dtype: str = "bfloat16"
+    gguf_outtypes: tuple[str, ...] = ("f16", "q8_0")
+    quantize: tuple[str, ...] = ("Q4_K_M",)
+    logit_atol: float = 0.05
+
+    @classmethod
+    def from_params(cls, export: Mapping[str, Any]) -> ExportSettings:
+        unknown = sorted(set(export) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ParamsError(f"params.yaml `export` has unknown keys {unknown}; known: "
+                              f"{sorted(cls.__dataclass_fields__)}")
+        values = dict(export)
+        for key in ("gguf_outtypes", "quantize"):
+            if key in values:
+                values[key] = tuple(values[key] or ())
+        settings = cls(**values)
+        settings.validate()
+        return settings
+
+    def validate(self) -> None:
+        if self.dtype not in EXPORT_DTYPES:
+            raise ParamsError(f"params.yaml `export.dtype` is {self.dtype!r}; use one of "
+                              f"{EXPORT_DTYPES} (the merge is never done in 4-bit)")
+        bad = [t for t in self.gguf_outtypes if t not in CONVERTER_OUTTYPES]
+        if bad:
+            raise ParamsError(f"params.yaml `export.gguf_outtypes` has {bad}; the converter "
+                              f"knows {list(CONVERTER_OUTTYPES)}")
+        if "f16" not in self.gguf_outtypes:
+            raise ParamsError("params.yaml `export.gguf_outtypes` must include f16: the parity "
+                              "check and `export.quantize` start from the f16 file")
+        for kind in self.quantize:
+            try:
+                llama_ftype(kind)
+            except GGUFError as error:
+                raise ParamsError(f"params.yaml `export.quantize`: {error}") from None
+        if not (self.logit_atol > 0 and math.isfinite(self.logit_atol)):
+            raise ParamsError(f"params.yaml `export.logit_atol` must be > 0, got {self.logit_atol}")
+
+
+@dataclass
+class Step:
+    """A named step of the export with its wall time; shown as a progress bar."""
+
+    timings: dict[str, float] = field(default_factory=dict)
+    bar: Any = None
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        if self.bar is not None:
+            self.bar.set_description(name)
+        start = time.perf_counter()
+        yield
+        self.timings[name] = round(time.perf_counter() - start, 3)
+        if self.bar is not None:
+            self.bar.update(1)
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    name: str
+    passed: bool
+    detail: str
+
+
+# ------------------------------------------------------------------------ merge
+
+
+def sixteen_bit(settings: ModelSettings, dtype: str) -> ModelSettings:
+    return replace(settings, dtype=dtype, load_in_4bit=False)
+
+
+def check_16bit_checkpoint(path: str) -> None:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    if getattr(config, "quantization_config", None):
+        raise ExportError(f"{path} is a pre-quantized checkpoint; merging needs the 16-bit base "
+                          "weights: point model.name at the 16-bit model for export")
+
+
+def merge_adapter(model_settings: ModelSettings, dtype: str, adapter: Path, row: Mapping,
+                  out_dir: Path):
+    """Writes the merged 16-bit model with its processor files to `out_dir`; returns the adapter
+    model's logits on the row's image+question, in `dtype`."""
+    from vlmrl.modeling import pick_backend
+
+    settings = sixteen_bit(model_settings, dtype)
+    if pick_backend(settings.backend) == "unsloth":
+        return _merge_with_unsloth(settings, adapter, row, out_dir)
+    return _merge_with_transformers(settings, adapter, row, out_dir)
+
+
+def _merge_with_transformers(settings: ModelSettings, adapter: Path, row: Mapping,
+                             out_dir: Path):
+    from vlmrl.embedded import save_processor_files
+    from vlmrl.modeling import (
+        attach_adapter,
+        load_processor,
+        load_transformers_model,
+        resolve_model_path,
+    )
+
+    path = resolve_model_path(settings)
+    check_16bit_checkpoint(path)
+    processor = load_processor(path)
+    model = attach_adapter(load_transformers_model(path, settings), adapter)
+    adapter_logits = forward_logits(model, image_question_inputs(processor, row))
+    merged = model.merge_and_unload()
+    merged.save_pretrained(out_dir)
+    save_processor_files(out_dir, processor.image_processor, processor.tokenizer)
+    return adapter_logits
+
+
+def _merge_with_unsloth(settings: ModelSettings, adapter: Path, row: Mapping, out_dir: Path):
+    import unsloth  # noqa: F401  (GPU only; patches transformers before the model loads)
+
+    from vlmrl.embedded import save_processor_files
+    from vlmrl.modeling import load_model
+
+    model, processor, _backend = load_model(settings, adapter=adapter)
+    adapter_logits = forward_logits(model, image_question_inputs(processor, row))
+    model.save_pretrained_merged(str(out_dir), processor.tokenizer, save_method="merged_16bit")
+    save_processor_files(out_dir, processor.image_processor, processor.tokenizer)
+    return adapter_logits
+
+
+def load_merged(merged_dir: Path):
+    """The merged model and processor, from the directory alone, in float32 (exact: every value
+    of a 16-bit checkpoint is a float32)."""
+    from vlmrl.modeling import load_processor, load_transformers_model
+
+    settings = ModelSettings(name=str(merged_dir), backend="transformers", dtype="float32")
+    return load_transformers_model(str(merged_dir), settings), load_processor(merged_dir)
+
+
+def max_abs_diff(a, b) -> float:
+    import numpy as np
+
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if a.shape != b.shape:
+        return math.inf
+    return float(np.abs(a - b).max())
+
+
+# ------------------------------------------------------------------ text prompt
+
+
+def text_prompt(processor, row: Mapping) -> tuple[str, list[int]]:
+    """The row's question without its image, as chat-template text and its token ids; llama.cpp
+    is fed these very ids, so both models see identical tokens."""
+    messages = [{"role": message["role"],
+                 "content": [part for part in message["content"] if part["type"] == "text"]}
+                for message in row["prompt"]]
+    tokenizer = processor.tokenizer
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def question_text(row: Mapping) -> str:
+    return "\n".join(part["text"] for message in row["prompt"] if message["role"] == "user"
+                     for part in message["content"] if part["type"] == "text")
+
+
+def hf_last_logits(model, token_ids: Sequence[int]):
+    import torch
+
+    from vlmrl.modeling import model_device
+
+    with torch.no_grad():
+        ids = torch.tensor([list(token_ids)], device=model_device(model))
+        return model(input_ids=ids).logits[0, -1].float().cpu().numpy()
+
+
+# ------------------------------------------------------------------------- GGUF
+
+
+def gguf_file_names(settings: ExportSettings) -> dict[str, str]:
+    """kind -> file name; kinds are converter outtypes, quantize types and `mmproj`."""
+    names = {kind: f"model-{kind}.gguf" for kind in settings.gguf_outtypes}
+    names |= {kind: f"model-{kind}.gguf" for kind in settings.quantize}
+    names["mmproj"] = f"mmproj-{MMPROJ_OUTTYPE}.gguf"
+    return names
+
+
+def build_gguf_files(merged_dir: Path, gguf_dir: Path, settings: ExportSettings,
+                     source: Path, step: Step) -> dict[str, Path]:
+    names = gguf_file_names(settings)
+    files: dict[str, Path] = {}
+    for kind in settings.gguf_outtypes:
+        with step(f"convert {names[kind]}"):
+            files[kind] = convert_hf_to_gguf(merged_dir, gguf_dir / names[kind], kind,
+                                             source=source)
+    with step(f"convert {names['mmproj']}"):
+        files["mmproj"] = convert_hf_to_gguf(merged_dir, gguf_dir / names["mmproj"],
+                                             MMPROJ_OUTTYPE, mmproj=True, source=source)
+    for kind in settings.quantize:
+        with step(f"quantize {names[kind]}"):
+            files[kind] = quantize_gguf(files["f16"], gguf_dir / names[kind], kind)
+    return files
+
+
+def run_gguf_text(path: Path, token_ids: Sequence[int], text: str) -> dict[str, Any]:
+    """Last-position logits for the ids, a few greedy tokens, and whether llama.cpp's own
+    tokenizer splits the text into the same ids."""
+    with open_gguf(path, n_ctx=max(512, len(token_ids) + 64), logits_all=True) as llm:
+        logits = last_position_logits(llm, token_ids)
+        generated = greedy_tokens(llm, token_ids, GENERATED_TOKENS)
+        own_ids = llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+        generated_text = llm.detokenize(generated).decode("utf-8", errors="replace")
+    return {"logits": logits, "generated": generated, "generated_text": generated_text,
+            "tokenizer_matches": list(own_ids) == list(token_ids)}
+
+
+def base_model_dir(model_settings: ModelSettings) -> Path:
+    """The base checkpoint as a local directory for the converter (the hub cache for hub ids:
+    loading the model put it there)."""
+    from vlmrl.modeling import resolve_model_path
+
+    path = Path(resolve_model_path(model_settings))
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(model_settings.name))
+
+
+def gguf_tolerance(reference) -> float:
+    import numpy as np
+
+    return GGUF_F16_RTOL * max(1.0, float(np.abs(reference).max()))
+
+
+# ------------------------------------------------------------------ model card
+
+
+def read_metrics(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def headline_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:
+    """Numeric top-level values and the per-reward means, flattened."""
+    if not metrics:
+        return {}
+    flat = {key: value for key, value in metrics.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool)}
+    for name, value in (metrics.get("rewards") or {}).items():
+        if isinstance(value, (int, float)):
+            flat[f"reward {name}"] = value
+    return flat
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if value is None:
+        return "–"
+    return str(value).replace("|", "\\|")
+
+
+def _size(num_bytes: int) -> str:
+    if num_bytes < 1024 * 1024:
+        return f"{num_bytes / 1024:.1f} KiB"
+    return f"{num_bytes / 1024**2:.1f} MiB"
+
+
+def render_model_card(params: Mapping[str, Any], settings: ExportSettings,
+                      baseline: Mapping | None, post: Mapping | None,
+                      gguf_sizes: Mapping[str, int], diffs: Mapping[str, float]) -> str:
+    model = params.get("model", {})
+    data = params.get("data", {})
+    train = params.get("train", {})
+    lora, grpo = train.get("lora", {}), train.get("grpo", {})
+    weights = params.get("rewards", {}).get("weights", {})
+    names = gguf_file_names(settings)
+    quant = names[settings.quantize[0]] if settings.quantize else names["f16"]
+    before, after = headline_metrics(baseline), headline_metrics(post)
+    metric_rows = [(key, before.get(key), after.get(key))
+                   for key in dict.fromkeys([*before, *after])]
+    sections = [
+        "---",
+        f"base_model: {model.get('name')}",
+        "library_name: transformers",
+        "pipeline_tag: image-text-to-text",
+        "tags: [qwen3-vl, lora, gspo, grpo, gguf, visual-math]",
+        "---",
+        "",
+        f"# {model.get('name')} + GSPO LoRA for visual maths (merged)",
+        "",
+        f"The base model with the GSPO-trained LoRA adapter merged in ({settings.dtype}), "
+        "saved as safetensors with its tokenizer, chat template and image processor, plus GGUF "
+        "files for llama.cpp.",
+        "",
+        "## Training",
+        "",
+        f"- Base model: `{model.get('name')}`",
+        f"- Data: `{data.get('source')}` (split `{data.get('split')}`), question types "
+        f"{data.get('question_types')}, answer types {data.get('answer_types')}, "
+        f"{data.get('eval_size')} items held out for evaluation",
+        "",
+        "Rewards and weights:",
+        "",
+        _table(["reward", "weight"], list(weights.items())),
+        "",
+        "LoRA (language model only; the vision tower is not adapted):",
+        "",
+        _table(["r", "alpha", "dropout", "target modules"],
+               [(lora.get("r"), lora.get("alpha"), lora.get("dropout"),
+                 ", ".join(lora.get("target_modules", [])))]),
+        "",
+        "GRPO / GSPO (TRL `GRPOConfig`):",
+        "",
+        _table(["setting", "value"], list(grpo.items())),
+        "",
+        "## Results",
+        "",
+        (_table(["metric", "before (base)", "after (adapter)"], metric_rows) if metric_rows
+         else "No evaluation metrics were found (data/metrics/baseline_eval.json, "
+              "post_eval.json)."),
+        "",
+        "## Files and checks",
+        "",
+        _table(["GGUF file", "size"], [(name, _size(size)) for name, size in gguf_sizes.items()]),
+        "",
+        _table(["check (max abs logit difference)", "value"], list(diffs.items())),
+        "",
+        "## Running it",
+        "",
+        "llama.cpp:",
+        "",
+        "```sh",
+        f"llama-mtmd-cli -m {quant} --mmproj {names['mmproj']} --image problem.png \\",
+        "    -p 'What is the value of x? Answer with an integer.'",
+        "```",
+        "",
+        "llama-cpp-python:",
+        "",
+        "```python",
+        "from llama_cpp import Llama",
+        "from llama_cpp.llama_chat_format import MTMDChatHandler",
+        "",
+        f"handler = MTMDChatHandler(clip_model_path='{names['mmproj']}')",
+        f"llm = Llama(model_path='{quant}', chat_handler=handler, n_ctx=4096)",
+        "reply = llm.create_chat_completion(messages=[{'role': 'user', 'content': [",
+        "    {'type': 'image_url', 'image_url': {'url': 'data:image/png;base64,...'}},",
+        "    {'type': 'text', 'text': 'What is the value of x?'}]}])",
+        "llm.close()",
+        "```",
+        "",
+        "transformers: `AutoModelForImageTextToText.from_pretrained(this_dir)` and "
+        "`AutoProcessor.from_pretrained(this_dir)`.",
+        "",
+    ]
+    return "\n".join(sections)
+
+
+# ------------------------------------------------------------------------ export
+
+
+def file_sizes(directory: Path, label: str) -> dict[str, int]:
+    return {f"{label}/{path.name}": path.stat().st_size
+            for path in sorted(directory.iterdir()) if path.is_file()}
+
+
+def run_export(*, params: Mapping[str, Any], adapter: Path, eval_set: Path, merged_out: Path,
+               gguf_out: Path, metrics_dir: Path, show_progress: bool = True) -> dict[str, Any]:
+    """Merges, converts and checks; the outputs appear only if every check passes. Returns the
+    export metrics."""
+    from tqdm import tqdm
+
+    model_settings = ModelSettings.from_params(section(params, "model"))
+    settings = ExportSettings.from_params(section(params, "export"))
+    if not (Path(adapter) / "adapter_config.json").is_file():
+        raise FileNotFoundError(f"{adapter}: no LoRA adapter (adapter_config.json) there; the "
+                                "train_gspo stage makes it (dvc repro train_gspo)")
+    row = first_eval_row(eval_set)
+    total = 7 + len(settings.gguf_outtypes) + len(settings.quantize)
+    with tqdm(total=total, desc="export", disable=not show_progress) as bar, \
+            tempfile.TemporaryDirectory(prefix="vlmrl-export-") as scratch, \
+            atomic_dir(merged_out) as merged_dir, atomic_dir(gguf_out) as gguf_dir:
+        step = Step(bar=bar)
+        exporter = _Exporter(params, model_settings, settings, step, Path(scratch))
+        metrics = exporter.run(Path(adapter), row, merged_dir, gguf_dir, metrics_dir)
+        metrics["files"] = (file_sizes(merged_dir, merged_out.as_posix())
+                            | file_sizes(gguf_dir, gguf_out.as_posix()))
+        metrics["timings_s"] = step.timings | {"total": round(sum(step.timings.values()), 3)}
+    return metrics
+
+
+@dataclass
+class _Exporter:
+    params: Mapping[str, Any]
+    model_settings: ModelSettings
+    settings: ExportSettings
+    step: Step
+    scratch: Path
+    checks: list[CheckResult] = field(default_factory=list)
+    diffs: dict[str, float] = field(default_factory=dict)
+
+    def run(self, adapter: Path, row: Mapping, merged_dir: Path, gguf_dir: Path,
+            metrics_dir: Path) -> dict[str, Any]:
+        with self.step("merge"):
+            adapter_logits = merge_adapter(self.model_settings, self.settings.dtype, adapter,
+                                           row, merged_dir)
+        with self.step("reload merged"):
+            text, token_ids, reference = self.check_merged(merged_dir, row, adapter_logits)
+        del adapter_logits
+        with self.step("find converter"):
+            source = converter_source()
+        files = build_gguf_files(merged_dir, gguf_dir, self.settings, source, self.step)
+        with self.step("check GGUF files"):
+            gguf_report = self.check_gguf_files(files, source, token_ids, text, reference)
+        with self.step("image prompt"):
+            image_reply = image_chat(files["f16"], files["mmproj"], row["image"],
+                                     question_text(row))
+        with self.step("base GGUF control"):
+            self.check_base_control(token_ids, text, reference)
+        self.raise_on_failures()
+        with self.step("model card"):
+            self.write_model_card(merged_dir, gguf_dir, metrics_dir)
+        return {
+            "passed": True,
+            "dtype": self.settings.dtype,
+            "logit_max_abs_diff": self.diffs,
+            "tolerances": {"merged_vs_adapter": self.settings.logit_atol,
+                           "gguf_f16_vs_merged": gguf_tolerance(reference)},
+            "checks": {c.name: {"passed": c.passed, "detail": c.detail} for c in self.checks},
+            "gguf": gguf_report,
+            "image_prompt": image_reply,
+            "text_prompt_tokens": len(token_ids),
+        }
+
+    def record(self, name: str, passed: bool, detail: str) -> None:
+        self.checks.append(CheckResult(name, passed, detail))
+
+    def check_merged(self, merged_dir: Path, row: Mapping, adapter_logits):
+        """Reloads the merged directory alone; compares its logits with the adapter model's in
+        the export dtype, and returns the text prompt and its float32 reference logits."""
+        import torch
+
+        model, processor = load_merged(merged_dir)
+        text, token_ids = text_prompt(processor, row)
+        reference = hf_last_logits(model, token_ids)
+        model.to(getattr(torch, self.settings.dtype))
+        merged_logits = forward_logits(model, image_question_inputs(processor, row))
+        diff = max_abs_diff(merged_logits, adapter_logits)
+        self.diffs["merged_vs_adapter"] = diff
+        self.record("merged_matches_adapter", diff <= self.settings.logit_atol,
+                    f"max |logit difference| {diff:.3g} on the image+question in "
+                    f"{self.settings.dtype}, tolerance export.logit_atol="
+                    f"{self.settings.logit_atol:g}")
+        return text, token_ids, reference
+
+    def check_gguf_files(self, files: Mapping[str, Path], source: Path,
+                         token_ids: Sequence[int], text: str, reference) -> dict[str, Any]:
+        summaries = read_gguf_summaries(list(files.values()), source)
+        report: dict[str, Any] = {}
+        for kind, path in files.items():
+            summary = summaries[path]
+            entry = {"architecture": summary["architecture"],
+                     "tensor_types": summary["tensor_types"]}
+            expected = expected_tensor_type(MMPROJ_OUTTYPE if kind == "mmproj" else kind)
+            self.record(f"{path.name} tensor types", expected in summary["tensor_types"],
+                        f"{summary['tensor_types']} (expects {expected})")
+            if kind != "mmproj":
+                entry |= self.check_gguf_model(kind, path, token_ids, text, reference)
+            report[path.name] = entry
+        return report
+
+    def check_gguf_model(self, kind: str, path: Path, token_ids: Sequence[int], text: str,
+                         reference) -> dict[str, Any]:
+        import numpy as np
+
+        run = run_gguf_text(path, token_ids, text)
+        diff = max_abs_diff(run["logits"], reference)
+        self.diffs[f"gguf_{kind}_vs_merged"] = diff
+        self.record(f"{path.name} generates", len(run["generated"]) == GENERATED_TOKENS
+                    and bool(np.isfinite(run["logits"]).all()),
+                    f"{len(run['generated'])} tokens {run['generated_text']!r}")
+        self.record(f"{path.name} tokenizer", run["tokenizer_matches"],
+                    "llama.cpp's tokenizer splits the prompt into the transformers ids"
+                    if run["tokenizer_matches"] else
+                    "llama.cpp's tokenizer splits the prompt differently from transformers")
+        if kind == "f16":
+            tolerance = gguf_tolerance(reference)
+            self.record("gguf_f16_matches_merged", diff <= tolerance,
+                        f"max |last-position logit difference| {diff:.3g}, tolerance "
+                        f"{tolerance:.3g}")
+        return {"generated_tokens": run["generated"], "generated_text": run["generated_text"],
+                "logit_max_abs_diff_vs_merged": diff}
+
+    def check_base_control(self, token_ids: Sequence[int], text: str, reference) -> None:
+        """The GGUF of the base model must not pass the parity check the merged GGUF passed."""
+        base_file = convert_hf_to_gguf(base_model_dir(self.model_settings),
+                                       self.scratch / "base-f16.gguf", "f16")
+        run = run_gguf_text(base_file, token_ids, text)
+        diff = max_abs_diff(run["logits"], reference)
+        tolerance = gguf_tolerance(reference)
+        self.diffs["base_gguf_f16_vs_merged"] = diff
+        self.record("base_gguf_differs_from_merged", diff > tolerance,
+                    f"base model's f16 GGUF differs from the merged model by {diff:.3g} "
+                    f"(must exceed {tolerance:.3g}, or the parity check cannot see the adapter)")
+        base_file.unlink()
+
+    def raise_on_failures(self) -> None:
+        failed = [check for check in self.checks if not check.passed]
+        if failed:
+            raise ExportError(f"export failed {len(failed)} of {len(self.checks)} checks:\n"
+                              + "\n".join(f"  - {c.name}: {c.detail}" for c in failed))
+
+    def write_model_card(self, merged_dir: Path, gguf_dir: Path, metrics_dir: Path) -> None:
+        sizes = {path.name: path.stat().st_size for path in sorted(gguf_dir.glob("*.gguf"))}
+        card = render_model_card(self.params, self.settings,
+                                 read_metrics(metrics_dir / "baseline_eval.json"),
+                                 read_metrics(metrics_dir / "post_eval.json"), sizes, self.diffs)
+        (merged_dir / "README.md").write_text(card, encoding="utf-8")

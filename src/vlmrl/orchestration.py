@@ -1,0 +1,426 @@
+"""Run, watch and schedule the DVC pipeline from Prefect, with DVC as the only judge of staleness.
+
+Prefect gives users schedules, a UI with per-stage logs and artifacts, and retries; DVC already
+knows which stages are stale from hashes of code, data and params. Letting both decide would make
+them disagree, so every Prefect task here shells out to `dvc repro -s STAGE` (or one `dvc exp run`
+when params are overridden, so an override is recorded as an experiment instead of silently editing
+params.yaml), streams DVC's output into the task log, and reports what DVC did by reading DVC's own
+messages. Prefect's task caching stays off.
+
+This module holds everything except the flow itself (flows/pipeline.py, one task per stage), so
+that the flow file reads like the pipeline and the logic here is testable without a flow run.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Offline by default: the project never phones home unless the user asks for it. Must precede
+# every Prefect import (settings are read when prefect is imported).
+for _name, _value in {
+    "DO_NOT_TRACK": "1",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
+    "DVC_NO_ANALYTICS": "1",
+    # `vlmrl run` without a server starts a temporary one; 20 s is too short on 2 busy cores.
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+}.items():
+    os.environ.setdefault(_name, _value)
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import queue  # noqa: E402
+import re  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from collections import deque  # noqa: E402
+from collections.abc import Callable, Iterable, Mapping, Sequence  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from enum import Enum  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import IO, TYPE_CHECKING, Any  # noqa: E402
+
+if TYPE_CHECKING:
+    from uuid import UUID
+
+    from prefect import Flow
+    from prefect.deployments.runner import RunnerDeployment
+
+FLOW_FILE = Path("flows") / "pipeline.py"
+FLOW_FUNCTION = "pipeline"
+METRICS_DIR = Path("data") / "metrics"
+STDERR_TAIL_LINES = 40
+DEFAULT_DEPLOYMENT_NAME = "scheduled"
+
+_RAN = re.compile(r"^Running stage '(?P<stage>[^']+)':")
+_UNCHANGED = re.compile(r"^Stage '(?P<stage>[^']+)' didn't change, skipping")
+_RESTORED = re.compile(r"^Stage '(?P<stage>[^']+)' is cached - skipping run, checking out outputs")
+_EXPERIMENT = re.compile(r"^(?:Reproducing experiment '(?P<a>[^']+)'|Ran experiment\(s\): (?P<b>\S+))")
+
+
+class Outcome(str, Enum):
+    """What DVC did with a stage."""
+
+    RAN = "ran"  # the stage's command ran
+    CACHED = "cached"  # nothing changed: DVC skipped it
+    RESTORED = "restored"  # changed, but DVC's run-cache had this exact run: outputs checked out
+
+
+@dataclass(frozen=True)
+class StageReport:
+    stage: str
+    outcome: Outcome
+    seconds: float
+
+    @property
+    def ran(self) -> bool:
+        return self.outcome is Outcome.RAN
+
+
+@dataclass(frozen=True)
+class PipelineReport:
+    stages: list[StageReport]
+    experiment: str | None = None
+
+    @property
+    def outcomes(self) -> dict[str, str]:
+        return {report.stage: report.outcome.value for report in self.stages}
+
+
+class StageFailed(RuntimeError):
+    """A DVC command failed; the message carries the tail of its stderr."""
+
+
+@dataclass
+class CommandResult:
+    returncode: int
+    stdout: list[str] = field(default_factory=list)
+    stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=STDERR_TAIL_LINES))
+
+
+# --- DVC output ---------------------------------------------------------------------------------
+
+
+def parse_outcomes(lines: Iterable[str]) -> dict[str, Outcome]:
+    """Stage name -> what DVC did, from DVC's own messages (the last one per stage wins)."""
+    outcomes: dict[str, Outcome] = {}
+    for line in lines:
+        for pattern, outcome in ((_RAN, Outcome.RAN), (_UNCHANGED, Outcome.CACHED),
+                                 (_RESTORED, Outcome.RESTORED)):
+            if match := pattern.match(line.strip()):
+                outcomes[match["stage"]] = outcome
+    return outcomes
+
+
+def parse_experiment_name(lines: Iterable[str]) -> str | None:
+    name = None
+    for line in lines:
+        if match := _EXPERIMENT.match(line.strip()):
+            name = match["a"] or match["b"]
+    return name
+
+
+def format_override(key: str, value: Any) -> str:
+    """One `-S key=value`; non-strings as JSON, which DVC parses back to the same YAML value."""
+    text = value if isinstance(value, str) else json.dumps(value)
+    return f"{key}={text}"
+
+
+def repro_command(stage: str) -> list[str]:
+    return [sys.executable, "-m", "dvc", "repro", "--single-item", stage]
+
+
+def experiment_command(stages: Sequence[str], overrides: Mapping[str, Any]) -> list[str]:
+    settings = [arg for key, value in overrides.items() for arg in ("-S", format_override(key, value))]
+    return [sys.executable, "-m", "dvc", "exp", "run", "--single-item", *settings, *stages]
+
+
+def dvc_env() -> dict[str, str]:
+    """DVC and the stage commands it spawns (`python stages/...`) must use this interpreter."""
+    env = dict(os.environ, DVC_NO_ANALYTICS="1", PYTHONUNBUFFERED="1")
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+# --- running a command with its output streamed -------------------------------------------------
+
+
+def _pump(stream: IO[str], name: str, lines: queue.Queue[tuple[str, str | None]]) -> None:
+    for line in stream:
+        lines.put((name, line.rstrip("\n")))
+    lines.put((name, None))
+
+
+def stream_command(cmd: Sequence[str], cwd: Path, on_line: Callable[[str, str], None]
+                   ) -> CommandResult:
+    """Runs cmd, calling on_line(stream, line) for each stdout/stderr line as it arrives, on the
+    calling thread (Prefect's run logger belongs to it). Progress bars' carriage returns count as
+    line ends. Interrupting the caller kills the whole process group (DVC and the stage)."""
+    process = subprocess.Popen(cmd, cwd=cwd, env=dvc_env(), text=True, bufsize=1,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               stdin=subprocess.DEVNULL, start_new_session=True)
+    lines: queue.Queue[tuple[str, str | None]] = queue.Queue()
+    pumps = [threading.Thread(target=_pump, args=(pipe, name, lines), daemon=True)
+             for pipe, name in ((process.stdout, "stdout"), (process.stderr, "stderr"))]
+    for pump in pumps:
+        pump.start()
+    result = CommandResult(returncode=-1)
+    try:
+        open_streams = len(pumps)
+        while open_streams:
+            name, line = lines.get()
+            if line is None:
+                open_streams -= 1
+                continue
+            (result.stdout if name == "stdout" else result.stderr_tail).append(line)
+            on_line(name, line)
+        result.returncode = process.wait()
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait()
+    return result
+
+
+def _failure_message(what: str, result: CommandResult) -> str:
+    tail = "\n".join(result.stderr_tail) or "\n".join(result.stdout[-STDERR_TAIL_LINES:])
+    return f"{what} failed with exit code {result.returncode}:\n{tail}"
+
+
+# --- what the flow's tasks call -----------------------------------------------------------------
+
+
+def run_stage(stage: str, repo: Path, log: Callable[[str], None]) -> StageReport:
+    """`dvc repro --single-item STAGE` in repo, its output sent to log line by line."""
+    started = time.monotonic()
+    cmd = repro_command(stage)
+    log(f"$ dvc repro --single-item {stage}  (in {repo})")
+    result = stream_command(cmd, repo, lambda _stream, line: log(line))
+    if result.returncode != 0:
+        raise StageFailed(_failure_message(f"stage '{stage}'", result))
+    outcome = parse_outcomes(result.stdout).get(stage)
+    if outcome is None:
+        raise StageFailed(f"DVC exited 0 but did not say whether stage '{stage}' ran or was "
+                          f"skipped; its output:\n" + "\n".join(result.stdout[-STDERR_TAIL_LINES:]))
+    return StageReport(stage, outcome, time.monotonic() - started)
+
+
+def run_experiment(stages: Sequence[str], overrides: Mapping[str, Any], repo: Path,
+                   log: Callable[[str], None]) -> PipelineReport:
+    """One `dvc exp run -S ... --single-item STAGES`: the overrides land in a named experiment."""
+    started = time.monotonic()
+    cmd = experiment_command(stages, overrides)
+    log("$ dvc " + " ".join(cmd[3:]) + f"  (in {repo})")
+    result = stream_command(cmd, repo, lambda _stream, line: log(line))
+    if result.returncode != 0:
+        raise StageFailed(_failure_message(f"experiment over {', '.join(stages)}", result))
+    outcomes = parse_outcomes(result.stdout)
+    missing = [stage for stage in stages if stage not in outcomes]
+    if missing:
+        raise StageFailed(f"DVC exited 0 but did not report stages {missing}")
+    seconds = time.monotonic() - started
+    reports = [StageReport(stage, outcomes[stage], seconds) for stage in stages]
+    return PipelineReport(reports, parse_experiment_name(result.stdout))
+
+
+def select_stages(requested: Iterable[str] | None, pipeline: Sequence[str]) -> list[str]:
+    """The requested stages in pipeline order (all when none are given); unknown names fail."""
+    if requested is None:
+        return list(pipeline)
+    wanted = {name.strip() for name in requested if name.strip()}
+    unknown = sorted(wanted - set(pipeline))
+    if unknown:
+        raise ValueError(f"unknown stages {unknown}; the pipeline has {list(pipeline)}")
+    if not wanted:
+        raise ValueError("no stages selected")
+    return [stage for stage in pipeline if stage in wanted]
+
+
+def resolve_repo(repo: str | Path | None) -> Path:
+    path = Path(repo or Path.cwd()).resolve()
+    if not (path / "dvc.yaml").is_file():
+        raise FileNotFoundError(f"{path} has no dvc.yaml: pass the project repo directory")
+    return path
+
+
+# --- artifacts ----------------------------------------------------------------------------------
+
+
+def read_metrics(repo: Path, name: str) -> dict[str, Any]:
+    return json.loads((repo / METRICS_DIR / f"{name}.json").read_text(encoding="utf-8"))
+
+
+def _flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, list | tuple):
+        return ", ".join(_cell(item) for item in value) if len(value) <= 8 else f"{len(value)} items"
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def _table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    lines += ["| " + " | ".join(_cell(value) for value in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def before_after_markdown(baseline: Mapping[str, Any], post: Mapping[str, Any]) -> str:
+    """Every numeric top-level metric the two evaluations share: baseline, post, change."""
+    keys = [key for key, value in post.items() if _is_number(value) and _is_number(baseline.get(key))]
+    rows = [(key, baseline[key], post[key], post[key] - baseline[key]) for key in keys]
+    return "# Evaluation before and after GSPO\n\n" + _table(
+        ("metric", "baseline", "post", "change"), rows)
+
+
+def verification_markdown(result: Mapping[str, Any]) -> str:
+    verdict = next((result[key] for key in ("passed", "ok", "trained") if key in result), None)
+    title = "# LoRA verification" + ("" if verdict is None else f": {'passed' if verdict else 'FAILED'}")
+    return title + "\n\n" + _table(("check", "value"), _flatten(result).items())
+
+
+def published_markdown(upload: Mapping[str, Any]) -> str:
+    if upload.get("bucket"):
+        where = f"`{upload.get('url') or 's3://' + upload['bucket'] + '/' + upload['prefix']}`"
+    else:
+        where = "nowhere: `upload.bucket` is empty, so only the manifest was written locally"
+    rows = [(key, value) for key, value in upload.items()]
+    return (f"# Published version `{upload.get('version')}`\n\nLocation: {where}\n\n"
+            + _table(("field", "value"), rows))
+
+
+def stage_artifacts(stage: str, repo: Path) -> list[tuple[str, str, str]]:
+    """(key, markdown, description) for the artifacts a finished stage publishes to Prefect."""
+    if stage == "post_eval":
+        return [("eval-before-after",
+                 before_after_markdown(read_metrics(repo, "baseline_eval"),
+                                       read_metrics(repo, "post_eval")),
+                 "Evaluation metrics of the base model and of base + adapter")]
+    if stage == "verify_lora":
+        return [("lora-verification", verification_markdown(read_metrics(repo, "verify_lora")),
+                 "Checks that the LoRA adapter is trained and loads")]
+    if stage == "upload":
+        upload = read_metrics(repo, "upload")
+        return [("published-version", published_markdown(upload),
+                 f"Release {upload.get('version')} and its S3 location")]
+    return []
+
+
+def stage_table(reports: Sequence[StageReport]) -> list[dict[str, Any]]:
+    return [{"stage": report.stage, "outcome": report.outcome.value,
+             "seconds": round(report.seconds, 1)} for report in reports]
+
+
+# --- loading the flow, deployments, CLI ---------------------------------------------------------
+
+
+def load_pipeline_flow(repo: str | Path | None = None) -> Flow:
+    """The flow defined in REPO/flows/pipeline.py (the repo's own copy, like its dvc.yaml)."""
+    from prefect.flows import load_flow_from_entrypoint
+
+    path = resolve_repo(repo) / FLOW_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no Prefect flow at {path}")
+    return load_flow_from_entrypoint(f"{path}:{FLOW_FUNCTION}")
+
+
+def pipeline_deployment(name: str, cron: str, repo: str | Path | None = None,
+                        stages: list[str] | None = None,
+                        overrides: dict[str, Any] | None = None,
+                        timezone: str | None = None) -> RunnerDeployment:
+    """A deployment of the pipeline flow on a cron schedule, its code read from the repo."""
+    from prefect.deployments.runner import RunnerDeployment
+    from prefect.schedules import Cron
+
+    path = resolve_repo(repo)
+    parameters: dict[str, Any] = {"repo": str(path)}
+    if stages is not None:
+        parameters["stages"] = stages
+    if overrides:
+        parameters["overrides"] = overrides
+    schedule = Cron(cron, timezone=timezone) if timezone else Cron(cron)
+    return RunnerDeployment.from_entrypoint(
+        entrypoint=f"{path / FLOW_FILE}:{FLOW_FUNCTION}", name=name, schedule=schedule,
+        parameters=parameters, tags=["vlmrl"],
+        description=f"The vlmrl DVC pipeline in {path}, on cron '{cron}'")
+
+
+def register_deployment(name: str, cron: str, repo: str | Path | None = None,
+                        stages: list[str] | None = None,
+                        overrides: dict[str, Any] | None = None,
+                        timezone: str | None = None) -> UUID:
+    """Creates or updates the deployment and its schedule without serving it; returns its id.
+    Runs are only executed while `vlmrl schedule` (or a served copy) is running."""
+    return pipeline_deployment(name, cron, repo, stages, overrides, timezone).apply()
+
+
+def parse_overrides(pairs: Iterable[str]) -> dict[str, str]:
+    overrides: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise argparse.ArgumentTypeError(f"--set takes key=value, got {pair!r}")
+        overrides[key.strip()] = value
+    return overrides
+
+
+def _common_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--repo", type=Path, default=None,
+                        help="project repo with dvc.yaml (default: current directory)")
+    parser.add_argument("--stages", type=lambda text: text.split(","), default=None,
+                        help="comma-separated stages to run, in pipeline order (default: all)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE",
+                        help="param override, recorded as a DVC experiment (repeatable)")
+
+
+def cli_run(argv: list[str]) -> int:
+    """`vlmrl run`: runs the pipeline flow once and prints what each stage did."""
+    parser = argparse.ArgumentParser(prog="vlmrl run", description=cli_run.__doc__)
+    _common_options(parser)
+    args = parser.parse_args(argv)
+    pipeline = load_pipeline_flow(args.repo)
+    state = pipeline(stages=args.stages, repo=str(resolve_repo(args.repo)),
+                     overrides=parse_overrides(args.overrides) or None, return_state=True)
+    if not state.is_completed():
+        print(f"pipeline {state.name.lower()}: {state.message}", file=sys.stderr)
+        return 1
+    report: PipelineReport = state.result()
+    for stage in report.stages:
+        print(f"{stage.stage:<14} {stage.outcome.value:<9} {stage.seconds:7.1f} s")
+    if report.experiment:
+        print(f"DVC experiment: {report.experiment}")
+    return 0
+
+
+def cli_schedule(argv: list[str]) -> int:
+    """`vlmrl schedule --cron CRON`: registers a deployment on that schedule and serves it
+    (blocks; the scheduled runs execute in this process's children until it is stopped)."""
+    from prefect import serve
+
+    parser = argparse.ArgumentParser(prog="vlmrl schedule", description=cli_schedule.__doc__)
+    parser.add_argument("--cron", required=True, help='cron expression, e.g. "0 3 * * *"')
+    parser.add_argument("--name", default=DEFAULT_DEPLOYMENT_NAME, help="deployment name")
+    parser.add_argument("--timezone", default=None, help="IANA zone of the cron (default UTC)")
+    _common_options(parser)
+    args = parser.parse_args(argv)
+    deployment = pipeline_deployment(args.name, args.cron, args.repo, args.stages,
+                                     parse_overrides(args.overrides) or None, args.timezone)
+    serve(deployment, limit=1)
+    return 0

@@ -1,0 +1,58 @@
+"""DVC stage export: merge the adapter into the 16-bit base model, convert it to GGUF (f16, q8_0,
+Q4_K_M and the vision projector), check every artifact against the one before it, and write a
+model card.
+
+Thin on purpose: the work is in vlmrl.export and vlmrl.gguf_tools. Stale outputs are removed
+first; the merged model, the GGUF files and the metrics appear only when every check passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from vlmrl.config import ParamsError, load_params
+from vlmrl.export import ExportError, run_export
+from vlmrl.gguf_tools import GGUFError
+from vlmrl.outputs import remove_outputs, write_json_atomic
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--adapter", type=Path, default=Path("data/models/adapter"))
+    parser.add_argument("--eval-set", type=Path, default=Path("data/prepared/eval"))
+    parser.add_argument("--merged", type=Path, default=Path("data/models/merged"))
+    parser.add_argument("--gguf", type=Path, default=Path("data/models/gguf"))
+    parser.add_argument("--metrics", type=Path, default=Path("data/metrics/export.json"),
+                        help="export metrics; baseline_eval.json and post_eval.json beside it "
+                             "feed the model card")
+    parser.add_argument("--params", type=Path, default=Path("params.yaml"))
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    outputs = (args.merged, args.gguf, args.metrics)
+    remove_outputs(*outputs)
+    try:
+        metrics = run_export(params=load_params(args.params), adapter=args.adapter,
+                             eval_set=args.eval_set, merged_out=args.merged, gguf_out=args.gguf,
+                             metrics_dir=args.metrics.parent)
+        write_json_atomic(args.metrics, metrics)
+    except (ParamsError, FileNotFoundError, ExportError, GGUFError) as error:
+        remove_outputs(*outputs)
+        print(f"export failed: {error}", file=sys.stderr)
+        return 1
+    except BaseException:
+        remove_outputs(*outputs)
+        raise
+    diffs = ", ".join(f"{name} {value:.3g}" for name, value in
+                      metrics["logit_max_abs_diff"].items())
+    print(f"exported {args.merged} and {len(list(args.gguf.glob('*.gguf')))} GGUF files in "
+          f"{args.gguf} ({metrics['timings_s']['total']:.0f} s); max |logit diff|: {diffs}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
