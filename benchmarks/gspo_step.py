@@ -1,0 +1,429 @@
+"""Seconds per GSPO optimizer step, generated tokens per second and peak GPU memory, per training
+configuration, on a random-init model with Qwen3-VL-2B's real shapes (`embedded:qwen3-vl-2b-shape`)
+and the project's own data (512 px synthetic charts, tables and geometry from vlmrl.synth through
+vlmrl.data.prepare).
+
+Every configuration does the same work per optimizer step: 4 generations per prompt,
+per_device_train_batch_size 8 (2 prompts x 4), gradient_accumulation_steps 2, so 16 completions of
+`--lengths` tokens per optimizer step, LoRA r16/alpha16 on the language model's 7 projections, and
+gradient checkpointing. A random-init model almost never samples EOS (2 ids out of 151,936), so
+every completion runs to the maximum length; the measured mean completion length is reported to
+show it. Configurations (`CONFIGS`):
+
+  unsloth_4bit        the seed notebooks' reference: Unsloth FastVisionModel in 4-bit, Unsloth's
+                      patched GRPOTrainer, Hugging Face generate, steps_per_generation = GA
+  transformers_bf16   transformers + PEFT in bf16, plain TRL GRPOTrainer, steps_per_generation = GA
+  transformers_4bit   the same with bitsandbytes NF4 4-bit
+  gpu_profile         transformers + PEFT in bf16, static KV cache sized once (max_cache_len),
+                      compiled decoding (torch.compile + CUDA graphs through transformers'
+                      auto-compile, which TRL switches off), one generation for 2 optimizer steps
+                      (steps_per_generation = 2 x GA)
+  gpu_profile_4bit    gpu_profile's generation settings with bitsandbytes 4-bit (transformers
+                      never compiles a bnb model, so static cache without compilation)
+
+"fix" (on for every transformers configuration): TRL 1.15 generates with the policy in train mode
+and gradient checkpointing on; transformers 5 then drops the KV cache inside every decoder layer
+(`past_key_values=None`) while generate keeps feeding one token at a time, so each sampled token
+attends to itself only and ignores the prompt and the image. The fix runs generation with the model
+in eval mode (see docs/benchmarks_gpu.md). `transformers_bf16_asis` measures the unfixed path.
+
+Each (configuration, length) runs in its own process (Unsloth patches torch and transformers on
+import), results are merged into `--out` as they arrive, and a run that would not fit in
+`--budget-s` is skipped and recorded as such.
+
+Usage (on a GPU machine; tests/gpu/run_on_device.sh installs what is missing):
+  PYTHONPATH=src python benchmarks/gspo_step.py --configs unsloth_4bit,gpu_profile \\
+      --lengths 256 --warmup 2 --steps 4 --out benchmarks/results/gspo_step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "embedded:qwen3-vl-2b-shape"
+PER_DEVICE_BATCH = 8
+GRAD_ACCUM = 2
+NUM_GENERATIONS = 4
+LORA = {"r": 16, "alpha": 16, "dropout": 0.0,
+        "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                           "down_proj"]}
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "unsloth_4bit": dict(backend="unsloth", load_in_4bit=True, fix=False, spg_factor=1,
+                         static_cache=False, compile=False),
+    "transformers_bf16": dict(backend="transformers", load_in_4bit=False, fix=True, spg_factor=1,
+                              static_cache=False, compile=False),
+    "transformers_4bit": dict(backend="transformers", load_in_4bit=True, fix=True, spg_factor=1,
+                              static_cache=False, compile=False),
+    "gpu_profile": dict(backend="transformers", load_in_4bit=False, fix=True, spg_factor=2,
+                        static_cache=True, compile=True),
+    "gpu_profile_spg1": dict(backend="transformers", load_in_4bit=False, fix=True, spg_factor=1,
+                             static_cache=True, compile=True),
+    "gpu_profile_4bit": dict(backend="transformers", load_in_4bit=True, fix=True, spg_factor=2,
+                             static_cache=True, compile=False),
+    "transformers_bf16_asis": dict(backend="transformers", load_in_4bit=False, fix=False,
+                                   spg_factor=1, static_cache=False, compile=False),
+}
+
+KV_DROPPED_MESSAGE = "Caching is incompatible with gradient checkpointing"
+
+
+# ------------------------------------------------------------------ shared setup (parent)
+
+def prepare_train_set(out_dir: Path, size: int, image_size: int = 512) -> Path:
+    """The project's synthetic set through prepare_data's own functions, saved like the stage."""
+    from vlmrl.data import DataSettings, load_raw_records, prepare, to_dataset
+
+    target = out_dir / f"train-{size}-{image_size}"
+    if (target / "dataset_info.json").is_file():
+        return target
+    settings = DataSettings(synthetic_size=size, eval_size=4, image_size=image_size)
+    prepared = prepare(load_raw_records(settings), settings)
+    to_dataset(prepared.train).save_to_disk(str(target))
+    return target
+
+
+def versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {"python": sys.version.split()[0]}
+    for name in ("torch", "transformers", "trl", "peft", "accelerate", "bitsandbytes", "unsloth",
+                 "unsloth_zoo", "datasets", "triton"):
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = "missing"
+    return found
+
+
+def device_name() -> str:
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    props = torch.cuda.get_device_properties(0)
+    return f"{props.name} ({props.total_memory / 2**30:.0f} GiB)"
+
+
+# ------------------------------------------------------------------ one run (worker)
+
+def max_prompt_tokens(dataset, processor) -> int:
+    """The longest prompt (chat template + image tokens) in the set."""
+    from vlmrl.evaluation import render_prompt
+
+    longest = 0
+    for row in dataset:
+        text = render_prompt(processor, row)
+        inputs = processor(text=[text], images=[row["image"]], return_tensors="pt")
+        longest = max(longest, int(inputs["input_ids"].shape[1]))
+    return longest
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _peak_gib(kind: str) -> float | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return round(getattr(torch.cuda, f"max_memory_{kind}")() / 2**30, 2)
+
+
+def _reset_peak() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+class _KVDropDetector(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if KV_DROPPED_MESSAGE in record.getMessage():
+            self.seen = True
+
+
+def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Path,
+           model_name: str, seed: int) -> dict[str, Any]:
+    knobs = CONFIGS[config_name]
+    if knobs["backend"] == "unsloth":
+        import unsloth  # noqa: F401  (before trl and transformers, as the notebooks do)
+    from datasets import load_from_disk
+    from transformers import TrainerCallback
+    from trl import GRPOTrainer
+
+    from vlmrl.config import load_params
+    from vlmrl.modeling import ModelSettings, suppressed_generation_kwargs
+    from vlmrl.rewards import build_rewards_from_params
+    from vlmrl.training import build_grpo_config, load_policy
+    from vlmrl.trl_compat import install_cpu_fallback
+
+    install_cpu_fallback()  # no-op where Triton exists (every GPU machine)
+
+    detector = _KVDropDetector()
+    logging.getLogger("transformers").addHandler(detector)
+
+    params = load_params(ROOT / "params.yaml")
+    settings = ModelSettings.from_params({**params["model"], "name": model_name,
+                                          "backend": knobs["backend"],
+                                          "load_in_4bit": knobs["load_in_4bit"], "dtype": "auto",
+                                          "seed": seed})
+    grpo = dict(params["train"]["grpo"])
+    grpo.update(max_steps=warmup + steps, per_device_train_batch_size=PER_DEVICE_BATCH,
+                gradient_accumulation_steps=GRAD_ACCUM,
+                steps_per_generation=GRAD_ACCUM * knobs["spg_factor"],
+                num_generations=NUM_GENERATIONS, max_completion_length=length,
+                gradient_checkpointing=True, log_completions=False, logging_steps=1,
+                report_to="none", seed=seed)
+    reward_funcs, reward_weights = build_rewards_from_params(params["rewards"])
+    out_dir = Path(tempfile.mkdtemp(prefix="gspo-bench-"))
+    config = build_grpo_config(grpo, output_dir=out_dir, save_steps=10**6,
+                               reward_weights=reward_weights, model_settings=settings)
+    dataset = load_from_disk(str(train_set))
+
+    _reset_peak()
+    load_started = time.perf_counter()
+    model, processor, backend = load_policy(settings, LORA, config.seed)
+    load_seconds = time.perf_counter() - load_started
+    generation_kwargs = dict(suppressed_generation_kwargs(processor))
+    prompt_tokens = max_prompt_tokens(dataset, processor)
+    if knobs["static_cache"]:
+        config.cache_implementation = "static"
+        # One cache for every call: sized for the longest prompt, so no reallocation/recompile.
+        generation_kwargs["max_cache_len"] = (prompt_tokens + length + 63) // 64 * 64
+    config.generation_kwargs = {**generation_kwargs, **(config.generation_kwargs or {})}
+
+    step_times: list[float] = []
+    generations: list[dict[str, Any]] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            _sync()
+            self.started = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            _sync()
+            step_times.append(time.perf_counter() - self.started)
+
+    trainer = GRPOTrainer(model=model, reward_funcs=reward_funcs, args=config,
+                          train_dataset=dataset, processing_class=processor, callbacks=[Timer()])
+    if knobs["compile"]:
+        trainer.generation_config.disable_compile = False  # TRL hard-codes True
+    wrapped = hasattr(trainer, "_generate_single_turn")
+    if wrapped:
+        original = trainer._generate_single_turn
+
+        def generate_single_turn(*args, **kwargs):
+            policy = trainer.model
+            was_training = policy.training
+            if knobs["fix"]:
+                policy.eval()
+            _sync()
+            started = time.perf_counter()
+            try:
+                completion_ids, logprobs = original(*args, **kwargs)
+            finally:
+                if knobs["fix"]:
+                    policy.train(was_training)
+            _sync()
+            generations.append({"step": trainer.state.global_step,
+                                "seconds": time.perf_counter() - started,
+                                "completions": len(completion_ids),
+                                "tokens": sum(len(ids) for ids in completion_ids)})
+            return completion_ids, logprobs
+
+        trainer._generate_single_turn = generate_single_turn
+
+    _reset_peak()
+    trainer.train()
+    peak_allocated, peak_reserved = _peak_gib("allocated"), _peak_gib("reserved")
+
+    timed = step_times[warmup:]
+    timed_generations = [g for g in generations if g["step"] >= warmup]
+    tokens = sum(g["tokens"] for g in timed_generations)
+    completions = sum(g["completions"] for g in timed_generations)
+    if not wrapped:  # fall back to the trainer's own log of mean completion length
+        lengths = [e["completions/mean_length"] for e in trainer.state.log_history
+                   if "completions/mean_length" in e][warmup:]
+        completions = PER_DEVICE_BATCH * GRAD_ACCUM * len(lengths)
+        tokens = sum(lengths) * PER_DEVICE_BATCH * GRAD_ACCUM
+    seconds = sum(timed)
+    generation_seconds = sum(g["seconds"] for g in timed_generations)
+    return {
+        "config": config_name,
+        "completion_length": length,
+        "backend": backend,
+        "trainer_class": type(trainer).__name__,
+        "seconds_per_step": seconds / len(timed) if timed else None,
+        "step_seconds": [round(t, 3) for t in step_times],
+        "generated_tokens_per_step": tokens / len(timed) if timed else None,
+        "generated_tokens_per_second": tokens / seconds if seconds else None,
+        "generation_only_tokens_per_second": (tokens / generation_seconds
+                                              if generation_seconds else None),
+        "generation_share": generation_seconds / seconds if seconds and wrapped else None,
+        "mean_completion_length": tokens / completions if completions else None,
+        "peak_allocated_gib": peak_allocated,
+        "peak_reserved_gib": peak_reserved,
+        "max_prompt_tokens": prompt_tokens,
+        "load_seconds": round(load_seconds, 1),
+        "warmup_steps": warmup,
+        "timed_steps": len(timed),
+        "generation_calls": [{**g, "seconds": round(g["seconds"], 3)} for g in generations],
+        "kv_cache_dropped_in_generation": detector.seen,
+        "settings": {**knobs, "per_device_train_batch_size": PER_DEVICE_BATCH,
+                     "gradient_accumulation_steps": GRAD_ACCUM,
+                     "steps_per_generation": GRAD_ACCUM * knobs["spg_factor"],
+                     "num_generations": NUM_GENERATIONS, "lora": LORA,
+                     "cache_implementation": config.cache_implementation,
+                     "generation_kwargs": {k: v for k, v in config.generation_kwargs.items()
+                                           if k != "suppress_tokens"}},
+    }
+
+
+# ------------------------------------------------------------------ driver
+
+def result_key(config: str, length: int) -> str:
+    return f"{config}@{length}"
+
+
+def load_results(path: Path) -> dict[str, Any]:
+    if path.is_file():
+        return json.loads(path.read_text())
+    return {"runs": {}}
+
+
+def save_results(path: Path, results: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
+
+
+def print_table(results: dict[str, Any]) -> None:
+    print(f"\n{'run':34} {'s/step':>8} {'tok/s':>8} {'gen tok/s':>9} {'peak GiB':>8} "
+          f"{'rsv GiB':>8} {'len':>6}  note")
+    for key, run in sorted(results["runs"].items()):
+        if run.get("error"):
+            print(f"{key:34} {'-':>8} {'-':>8} {'-':>9} {'-':>8} {'-':>8} {'-':>6}  "
+                  f"{run['error'][:80]}")
+            continue
+        def fmt(value, spec):
+            return format(value, spec) if isinstance(value, (int, float)) else "-"
+        print(f"{key:34} {fmt(run['seconds_per_step'], '8.2f')} "
+              f"{fmt(run['generated_tokens_per_second'], '8.0f')} "
+              f"{fmt(run['generation_only_tokens_per_second'], '9.0f')} "
+              f"{fmt(run['peak_allocated_gib'], '8.2f')} {fmt(run['peak_reserved_gib'], '8.2f')} "
+              f"{fmt(run['mean_completion_length'], '6.0f')}"
+              f"  {'KV cache dropped' if run.get('kv_cache_dropped_in_generation') else ''}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", default="unsloth_4bit,gpu_profile,transformers_bf16,"
+                                              "transformers_4bit")
+    parser.add_argument("--lengths", default="256")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4,
+                        help="timed optimizer steps (a multiple of 2: gpu_profile generates "
+                             "every 2 steps)")
+    parser.add_argument("--model", default=MODEL)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dataset-size", type=int, default=64)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" /
+                        "gspo_step.json")
+    parser.add_argument("--budget-s", type=float, default=1e9,
+                        help="skip runs once less than --min-run-s of this budget is left")
+    parser.add_argument("--min-run-s", type=float, default=90)
+    parser.add_argument("--run-timeout-s", type=float, default=540)
+    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "gspo-bench")
+    parser.add_argument("--worker", nargs=2, metavar=("CONFIG", "LENGTH"), help=argparse.SUPPRESS)
+    parser.add_argument("--train-set", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.worker:
+        config, length = args.worker[0], int(args.worker[1])
+        try:
+            result = worker(config, length, args.warmup, args.steps, args.train_set, args.model,
+                            args.seed)
+        except BaseException as error:  # recorded, so the table says why a config has no row
+            traceback.print_exc()
+            result = {"config": config, "completion_length": length,
+                      "error": f"{type(error).__name__}: {error}"[:2000]}
+        args.result.write_text(json.dumps(result))
+        return 0
+
+    started = time.perf_counter()
+    from vlmrl.embedded import ensure_embedded_model
+
+    os.environ.setdefault("VLMRL_CACHE", str(args.work / "cache"))
+    import torch
+
+    model_dir = ensure_embedded_model(args.model, seed=args.seed,
+                                      device="cuda" if torch.cuda.is_available() else "cpu")
+    train_set = prepare_train_set(args.work, args.dataset_size)
+    print(f"model {model_dir}; data {train_set}; setup {time.perf_counter() - started:.0f} s",
+          flush=True)
+    results = load_results(args.out)
+    results.update(device=device_name(), versions=versions(), model=args.model,
+                   per_device_train_batch_size=PER_DEVICE_BATCH,
+                   gradient_accumulation_steps=GRAD_ACCUM, num_generations=NUM_GENERATIONS,
+                   completions_per_optimizer_step=PER_DEVICE_BATCH * GRAD_ACCUM, lora=LORA)
+    for length in [int(x) for x in args.lengths.split(",")]:
+        for config in [c.strip() for c in args.configs.split(",") if c.strip()]:
+            if config not in CONFIGS:
+                raise SystemExit(f"unknown config {config!r}; known: {', '.join(CONFIGS)}")
+            left = args.budget_s - (time.perf_counter() - started)
+            key = result_key(config, length)
+            if left < args.min_run_s:
+                print(f"{key}: skipped, {left:.0f} s of the budget left", flush=True)
+                continue
+            result_file = args.work / f"{key}.json"
+            result_file.unlink(missing_ok=True)
+            command = [sys.executable, __file__, "--worker", config, str(length),
+                       "--warmup", str(args.warmup), "--steps", str(args.steps),
+                       "--model", args.model, "--seed", str(args.seed),
+                       "--train-set", str(train_set), "--result", str(result_file)]
+            print(f"== {key}", flush=True)
+            run_started = time.perf_counter()
+            try:
+                subprocess.run(command, timeout=min(args.run_timeout_s, left - 10), check=False)
+            except subprocess.TimeoutExpired:
+                pass
+            if result_file.is_file():
+                result = json.loads(result_file.read_text())
+            else:
+                result = {"config": config, "completion_length": length,
+                          "error": f"no result after {time.perf_counter() - run_started:.0f} s "
+                                   "(timed out or crashed)"}
+            result["wall_seconds"] = round(time.perf_counter() - run_started, 1)
+            result["device"] = results["device"]
+            results["runs"][key] = result
+            save_results(args.out, results)
+            print(json.dumps({k: v for k, v in result.items()
+                              if k not in ("generation_calls", "settings")}), flush=True)
+    print_table(results)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,354 @@
+"""The Prefect flow over the DVC pipeline, with real Prefect and real DVC: stages run once and are
+cached the second time (DVC decides), a failing stage fails the flow run and stops the pipeline,
+overrides become a DVC experiment, and a real `prefect server` sees runs, tasks, artifacts and
+the cron schedule through its REST API. One full pipeline run is shared by the module."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from conftest import ROOT, dvc_env, make_project_repo, run
+
+from vlmrl.orchestration import (
+    Outcome,
+    StageFailed,
+    parse_experiment_name,
+    parse_outcomes,
+    register_deployment,
+    run_stage,
+    select_stages,
+    stream_command,
+)
+
+CRON = "0 3 * * *"
+STAGES = ("prepare_data", "baseline_eval", "train_gspo", "post_eval", "verify_lora", "export",
+          "upload")
+METRICS_ARTIFACTS = ("eval-before-after", "lora-verification", "published-version")
+
+pytestmark = pytest.mark.slow
+
+
+def load_flow_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("vlmrl_flow_under_test",
+                                                  ROOT / "flows" / "pipeline.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class Api:
+    """The Prefect REST API, as the UI uses it."""
+
+    def __init__(self, url: str):
+        self.client = httpx.Client(base_url=url.rstrip("/") + "/", timeout=30)
+
+    def post(self, path: str, body: dict[str, Any]) -> Any:
+        response = self.client.post(path, json=body)
+        response.raise_for_status()
+        return response.json()
+
+    def flow_runs(self, flow_name: str) -> list[dict]:
+        return self.post("flow_runs/filter", {"flows": {"name": {"any_": [flow_name]}}})
+
+    def task_runs(self, flow_run_id: str) -> list[dict]:
+        return self.post("task_runs/filter", {"flow_runs": {"id": {"any_": [flow_run_id]}}})
+
+    def artifacts(self, flow_run_id: str) -> dict[str, dict]:
+        found = self.post("artifacts/filter",
+                          {"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}})
+        return {artifact["key"]: artifact for artifact in found if artifact["key"]}
+
+    def logs(self, flow_run_id: str) -> list[str]:
+        messages: list[str] = []
+        while True:
+            page = self.post("logs/filter", {"logs": {"flow_run_id": {"any_": [flow_run_id]}},
+                                             "limit": 200, "offset": len(messages)})
+            messages += [entry["message"] for entry in page]
+            if len(page) < 200:
+                return messages
+
+    def deployment(self, name: str) -> dict:
+        (found,) = self.post("deployments/filter", {"deployments": {"name": {"any_": [name]}}})
+        return found
+
+
+def task_names(task_runs: list[dict]) -> Counter:
+    return Counter(task_run["task_key"].split("-")[0] for task_run in task_runs)
+
+
+def drain_logs() -> None:
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all()
+
+
+# --- unit: DVC's own output, no Prefect -----------------------------------------------------------
+
+TOY_DVC_YAML = {"stages": {
+    "toy": {"cmd": "python -c \"import yaml; print('toy says', yaml.safe_load(open('params.yaml')))"
+                   "; open('out.txt', 'w').write('x')\"",
+            "params": ["toy"], "outs": ["out.txt"]},
+    "broken": {"cmd": "python -c \"import sys; sys.exit('broken stage: no_such_key is not a param')\""},
+}}
+
+
+@pytest.fixture
+def toy_repo(tmp_path: Path) -> Path:
+    (tmp_path / "dvc.yaml").write_text(yaml.safe_dump(TOY_DVC_YAML))
+    (tmp_path / "params.yaml").write_text("toy:\n  value: 1\n")
+    for cmd in (["git", "init", "-q"], ["git", "config", "user.email", "t@vlmrl.invalid"],
+                ["git", "config", "user.name", "t"], ["dvc", "init", "-q"],
+                ["git", "add", "-A"], ["git", "commit", "-qm", "toy"]):
+        run(cmd, tmp_path)
+    return tmp_path
+
+
+def test_ran_cached_restored_detected_on_real_dvc_output(toy_repo: Path):
+    lines: list[str] = []
+    outcomes = []
+    for value in (1, 1, 2, 1):  # run, unchanged, run, back to a run DVC's run-cache holds
+        (toy_repo / "params.yaml").write_text(f"toy:\n  value: {value}\n")
+        outcomes.append(run_stage("toy", toy_repo, lines.append).outcome)
+    assert outcomes == [Outcome.RAN, Outcome.CACHED, Outcome.RAN, Outcome.RESTORED]
+    assert "toy says {'toy': {'value': 2}}" in lines  # the stage's own stdout, streamed
+
+
+def test_failed_stage_raises_with_its_stderr(toy_repo: Path):
+    streamed: list[tuple[str, str]] = []
+    result = stream_command([sys.executable, "-m", "dvc", "repro", "-s", "broken"], toy_repo,
+                            lambda stream, line: streamed.append((stream, line)))
+    assert result.returncode != 0
+    assert ("stderr", "broken stage: no_such_key is not a param") in streamed
+    with pytest.raises(StageFailed, match="no_such_key is not a param"):
+        run_stage("broken", toy_repo, lambda line: None)
+
+
+def test_experiment_name_parsed_from_dvc_exp_run(toy_repo: Path):
+    result = run(["dvc", "exp", "run", "-s", "-S", "toy.value=5", "toy"], toy_repo)
+    name = parse_experiment_name(result.stdout.splitlines())
+    assert name and name in run(["dvc", "exp", "list", "--name-only"], toy_repo).stdout.split()
+    assert parse_outcomes(result.stdout.splitlines()) == {"toy": Outcome.RAN}
+
+
+def test_flow_tasks_follow_dvc_yaml_and_only_upload_retries():
+    flow_module = load_flow_module()
+    assert flow_module.STAGE_NAMES == tuple(yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"])
+    from prefect.cache_policies import NO_CACHE
+
+    for stage_task in flow_module.PIPELINE:
+        assert stage_task.cache_policy is NO_CACHE
+        assert stage_task.retries == (2 if stage_task.name == "upload" else 0)
+
+
+def test_select_stages_keeps_pipeline_order_and_rejects_unknown_names():
+    assert select_stages(["upload", "prepare_data"], STAGES) == ["prepare_data", "upload"]
+    assert select_stages(None, STAGES) == list(STAGES)
+    with pytest.raises(ValueError, match="no_such_stage"):
+        select_stages(["no_such_stage"], STAGES)
+
+
+# --- the flow under prefect_test_harness -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def harness_api() -> Iterator[Api]:
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield Api(PREFECT_API_URL.value())
+
+
+@pytest.fixture(scope="module")
+def flow_module() -> ModuleType:
+    return load_flow_module()
+
+
+@pytest.fixture(scope="module")
+def two_runs(harness_api: Api, flow_module: ModuleType, tmp_path_factory) -> dict[str, Any]:
+    """The whole pipeline in a fresh repo, then again: the module's only full pipeline run."""
+    repo = make_project_repo(tmp_path_factory.mktemp("flow") / "repo")
+    runs: dict[str, Any] = {"repo": repo}
+    for label in ("first", "second"):
+        started = time.monotonic()
+        state = flow_module.pipeline(repo=str(repo), return_state=True)
+        runs[f"{label}_seconds"] = time.monotonic() - started
+        assert state.is_completed(), state.message
+        runs[label] = state.result()
+        runs[f"{label}_id"] = str(state.state_details.flow_run_id)
+    drain_logs()
+    print(f"\nfull pipeline flow: first {runs['first_seconds']:.1f} s, "
+          f"cached {runs['second_seconds']:.1f} s")
+    return runs
+
+
+def test_first_run_runs_every_stage_in_order(two_runs: dict[str, Any]):
+    assert list(two_runs["first"].outcomes.items()) == [(stage, "ran") for stage in STAGES]
+
+
+def test_second_run_is_all_cached_and_a_fraction_of_the_first(two_runs: dict[str, Any]):
+    assert two_runs["second"].outcomes == {stage: "cached" for stage in STAGES}
+    assert two_runs["second_seconds"] < two_runs["first_seconds"] / 4
+
+
+def test_one_task_per_stage_with_the_stage_output_in_its_log(two_runs, harness_api: Api):
+    task_runs = harness_api.task_runs(two_runs["first_id"])
+    assert task_names(task_runs) == Counter(STAGES)
+    assert {task_run["state_type"] for task_run in task_runs} == {"COMPLETED"}
+    logs = harness_api.logs(two_runs["first_id"])
+    assert "Running stage 'train_gspo':" in logs  # DVC's line
+    assert any(line.startswith("trained 4 steps") for line in logs)  # the stage's own print
+
+
+def test_artifacts_hold_metrics_verification_and_release(two_runs, harness_api: Api):
+    artifacts = harness_api.artifacts(two_runs["first_id"])
+    assert set(METRICS_ARTIFACTS) | {"pipeline-stages"} <= set(artifacts)
+    repo = two_runs["repo"]
+    post = yaml.safe_load((repo / "data/metrics/post_eval.json").read_text())
+    before_after = artifacts["eval-before-after"]["data"]
+    assert "| accuracy |" in before_after and f"{post['accuracy']:.4g}" in before_after
+    release = yaml.safe_load((repo / "data/metrics/upload.json").read_text())
+    assert f"`{release['version']}`" in artifacts["published-version"]["data"]
+
+
+def test_failing_stage_fails_the_run_and_stops_the_pipeline(harness_api, flow_module, tmp_path):
+    repo = make_project_repo(tmp_path / "repo", {"data.eval_size": 0})
+    state = flow_module.pipeline(repo=str(repo), return_state=True)
+    assert state.is_failed()
+    assert "data.eval_size` must be at least 1" in state.message  # the tail of stderr
+    drain_logs()
+    flow_run_id = str(state.state_details.flow_run_id)
+    task_runs = harness_api.task_runs(flow_run_id)
+    assert [(run_["task_key"].split("-")[0], run_["state_type"]) for run_ in task_runs] == [
+        ("prepare_data", "FAILED")]
+    assert any("data.eval_size` must be at least 1" in line for line in harness_api.logs(flow_run_id))
+
+
+def test_overrides_run_as_a_dvc_experiment(harness_api, flow_module, tmp_path):
+    repo = make_project_repo(tmp_path / "repo")
+    report = flow_module.pipeline(stages=["prepare_data"], repo=str(repo),
+                                  overrides={"data.seed": 7})
+    assert report.outcomes == {"prepare_data": "ran"}
+    assert report.experiment in run(["dvc", "exp", "list", "--name-only"], repo).stdout.split()
+    committed = yaml.safe_load(run(["git", "show", "HEAD:params.yaml"], repo).stdout)
+    assert committed["data"]["seed"] == 42  # the override lives in the experiment only
+
+
+# --- a real Prefect server, seen through its REST API -------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def prefect_env(home: Path, api_url: str | None = None) -> dict[str, str]:
+    env = {key: value for key, value in dvc_env().items() if not key.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(home), DO_NOT_TRACK="1", PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    if api_url:
+        env["PREFECT_API_URL"] = api_url
+    return env
+
+
+def stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+@pytest.fixture(scope="module")
+def prefect_server(tmp_path_factory) -> Iterator[str]:
+    home = tmp_path_factory.mktemp("prefect-server")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    with open(home / "server.log", "w") as log:
+        server = subprocess.Popen(
+            [str(Path(sys.executable).parent / "prefect"), "server", "start", "--host", "127.0.0.1",
+             "--port", str(port)], env=prefect_env(home), stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and server.poll() is None:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.5)
+        else:
+            raise AssertionError(f"prefect server did not come up:\n{(home / 'server.log').read_text()}")
+        yield url
+    finally:
+        stop(server)
+
+
+def test_server_sees_run_tasks_artifacts_and_schedule(two_runs, prefect_server: str, tmp_path):
+    repo = two_runs["repo"]  # already reproduced: every stage is cached, so this is quick
+    env = prefect_env(tmp_path / "client-home", prefect_server)
+    result = run([sys.executable, "-m", "vlmrl.cli", "run"], repo, env=env, timeout=600)
+    printed = dict(line.split()[:2] for line in result.stdout.splitlines()
+                   if line.split() and line.split()[0] in STAGES)
+    assert printed == {stage: "cached" for stage in STAGES}
+
+    api = Api(prefect_server)
+    (flow_run,) = api.flow_runs("vlmrl-pipeline")
+    assert flow_run["state_type"] == "COMPLETED"
+    assert task_names(api.task_runs(flow_run["id"])) == Counter(STAGES)
+    assert "eval-before-after" in api.artifacts(flow_run["id"])
+
+    deployment_id = register_deployment_on(prefect_server, "nightly-test", repo)
+    deployment = api.deployment("nightly-test")
+    assert deployment["id"] == deployment_id
+    assert [schedule["schedule"]["cron"] for schedule in deployment["schedules"]] == [CRON]
+    assert deployment["parameters"] == {"repo": str(repo)}
+
+
+def register_deployment_on(api_url: str, name: str, repo: Path) -> str:
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: api_url}):
+        return str(register_deployment(name, CRON, repo))
+
+
+def test_vlmrl_schedule_serves_a_cron_deployment(two_runs, prefect_server: str, tmp_path):
+    env = prefect_env(tmp_path / "client-home", prefect_server)
+    with open(tmp_path / "serve.log", "w") as log:
+        serving = subprocess.Popen(
+            [sys.executable, "-m", "vlmrl.cli", "schedule", "--cron", CRON, "--name", "served",
+             "--stages", "prepare_data,train_gspo"], cwd=two_runs["repo"], env=env, stdout=log,
+            stderr=subprocess.STDOUT, start_new_session=True)
+    api = Api(prefect_server)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and serving.poll() is None:
+            found = api.post("deployments/filter", {"deployments": {"name": {"any_": ["served"]}}})
+            if found:
+                break
+            time.sleep(1)
+        else:
+            raise AssertionError(f"no deployment served:\n{(tmp_path / 'serve.log').read_text()}")
+        (deployment,) = found
+        assert deployment["schedules"][0]["schedule"]["cron"] == CRON
+        assert deployment["schedules"][0]["active"]
+        assert deployment["parameters"]["stages"] == ["prepare_data", "train_gspo"]
+        assert serving.poll() is None  # serve blocks: it is the process that runs the schedule
+    finally:
+        stop(serving)
