@@ -1,0 +1,101 @@
+"""The pipeline's own overhead on the embedded default: a first full `dvc repro` split by stage,
+a no-op `dvc repro`, a rerun after one train param changed, and the Prefect flow over an
+all-cached pipeline. Runs on a fresh git + DVC copy of the project.
+
+    python benchmarks/pipeline.py [--out benchmarks/results/pipeline.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from vlmrl.project_copy import dvc_env, make_project_repo, update_params
+
+STAGE_LINE = re.compile(r"Running stage '([^']+)'")
+SKIP_LINE = re.compile(r"Stage '([^']+)' didn't change, skipping")
+TARGETS = {"full_run_s": 300.0, "noop_s": 3.0, "cached_flow_s": 15.0}
+
+
+def timed_repro(repo: Path, *args: str) -> dict:
+    """Runs `dvc repro`, timing each stage from its 'Running stage' line to the next."""
+    started = time.perf_counter()
+    process = subprocess.Popen(["dvc", "repro", *args], cwd=repo, env=dvc_env(), text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    stage_starts: list[tuple[str, float]] = []
+    skipped: list[str] = []
+    for line in process.stdout:
+        now = time.perf_counter() - started
+        if match := STAGE_LINE.search(line):
+            stage_starts.append((match.group(1), now))
+        elif match := SKIP_LINE.search(line):
+            skipped.append(match.group(1))
+    if process.wait() != 0:
+        raise RuntimeError(f"dvc repro {' '.join(args)} failed in {repo}")
+    total = time.perf_counter() - started
+    ends = [start for _, start in stage_starts[1:]] + [total]
+    stages = {name: round(end - start, 2) for (name, start), end in zip(stage_starts, ends)}
+    return {"seconds": round(total, 2), "ran": list(stages), "stage_seconds": stages,
+            "skipped": skipped}
+
+
+def timed_cached_flow(repo: Path) -> dict | None:
+    """The Prefect flow over an all-cached pipeline, timed after the test server is up."""
+    try:
+        from prefect.testing.utilities import prefect_test_harness
+
+        from vlmrl.orchestration import run_pipeline
+    except ImportError as error:
+        return {"error": f"flow not available: {error}"}
+    with prefect_test_harness():
+        started = time.perf_counter()
+        outcome = run_pipeline(repo_dir=repo)
+        seconds = time.perf_counter() - started
+    return {"seconds": round(seconds, 2), "outcome": outcome}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/pipeline.json"))
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="vlmrl-bench-") as tmp:
+        repo = make_project_repo(Path(tmp) / "repo")
+        first = timed_repro(repo)
+        noop = timed_repro(repo)
+        update_params(repo, {"train.grpo.learning_rate": 1.0e-4})
+        rerun = timed_repro(repo)
+        flow = timed_cached_flow(repo)
+    results = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
+        "first_full_repro": first, "noop_repro": noop, "rerun_after_train_param": rerun,
+        "cached_flow": flow, "targets": TARGETS,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print_table(results)
+
+
+def print_table(results: dict) -> None:
+    first = results["first_full_repro"]
+    print("| measurement | seconds | target |\n| --- | ---: | ---: |")
+    print(f"| first full `dvc repro` | {first['seconds']} | < {TARGETS['full_run_s']:.0f} |")
+    for stage, seconds in first["stage_seconds"].items():
+        print(f"| - {stage} | {seconds} | |")
+    print(f"| no-op `dvc repro` | {results['noop_repro']['seconds']} | < {TARGETS['noop_s']:.0f} |")
+    rerun = results["rerun_after_train_param"]
+    print(f"| rerun after `train.grpo.learning_rate` changed ({', '.join(rerun['ran'])}) "
+          f"| {rerun['seconds']} | |")
+    flow = results["cached_flow"] or {}
+    print(f"| Prefect flow, all cached | {flow.get('seconds', flow.get('error'))} "
+          f"| < {TARGETS['cached_flow_s']:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
