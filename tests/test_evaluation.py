@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import ROOT, dvc_repro, run
 from PIL import Image
 
-from conftest import ROOT, dvc_repro, run
 from vlmrl.config import ParamsError
 from vlmrl.eval_report import (
     PLOT_BEFORE_AFTER,
@@ -147,7 +147,7 @@ def test_score_records_uses_the_training_rewards_and_weights():
 
 
 def test_scorer_breaking_responses_are_scored_wrong_not_crashed(monkeypatch):
-    import vlmrl.evaluation as evaluation
+    from vlmrl import evaluation
 
     garbage = bytes(range(256)).decode("latin-1") * 50 + "\x00\ud800"
     responses = {
@@ -368,7 +368,7 @@ def recompute_from_records(records: list[dict]) -> dict:
 def assert_metrics_match_records(metrics: dict, records: list[dict]) -> None:
     for key, value in recompute_from_records(records).items():
         assert math.isclose(metrics[key], value), key
-    for name, weight in PARAMS["rewards"]["weights"].items():
+    for name in PARAMS["rewards"]["weights"]:
         values = [r[f"reward_{name}"] for r in records if r[f"reward_{name}"] is not None]
         assert math.isclose(metrics["rewards"][name], sum(values) / len(values)), name
     categories = {r["category"] for r in records}

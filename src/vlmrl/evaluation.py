@@ -63,10 +63,16 @@ class EvalSettings:
                 raise ParamsError(f"params.yaml `eval.{key}` must be a positive integer, got {value!r}")
         if not isinstance(self.do_sample, bool):
             raise ParamsError(f"params.yaml `eval.do_sample` must be true or false, got {self.do_sample!r}")
-        if not self.temperature > 0:
+        if not (is_number(self.temperature) and self.temperature > 0):
             raise ParamsError(f"params.yaml `eval.temperature` must be > 0, got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
+        if not (is_number(self.top_p) and 0 < self.top_p <= 1):
             raise ParamsError(f"params.yaml `eval.top_p` must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ParamsError(f"params.yaml `eval.seed` must be an integer, got {self.seed!r}")
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True)

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
+import math
+import mmap
 import os
 import re
+import struct
 import subprocess
 import sys
 import tarfile
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -172,6 +175,7 @@ def expected_tensor_type(kind: str) -> str:
 def quantize_gguf(source_file: Path, outfile: Path, kind: str, threads: int | None = None) -> Path:
     import llama_cpp
 
+    quiet_llama_logs()
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = llama_ftype(kind)
     params.nthread = threads or os.cpu_count() or 1
@@ -185,22 +189,137 @@ def quantize_gguf(source_file: Path, outfile: Path, kind: str, threads: int | No
 
 # ------------------------------------------------------------ reading files
 
-_READ_SCRIPT = """
-import json, sys
-from collections import Counter
-from gguf import GGUFReader
-out = {}
-for path in sys.argv[1:]:
-    try:
-        reader = GGUFReader(path)
-        field = reader.get_field("general.architecture")
-        arch = field.contents() if field is not None else None
-        out[path] = {"architecture": arch, "tensors": len(reader.tensors),
-                     "tensor_types": dict(Counter(t.tensor_type.name for t in reader.tensors))}
-    except Exception as error:
-        out[path] = {"error": f"{type(error).__name__}: {error}"}
-print(json.dumps(out))
-"""
+# gguf-py's GGUFReader builds numpy views for every token and merge string: a minute for a
+# 152k-token vocabulary. This reader skips them and takes type names and row sizes from the
+# ggml library that llama-cpp-python loads, the same code that will read the tensors.
+_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+                   10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+_DEFAULT_ALIGNMENT = 32
+
+
+@dataclass(frozen=True)
+class GGUFInfo:
+    path: Path
+    version: int
+    architecture: str | None
+    tensor_types: dict[str, int]
+    tensors: int
+    data_bytes: int
+
+
+class _Cursor:
+    def __init__(self, buffer, path: Path) -> None:
+        self.buffer, self.path, self.offset = buffer, path, 0
+
+    def take(self, size: int) -> int:
+        start = self.offset
+        self.offset += size
+        if self.offset > len(self.buffer):
+            raise GGUFError(f"{self.path}: corrupted GGUF file (header runs past the end of the "
+                            f"file at byte {len(self.buffer)}; truncated?)")
+        return start
+
+    def unpack(self, fmt: str) -> Any:
+        return struct.unpack_from(fmt, self.buffer, self.take(struct.calcsize(fmt)))[0]
+
+    def string(self) -> str:
+        size = self.unpack("<Q")
+        return bytes(self.buffer[self.take(size):self.offset]).decode("utf-8", errors="replace")
+
+    def value(self, kind: int) -> Any:
+        """Reads scalars and strings; arrays are skipped (None)."""
+        if kind == _STRING:
+            return self.string()
+        if kind == _ARRAY:
+            self.skip_array()
+            return None
+        if kind not in _SCALAR_FORMATS:
+            raise GGUFError(f"{self.path}: corrupted GGUF file (unknown value type {kind} at "
+                            f"byte {self.offset})")
+        return self.unpack(_SCALAR_FORMATS[kind])
+
+    def skip_array(self) -> None:
+        kind, count = self.unpack("<I"), self.unpack("<Q")
+        if kind == _STRING:
+            for _ in range(count):
+                self.take(self.unpack("<Q"))
+        elif kind == _ARRAY:
+            for _ in range(count):
+                self.skip_array()
+        elif kind in _SCALAR_FORMATS:
+            self.take(struct.calcsize(_SCALAR_FORMATS[kind]) * count)
+        else:
+            raise GGUFError(f"{self.path}: corrupted GGUF file (unknown array type {kind})")
+
+
+def _ggml_functions():
+    from llama_cpp._ggml import libggml  # llama-cpp-python's handle on its ggml library
+
+    type_name, row_size = libggml.ggml_type_name, libggml.ggml_row_size
+    type_name.restype, type_name.argtypes = ctypes.c_char_p, [ctypes.c_int]
+    row_size.restype, row_size.argtypes = ctypes.c_size_t, [ctypes.c_int, ctypes.c_int64]
+    return type_name, row_size
+
+
+def ggml_type_name(type_id: int) -> str | None:
+    import llama_cpp
+
+    count = getattr(llama_cpp, "GGML_TYPE_COUNT", None) or 64
+    if not 0 <= type_id < count:
+        return None
+    name = _ggml_functions()[0](type_id)
+    return None if not name or name == b"DEPRECATED" else name.decode("ascii").upper()
+
+
+def read_gguf_info(path: Path) -> GGUFInfo:
+    """Header, tensor types and a bounds check of every tensor's data; a truncated or garbled
+    file raises GGUFError naming it."""
+    check_gguf_header(path)
+    with path.open("rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        cursor = _Cursor(buf, path)
+        cursor.take(4)
+        version, tensor_count, kv_count = (cursor.unpack("<I"), cursor.unpack("<Q"),
+                                           cursor.unpack("<Q"))
+        if version not in (2, 3):
+            raise GGUFError(f"{path}: corrupted GGUF file (version {version})")
+        metadata = {}
+        for _ in range(kv_count):
+            key = cursor.string()
+            metadata[key] = cursor.value(cursor.unpack("<I"))
+        tensors = [_tensor_info(cursor, path) for _ in range(tensor_count)]
+        alignment = metadata.get("general.alignment") or _DEFAULT_ALIGNMENT
+        data_start = -(-cursor.offset // alignment) * alignment
+        data_bytes = _check_tensor_bounds(tensors, data_start, len(buf), path)
+    types: dict[str, int] = {}
+    for _name, type_name, _offset, _bytes in tensors:
+        types[type_name] = types.get(type_name, 0) + 1
+    return GGUFInfo(path=path, version=version, architecture=metadata.get("general.architecture"),
+                    tensor_types=types, tensors=tensor_count, data_bytes=data_bytes)
+
+
+def _tensor_info(cursor: _Cursor, path: Path) -> tuple[str, str, int, int]:
+    name = cursor.string()
+    dims = [cursor.unpack("<Q") for _ in range(cursor.unpack("<I"))]
+    type_id, offset = cursor.unpack("<I"), cursor.unpack("<Q")
+    type_name = ggml_type_name(type_id)
+    if type_name is None or not dims:
+        raise GGUFError(f"{path}: corrupted GGUF file (tensor {name!r} has type {type_id}, "
+                        f"shape {dims})")
+    rows = math.prod(dims[1:])
+    return name, type_name, offset, int(_ggml_functions()[1](type_id, dims[0])) * rows
+
+
+def _check_tensor_bounds(tensors: Sequence[tuple[str, str, int, int]], data_start: int,
+                         file_size: int, path: Path) -> int:
+    end = data_start
+    for name, _type, offset, size in tensors:
+        tensor_end = data_start + offset + size
+        if tensor_end > file_size:
+            raise GGUFError(f"{path}: corrupted GGUF file (tensor {name!r} ends at byte "
+                            f"{tensor_end}, the file has {file_size}; truncated?)")
+        end = max(end, tensor_end)
+    return end - data_start
 
 
 def check_gguf_header(path: Path) -> None:
@@ -211,24 +330,6 @@ def check_gguf_header(path: Path) -> None:
     if len(head) < 8 or head[:4] != GGUF_MAGIC:
         raise GGUFError(f"{path}: not a GGUF file (bad magic {head[:4]!r}, {path.stat().st_size} "
                         "bytes); the file is corrupted or was written by something else")
-
-
-def read_gguf_summaries(paths: Sequence[Path], source: Path | None = None) -> dict[Path, dict]:
-    """Architecture and tensor-type counts per file, read by gguf-py's GGUFReader (in a
-    subprocess: it is the sdist's gguf-py, not an importable package here)."""
-    for path in paths:
-        check_gguf_header(path)
-    source = source or converter_source()
-    result = subprocess.run([sys.executable, "-c", _READ_SCRIPT, *map(str, paths)],
-                            capture_output=True, text=True, env=converter_env(source))
-    if result.returncode != 0:
-        raise GGUFError(f"reading {', '.join(p.name for p in paths)} with GGUFReader failed:\n"
-                        f"{result.stderr[-2000:]}")
-    summaries = {Path(name): value for name, value in json.loads(result.stdout).items()}
-    for path, summary in summaries.items():
-        if "error" in summary:
-            raise GGUFError(f"{path}: corrupted GGUF file ({summary['error']})")
-    return summaries
 
 
 # ------------------------------------------------------------ running files
@@ -272,11 +373,13 @@ def greedy_tokens(llm, token_ids: Sequence[int], count: int) -> list[int]:
     return tokens
 
 
-def quiet_mtmd_logs() -> None:
-    """mtmd logs every image slice to stderr regardless of `verbose`; route it through
-    llama-cpp-python's own log callback, which honours verbose=False."""
+def quiet_llama_logs() -> None:
+    """Only errors from llama.cpp reach stderr. Until a Llama(verbose=False) exists, llama-cpp-
+    python prints every log line (quantize lists each tensor), and mtmd logs every image slice
+    whatever `verbose` says; both go through llama-cpp-python's level-filtered callback."""
     from llama_cpp import _logger, mtmd_cpp
 
+    _logger.set_verbose(False)
     mtmd_cpp.mtmd_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
     mtmd_cpp.mtmd_helper_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
 
@@ -288,7 +391,7 @@ def image_chat(model_file: Path, mmproj_file: Path, image, question: str,
     from llama_cpp.llama_chat_format import MTMDChatHandler
 
     check_gguf_header(mmproj_file)
-    quiet_mtmd_logs()
+    quiet_llama_logs()
     handler = MTMDChatHandler(clip_model_path=str(mmproj_file), verbose=False)
     messages = [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": image_data_url(image)}},

@@ -28,6 +28,7 @@ for _name, _value in {
     os.environ.setdefault(_name, _value)
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import queue  # noqa: E402
 import re  # noqa: E402
@@ -290,9 +291,18 @@ def before_after_markdown(baseline: Mapping[str, Any], post: Mapping[str, Any]) 
 
 
 def verification_markdown(result: Mapping[str, Any]) -> str:
-    verdict = next((result[key] for key in ("passed", "ok", "trained") if key in result), None)
-    title = "# LoRA verification" + ("" if verdict is None else f": {'passed' if verdict else 'FAILED'}")
-    return title + "\n\n" + _table(("check", "value"), _flatten(result).items())
+    """verify_lora.json: the verdict, one row per check, then the remaining fields."""
+    verdict = result.get("passed")
+    parts = ["# LoRA verification" + ("" if verdict is None else
+                                      f": {'passed' if verdict else 'FAILED'}")]
+    checks = result.get("checks")
+    if isinstance(checks, Mapping):
+        rows = [(name, check.get("passed"), check.get("detail", "")) if isinstance(check, Mapping)
+                else (name, check, "") for name, check in checks.items()]
+        parts.append(_table(("check", "passed", "detail"), rows))
+    rest = {key: value for key, value in result.items() if key not in {"passed", "checks"}}
+    parts.append(_table(("field", "value"), _flatten(rest).items()))
+    return "\n\n".join(parts)
 
 
 def published_markdown(upload: Mapping[str, Any]) -> str:
@@ -355,10 +365,11 @@ def pipeline_deployment(name: str, cron: str, repo: str | Path | None = None,
     if overrides:
         parameters["overrides"] = overrides
     schedule = Cron(cron, timezone=timezone) if timezone else Cron(cron)
-    return RunnerDeployment.from_entrypoint(
-        entrypoint=f"{path / FLOW_FILE}:{FLOW_FUNCTION}", name=name, schedule=schedule,
-        parameters=parameters, tags=["vlmrl"],
-        description=f"The vlmrl DVC pipeline in {path}, on cron '{cron}'")
+    with contextlib.chdir(path):  # the deployment's code path is the current directory
+        return RunnerDeployment.from_entrypoint(
+            entrypoint=f"{path / FLOW_FILE}:{FLOW_FUNCTION}", name=name, schedule=schedule,
+            parameters=parameters, tags=["vlmrl"],
+            description=f"The vlmrl DVC pipeline in {path}, on cron '{cron}'")
 
 
 def register_deployment(name: str, cron: str, repo: str | Path | None = None,
@@ -420,7 +431,10 @@ def cli_schedule(argv: list[str]) -> int:
     parser.add_argument("--timezone", default=None, help="IANA zone of the cron (default UTC)")
     _common_options(parser)
     args = parser.parse_args(argv)
-    deployment = pipeline_deployment(args.name, args.cron, args.repo, args.stages,
+    repo = resolve_repo(args.repo)
+    deployment = pipeline_deployment(args.name, args.cron, repo, args.stages,
                                      parse_overrides(args.overrides) or None, args.timezone)
+    # Scheduled runs start in this process's directory, which must be the deployment's code path.
+    os.chdir(repo)
     serve(deployment, limit=1)
     return 0
