@@ -21,11 +21,10 @@ show it. Configurations (`CONFIGS`):
   gpu_profile_4bit    gpu_profile's generation settings with bitsandbytes 4-bit (transformers
                       never compiles a bnb model, so static cache without compilation)
 
-"fix" (on for every transformers configuration): TRL 1.15 generates with the policy in train mode
-and gradient checkpointing on; transformers 5 then drops the KV cache inside every decoder layer
-(`past_key_values=None`) while generate keeps feeding one token at a time, so each sampled token
-attends to itself only and ignores the prompt and the image. The fix runs generation with the model
-in eval mode (see docs/benchmarks_gpu.md). `transformers_bf16_asis` measures the unfixed path.
+TRL switches gradient checkpointing off around generation (`unwrap_model_for_generation`), so
+generate keeps its KV cache; every run still records whether transformers ever logged that it
+dropped the cache under gradient checkpointing (`kv_cache_dropped_in_generation`), which would
+make every sampled token ignore the prompt.
 
 Each (configuration, length) runs in its own process (Unsloth patches torch and transformers on
 import), results are merged into `--out` as they arrive, and a run that would not fit in
@@ -60,20 +59,18 @@ LORA = {"r": 16, "alpha": 16, "dropout": 0.0,
                            "down_proj"]}
 
 CONFIGS: dict[str, dict[str, Any]] = {
-    "unsloth_4bit": dict(backend="unsloth", load_in_4bit=True, fix=False, spg_factor=1,
+    "unsloth_4bit": dict(backend="unsloth", load_in_4bit=True, spg_factor=1,
                          static_cache=False, compile=False),
-    "transformers_bf16": dict(backend="transformers", load_in_4bit=False, fix=True, spg_factor=1,
+    "transformers_bf16": dict(backend="transformers", load_in_4bit=False, spg_factor=1,
                               static_cache=False, compile=False),
-    "transformers_4bit": dict(backend="transformers", load_in_4bit=True, fix=True, spg_factor=1,
+    "transformers_4bit": dict(backend="transformers", load_in_4bit=True, spg_factor=1,
                               static_cache=False, compile=False),
-    "gpu_profile": dict(backend="transformers", load_in_4bit=False, fix=True, spg_factor=2,
+    "gpu_profile": dict(backend="transformers", load_in_4bit=False, spg_factor=2,
                         static_cache=True, compile=True),
-    "gpu_profile_spg1": dict(backend="transformers", load_in_4bit=False, fix=True, spg_factor=1,
+    "gpu_profile_spg1": dict(backend="transformers", load_in_4bit=False, spg_factor=1,
                              static_cache=True, compile=True),
-    "gpu_profile_4bit": dict(backend="transformers", load_in_4bit=True, fix=True, spg_factor=2,
+    "gpu_profile_4bit": dict(backend="transformers", load_in_4bit=True, spg_factor=2,
                              static_cache=True, compile=False),
-    "transformers_bf16_asis": dict(backend="transformers", load_in_4bit=False, fix=False,
-                                   spg_factor=1, static_cache=False, compile=False),
 }
 
 KV_DROPPED_MESSAGE = "Caching is incompatible with gradient checkpointing"
@@ -233,17 +230,9 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
         original = trainer._generate_single_turn
 
         def generate_single_turn(*args, **kwargs):
-            policy = trainer.model
-            was_training = policy.training
-            if knobs["fix"]:
-                policy.eval()
             _sync()
             started = time.perf_counter()
-            try:
-                completion_ids, logprobs = original(*args, **kwargs)
-            finally:
-                if knobs["fix"]:
-                    policy.train(was_training)
+            completion_ids, logprobs = original(*args, **kwargs)
             _sync()
             generations.append({"step": trainer.state.global_step,
                                 "seconds": time.perf_counter() - started,
@@ -380,6 +369,8 @@ def main() -> int:
 
     model_dir = ensure_embedded_model(args.model, seed=args.seed,
                                       device="cuda" if torch.cuda.is_available() else "cpu")
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the build's weights must not sit beside the workers' runs
     train_set = prepare_train_set(args.work, args.dataset_size)
     print(f"model {model_dir}; data {train_set}; setup {time.perf_counter() - started:.0f} s",
           flush=True)

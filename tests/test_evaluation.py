@@ -31,6 +31,7 @@ from vlmrl.evaluation import (
     aggregate,
     count_generated_tokens,
     generate_responses,
+    generation_kwargs,
     render_prompt,
     run_evaluation,
     score_records,
@@ -340,6 +341,8 @@ def test_batched_generation_matches_one_by_one(eval_set, tiny_model):
     single = generate_responses(model, processor, rows, EvalSettings(max_new_tokens=6, batch_size=1))
     assert processor.tokenizer.padding_side == "left"
     assert batched == single
+    suppressed = generation_kwargs(processor, EvalSettings())["suppress_tokens"]
+    assert processor.tokenizer.convert_tokens_to_ids("<|image_pad|>") in suppressed
     assert [g.pid for g in batched] == rows["pid"]
     assert all(1 <= g.generated_tokens <= 6 for g in batched)
 

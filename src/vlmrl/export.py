@@ -13,8 +13,10 @@ import json
 import math
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +50,9 @@ EXPORT_DTYPES = ("bfloat16", "float16")
 GGUF_F16_RTOL = 8 * 2.0**-11
 GENERATED_TOKENS = 4
 MMPROJ_OUTTYPE = "f16"
+# Each converter run spends seconds importing torch and transformers on one core; two at a time
+# keep both cores of a small machine busy without doubling peak memory on a large model.
+CONVERTER_WORKERS = 2
 
 
 class ExportError(RuntimeError):
@@ -101,6 +106,10 @@ class Step:
 
     timings: dict[str, float] = field(default_factory=dict)
     bar: Any = None
+    started: float = field(default_factory=time.perf_counter)
+
+    def total(self) -> float:
+        return round(time.perf_counter() - self.started, 3)
 
     @contextlib.contextmanager
     def __call__(self, name: str) -> Iterator[None]:
@@ -111,6 +120,28 @@ class Step:
         self.timings[name] = round(time.perf_counter() - start, 3)
         if self.bar is not None:
             self.bar.update(1)
+
+    def parallel(self, phase: str, jobs: Mapping[str, Callable[[], Any]],
+                 workers: int) -> dict[str, Any]:
+        """Runs independent jobs (subprocess-bound: the converter) `workers` at a time; each
+        job's own wall time is recorded under its name, the whole phase's under `phase`."""
+        def timed(name: str) -> Any:
+            start = time.perf_counter()
+            result = jobs[name]()
+            self.timings[name] = round(time.perf_counter() - start, 3)
+            return result
+
+        results = {}
+        start = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            futures = {pool.submit(timed, name): name for name in jobs}
+            for future in as_completed(futures):
+                results[futures[future]] = future.result()
+                if self.bar is not None:
+                    self.bar.set_description(futures[future])
+                    self.bar.update(1)
+        self.timings[phase] = round(time.perf_counter() - start, 3)
+        return results
 
 
 @dataclass(frozen=True)
@@ -137,20 +168,21 @@ def check_16bit_checkpoint(path: str) -> None:
 
 
 def merge_adapter(model_settings: ModelSettings, dtype: str, adapter: Path, row: Mapping,
-                  out_dir: Path):
-    """Writes the merged 16-bit model with its processor files to `out_dir`; returns the adapter
-    model's logits on the row's image+question, in `dtype`."""
+                  out_dir: Path, base_dir: Path):
+    """Writes the merged 16-bit model with its processor files to `out_dir`, and the 16-bit base
+    it was merged into to `base_dir` (for the base-GGUF control: then only the adapter tells the
+    two apart, not bf16 rounding). Returns the adapter model's logits on the row's
+    image+question, in `dtype`."""
     from vlmrl.modeling import pick_backend
 
     settings = sixteen_bit(model_settings, dtype)
     if pick_backend(settings.backend) == "unsloth":
-        return _merge_with_unsloth(settings, adapter, row, out_dir)
-    return _merge_with_transformers(settings, adapter, row, out_dir)
+        return _merge_with_unsloth(settings, adapter, row, out_dir, base_dir)
+    return _merge_with_transformers(settings, adapter, row, out_dir, base_dir)
 
 
 def _merge_with_transformers(settings: ModelSettings, adapter: Path, row: Mapping,
-                             out_dir: Path):
-    from vlmrl.embedded import save_processor_files
+                             out_dir: Path, base_dir: Path):
     from vlmrl.modeling import (
         attach_adapter,
         load_processor,
@@ -161,25 +193,44 @@ def _merge_with_transformers(settings: ModelSettings, adapter: Path, row: Mappin
     path = resolve_model_path(settings)
     check_16bit_checkpoint(path)
     processor = load_processor(path)
-    model = attach_adapter(load_transformers_model(path, settings), adapter)
+    model = load_transformers_model(path, settings)
+    save_with_processor(model, processor, base_dir)
+    model = attach_adapter(model, adapter)
     adapter_logits = forward_logits(model, image_question_inputs(processor, row))
-    merged = model.merge_and_unload()
-    merged.save_pretrained(out_dir)
-    save_processor_files(out_dir, processor.image_processor, processor.tokenizer)
+    save_with_processor(model.merge_and_unload(), processor, out_dir)
     return adapter_logits
 
 
-def _merge_with_unsloth(settings: ModelSettings, adapter: Path, row: Mapping, out_dir: Path):
-    import unsloth  # noqa: F401  (GPU only; patches transformers before the model loads)
+def _merge_with_unsloth(settings: ModelSettings, adapter: Path, row: Mapping, out_dir: Path,
+                        base_dir: Path):
+    """GPU only. Unsloth's own 16-bit merge where it patched one in, PEFT's otherwise; the base
+    is loaded in 16-bit either way (`sixteen_bit`), so nothing is merged into 4-bit weights."""
+    import unsloth  # noqa: F401  (patches transformers before the model loads)
 
     from vlmrl.embedded import save_processor_files
-    from vlmrl.modeling import load_model
+    from vlmrl.modeling import attach_adapter, resolve_model_path
+    from vlmrl.unsloth_backend import load_unsloth_model
 
-    model, processor, _backend = load_model(settings, adapter=adapter)
+    model, processor = load_unsloth_model(resolve_model_path(settings), settings)
+    save_with_processor(model, processor, base_dir)
+    model = attach_adapter(model, adapter)
     adapter_logits = forward_logits(model, image_question_inputs(processor, row))
-    model.save_pretrained_merged(str(out_dir), processor.tokenizer, save_method="merged_16bit")
-    save_processor_files(out_dir, processor.image_processor, processor.tokenizer)
+    if hasattr(model, "save_pretrained_merged"):
+        model.save_pretrained_merged(str(out_dir), processor.tokenizer,
+                                     save_method="merged_16bit")
+        save_processor_files(out_dir, processor.image_processor, processor.tokenizer)
+    else:
+        save_with_processor(model.merge_and_unload(), processor, out_dir)
     return adapter_logits
+
+
+def save_with_processor(model, processor, out_dir: Path) -> None:
+    """safetensors plus tokenizer, chat template and image processor: a directory that
+    AutoModelForImageTextToText, AutoProcessor and llama.cpp's converter each read alone."""
+    from vlmrl.embedded import save_processor_files
+
+    model.save_pretrained(out_dir)
+    save_processor_files(out_dir, processor.image_processor, processor.tokenizer)
 
 
 def load_merged(merged_dir: Path):
@@ -241,16 +292,20 @@ def gguf_file_names(settings: ExportSettings) -> dict[str, str]:
 
 
 def build_gguf_files(merged_dir: Path, gguf_dir: Path, settings: ExportSettings,
-                     source: Path, step: Step) -> dict[str, Path]:
+                     source: Path, step: Step, base_dir: Path, scratch: Path) -> dict[str, Path]:
+    """Converts the merged model (every outtype and the projector) and, for the control, the
+    base model; then quantizes from the f16 file. Returns kind -> path, the base as `base`."""
     names = gguf_file_names(settings)
-    files: dict[str, Path] = {}
-    for kind in settings.gguf_outtypes:
-        with step(f"convert {names[kind]}"):
-            files[kind] = convert_hf_to_gguf(merged_dir, gguf_dir / names[kind], kind,
-                                             source=source)
-    with step(f"convert {names['mmproj']}"):
-        files["mmproj"] = convert_hf_to_gguf(merged_dir, gguf_dir / names["mmproj"],
-                                             MMPROJ_OUTTYPE, mmproj=True, source=source)
+    conversions = {kind: (merged_dir, gguf_dir / names[kind], kind, False)
+                   for kind in settings.gguf_outtypes}
+    conversions["mmproj"] = (merged_dir, gguf_dir / names["mmproj"], MMPROJ_OUTTYPE, True)
+    conversions["base"] = (base_dir, scratch / "base-f16.gguf", "f16", False)
+    jobs = {f"convert {kind} {out.name}": partial(convert_hf_to_gguf, model_dir, out, outtype,
+                                                  mmproj=mmproj, source=source)
+            for kind, (model_dir, out, outtype, mmproj) in conversions.items()}
+    done = step.parallel("convert (all, wall)", jobs, workers=CONVERTER_WORKERS)
+    files = {kind: done[f"convert {kind} {out.name}"]
+             for kind, (_dir, out, _type, _mmproj) in conversions.items()}
     for kind in settings.quantize:
         with step(f"quantize {names[kind]}"):
             files[kind] = quantize_gguf(files["f16"], gguf_dir / names[kind], kind)
@@ -267,19 +322,6 @@ def run_gguf_text(path: Path, token_ids: Sequence[int], text: str) -> dict[str, 
         generated_text = llm.detokenize(generated).decode("utf-8", errors="replace")
     return {"logits": logits, "generated": generated, "generated_text": generated_text,
             "tokenizer_matches": list(own_ids) == list(token_ids)}
-
-
-def base_model_dir(model_settings: ModelSettings) -> Path:
-    """The base checkpoint as a local directory for the converter (the hub cache for hub ids:
-    loading the model put it there)."""
-    from vlmrl.modeling import resolve_model_path
-
-    path = Path(resolve_model_path(model_settings))
-    if path.is_dir():
-        return path
-    from huggingface_hub import snapshot_download
-
-    return Path(snapshot_download(model_settings.name))
 
 
 def gguf_tolerance(reference) -> float:
@@ -352,16 +394,16 @@ def render_model_card(params: Mapping[str, Any], settings: ExportSettings,
         "",
         f"# {model.get('name')} + GSPO LoRA for visual maths (merged)",
         "",
-        f"The base model with the GSPO-trained LoRA adapter merged in ({settings.dtype}), "
-        "saved as safetensors with its tokenizer, chat template and image processor, plus GGUF "
-        "files for llama.cpp.",
+        (f"The base model with the GSPO-trained LoRA adapter merged in ({settings.dtype}), "
+         "saved as safetensors with its tokenizer, chat template and image processor, plus GGUF "
+         "files for llama.cpp."),
         "",
         "## Training",
         "",
         f"- Base model: `{model.get('name')}`",
-        f"- Data: `{data.get('source')}` (split `{data.get('split')}`), question types "
-        f"{data.get('question_types')}, answer types {data.get('answer_types')}, "
-        f"{data.get('eval_size')} items held out for evaluation",
+        (f"- Data: `{data.get('source')}` (split `{data.get('split')}`), question types "
+         f"{data.get('question_types')}, answer types {data.get('answer_types')}, "
+         f"{data.get('eval_size')} items held out for evaluation"),
         "",
         "Rewards and weights:",
         "",
@@ -412,8 +454,8 @@ def render_model_card(params: Mapping[str, Any], settings: ExportSettings,
         "llm.close()",
         "```",
         "",
-        "transformers: `AutoModelForImageTextToText.from_pretrained(this_dir)` and "
-        "`AutoProcessor.from_pretrained(this_dir)`.",
+        ("transformers: `AutoModelForImageTextToText.from_pretrained(this_dir)` and "
+         "`AutoProcessor.from_pretrained(this_dir)`."),
         "",
     ]
     return "\n".join(sections)
@@ -439,7 +481,7 @@ def run_export(*, params: Mapping[str, Any], adapter: Path, eval_set: Path, merg
         raise FileNotFoundError(f"{adapter}: no LoRA adapter (adapter_config.json) there; the "
                                 "train_gspo stage makes it (dvc repro train_gspo)")
     row = first_eval_row(eval_set)
-    total = 7 + len(settings.gguf_outtypes) + len(settings.quantize)
+    total = 9 + len(settings.gguf_outtypes) + len(settings.quantize)
     with tqdm(total=total, desc="export", disable=not show_progress) as bar, \
             tempfile.TemporaryDirectory(prefix="vlmrl-export-") as scratch, \
             atomic_dir(merged_out) as merged_dir, atomic_dir(gguf_out) as gguf_dir:
@@ -448,7 +490,7 @@ def run_export(*, params: Mapping[str, Any], adapter: Path, eval_set: Path, merg
         metrics = exporter.run(Path(adapter), row, merged_dir, gguf_dir, metrics_dir)
         metrics["files"] = (file_sizes(merged_dir, merged_out.as_posix())
                             | file_sizes(gguf_dir, gguf_out.as_posix()))
-        metrics["timings_s"] = step.timings | {"total": round(sum(step.timings.values()), 3)}
+        metrics["timings_s"] = step.timings | {"total": step.total()}
     return metrics
 
 
@@ -466,20 +508,22 @@ class _Exporter:
             metrics_dir: Path) -> dict[str, Any]:
         with self.step("merge"):
             adapter_logits = merge_adapter(self.model_settings, self.settings.dtype, adapter,
-                                           row, merged_dir)
+                                           row, merged_dir, self.scratch / "base")
         with self.step("reload merged"):
             text, token_ids, reference = self.check_merged(merged_dir, row, adapter_logits)
         del adapter_logits
         with self.step("find converter"):
             source = converter_source()
-        files = build_gguf_files(merged_dir, gguf_dir, self.settings, source, self.step)
+        files = build_gguf_files(merged_dir, gguf_dir, self.settings, source, self.step,
+                                 base_dir=self.scratch / "base", scratch=self.scratch)
+        base_file = files.pop("base")
         with self.step("check GGUF files"):
             gguf_report = self.check_gguf_files(files, token_ids, text, reference)
         with self.step("image prompt"):
             image_reply = image_chat(files["f16"], files["mmproj"], row["image"],
                                      question_text(row))
         with self.step("base GGUF control"):
-            self.check_base_control(token_ids, text, reference)
+            self.check_base_control(base_file, token_ids, text, reference)
         self.raise_on_failures()
         with self.step("model card"):
             self.write_model_card(merged_dir, gguf_dir, metrics_dir)
@@ -552,10 +596,9 @@ class _Exporter:
         return {"generated_tokens": run["generated"], "generated_text": run["generated_text"],
                 "logit_max_abs_diff_vs_merged": diff}
 
-    def check_base_control(self, token_ids: Sequence[int], text: str, reference) -> None:
+    def check_base_control(self, base_file: Path, token_ids: Sequence[int], text: str,
+                           reference) -> None:
         """The GGUF of the base model must not pass the parity check the merged GGUF passed."""
-        base_file = convert_hf_to_gguf(base_model_dir(self.model_settings),
-                                       self.scratch / "base-f16.gguf", "f16")
         run = run_gguf_text(base_file, token_ids, text)
         diff = max_abs_diff(run["logits"], reference)
         tolerance = gguf_tolerance(reference)
@@ -563,7 +606,6 @@ class _Exporter:
         self.record("base_gguf_differs_from_merged", diff > tolerance,
                     f"base model's f16 GGUF differs from the merged model by {diff:.3g} "
                     f"(must exceed {tolerance:.3g}, or the parity check cannot see the adapter)")
-        base_file.unlink()
 
     def raise_on_failures(self) -> None:
         failed = [check for check in self.checks if not check.passed]

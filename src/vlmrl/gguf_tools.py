@@ -79,7 +79,7 @@ def download_sdist(version: str, directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
                f"llama-cpp-python=={version}", "-d", str(directory)]
-    result = subprocess.run(command, capture_output=True, text=True)
+    result = subprocess.run(command, check=False, capture_output=True, text=True)
     found = sorted(directory.glob(f"llama_cpp_python-{version}.tar.gz"))
     if result.returncode != 0 or not found:
         raise GGUFError(
@@ -136,7 +136,8 @@ def convert_hf_to_gguf(model_dir: Path, outfile: Path, outtype: str, *, mmproj: 
                "--outfile", str(outfile)]
     if mmproj:
         command.append("--mmproj")
-    result = subprocess.run(command, capture_output=True, text=True, env=converter_env(source))
+    result = subprocess.run(command, check=False, capture_output=True, text=True,
+                            env=converter_env(source))
     if result.returncode != 0 or not outfile.is_file():
         raise GGUFError(f"{outfile.name}: converting {model_dir} failed "
                         f"(exit {result.returncode}){_missing_module_hint(result.stderr)}:\n"
@@ -390,7 +391,7 @@ def image_chat(model_file: Path, mmproj_file: Path, image, question: str,
     and the chat template stored in the GGUF)."""
     from llama_cpp.llama_chat_format import MTMDChatHandler
 
-    check_gguf_header(mmproj_file)
+    read_gguf_info(mmproj_file)  # names what is wrong with a damaged projector; mtmd only fails
     quiet_llama_logs()
     handler = MTMDChatHandler(clip_model_path=str(mmproj_file), verbose=False)
     messages = [{"role": "user", "content": [

