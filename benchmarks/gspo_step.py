@@ -71,6 +71,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
                              static_cache=True, compile=True),
     "gpu_profile_4bit": dict(backend="transformers", load_in_4bit=True, spg_factor=2,
                              static_cache=True, compile=False),
+    # transformers 5.17 never auto-compiles a bitsandbytes model (Bnb4BitHfQuantizer inherits
+    # is_compileable = False); bitsandbytes >= 0.46 registers its 4-bit ops for torch.compile,
+    # so these declare the quantizer compileable.
+    "gpu_profile_4bit_compiled": dict(backend="transformers", load_in_4bit=True, spg_factor=2,
+                                      static_cache=True, compile=True),
+    "gpu_profile_4bit_compiled_spg1": dict(backend="transformers", load_in_4bit=True,
+                                           spg_factor=1, static_cache=True, compile=True),
 }
 
 KV_DROPPED_MESSAGE = "Caching is incompatible with gradient checkpointing"
@@ -160,7 +167,7 @@ class _KVDropDetector(logging.Handler):
 
 
 def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Path,
-           model_name: str, seed: int) -> dict[str, Any]:
+           model_name: str, seed: int, partial: Path | None = None) -> dict[str, Any]:
     knobs = CONFIGS[config_name]
     if knobs["backend"] == "unsloth":
         import unsloth  # noqa: F401  (before trl and transformers, as the notebooks do)
@@ -220,11 +227,21 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
         def on_step_end(self, args, state, control, **kwargs):
             _sync()
             step_times.append(time.perf_counter() - self.started)
+            if partial is not None:  # what a run that is killed still leaves behind
+                partial.write_text(json.dumps({
+                    "step_seconds": [round(t, 3) for t in step_times],
+                    "generation_calls": generations, "load_seconds": round(load_seconds, 1),
+                    "peak_allocated_gib": _peak_gib("allocated"),
+                    "peak_reserved_gib": _peak_gib("reserved")}))
 
     trainer = GRPOTrainer(model=model, reward_funcs=reward_funcs, args=config,
                           train_dataset=dataset, processing_class=processor, callbacks=[Timer()])
     if knobs["compile"]:
         trainer.generation_config.disable_compile = False  # TRL hard-codes True
+        if knobs["load_in_4bit"]:
+            from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
+
+            Bnb4BitHfQuantizer.is_compileable = property(lambda self: True)
     wrapped = hasattr(trainer, "_generate_single_turn")
     if wrapped:
         original = trainer._generate_single_turn
@@ -353,7 +370,7 @@ def main() -> int:
         config, length = args.worker[0], int(args.worker[1])
         try:
             result = worker(config, length, args.warmup, args.steps, args.train_set, args.model,
-                            args.seed)
+                            args.seed, partial=args.result.with_suffix(".partial"))
         except BaseException as error:  # recorded, so the table says why a config has no row
             traceback.print_exc()
             result = {"config": config, "completion_length": length,
@@ -390,6 +407,7 @@ def main() -> int:
                 continue
             result_file = args.work / f"{key}.json"
             result_file.unlink(missing_ok=True)
+            result_file.with_suffix(".partial").unlink(missing_ok=True)
             command = [sys.executable, __file__, "--worker", config, str(length),
                        "--warmup", str(args.warmup), "--steps", str(args.steps),
                        "--model", args.model, "--seed", str(args.seed),
@@ -406,6 +424,8 @@ def main() -> int:
                 result = {"config": config, "completion_length": length,
                           "error": f"no result after {time.perf_counter() - run_started:.0f} s "
                                    "(timed out or crashed)"}
+                if result_file.with_suffix(".partial").is_file():
+                    result["partial"] = json.loads(result_file.with_suffix(".partial").read_text())
             result["wall_seconds"] = round(time.perf_counter() - run_started, 1)
             result["device"] = results["device"]
             results["runs"][key] = result

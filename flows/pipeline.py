@@ -6,11 +6,13 @@ off. Param overrides become one DVC experiment (`dvc exp run -S`) instead of edi
 Run once with `vlmrl run`, on a schedule with `vlmrl schedule --cron "0 3 * * *"`.
 """
 
+# vlmrl.orchestration is imported before prefect: it sets the offline defaults Prefect reads.
+# ruff: noqa: I001
 from __future__ import annotations
 
 from typing import Any
 
-from vlmrl.orchestration import (  # first: it sets the offline defaults before Prefect loads
+from vlmrl.orchestration import (
     PipelineReport,
     StageReport,
     resolve_repo,
@@ -21,9 +23,9 @@ from vlmrl.orchestration import (  # first: it sets the offline defaults before 
     stage_table,
 )
 
-from prefect import Task, flow, get_run_logger, task  # noqa: E402
-from prefect.artifacts import create_markdown_artifact, create_table_artifact  # noqa: E402
-from prefect.cache_policies import NO_CACHE  # noqa: E402
+from prefect import Task, flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
 
 
 def publish_artifacts(stage: str, repo: str) -> None:

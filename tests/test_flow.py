@@ -102,7 +102,8 @@ TOY_DVC_YAML = {"stages": {
     "toy": {"cmd": "python -c \"import yaml; print('toy says', yaml.safe_load(open('params.yaml')))"
                    "; open('out.txt', 'w').write('x')\"",
             "params": ["toy"], "outs": ["out.txt"]},
-    "broken": {"cmd": "python -c \"import sys; sys.exit('broken stage: no_such_key is not a param')\""},
+    "broken": {"cmd": "python -c \"import sys; sys.exit('broken stage: no_such_key is not a param')"
+                      "\""},
 }}
 
 
@@ -139,7 +140,8 @@ def test_failed_stage_raises_with_its_stderr(toy_repo: Path):
 
 def test_flow_tasks_follow_dvc_yaml_and_only_upload_retries():
     flow_module = load_flow_module()
-    assert flow_module.STAGE_NAMES == tuple(yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"])
+    dvc_stages = tuple(yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"])
+    assert flow_module.STAGE_NAMES == dvc_stages
     from prefect.cache_policies import NO_CACHE
 
     for stage_task in flow_module.PIPELINE:
@@ -236,7 +238,8 @@ def test_failing_stage_fails_the_run_and_stops_the_pipeline(harness_api, flow_mo
     task_runs = harness_api.task_runs(flow_run_id)
     assert [(run_["task_key"].split("-")[0], run_["state_type"]) for run_ in task_runs] == [
         ("prepare_data", "FAILED")]
-    assert any("data.eval_size` must be at least 1" in line for line in harness_api.logs(flow_run_id))
+    logs = harness_api.logs(flow_run_id)
+    assert any("data.eval_size` must be at least 1" in line for line in logs)
 
 
 @pytest.mark.slow
@@ -296,7 +299,8 @@ def prefect_server(tmp_path_factory) -> Iterator[str]:
             except httpx.TransportError:
                 time.sleep(0.5)
         else:
-            raise AssertionError(f"prefect server did not come up:\n{(home / 'server.log').read_text()}")
+            log_text = (home / "server.log").read_text()
+            raise AssertionError(f"prefect server did not come up:\n{log_text}")
         yield url
     finally:
         stop(server)

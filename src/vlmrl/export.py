@@ -37,7 +37,7 @@ from vlmrl.gguf_tools import (
 )
 from vlmrl.modeling import ModelSettings
 from vlmrl.outputs import atomic_dir
-from vlmrl.verify import first_eval_row, forward_logits, image_question_inputs
+from vlmrl.verify import Check, first_eval_row, forward_logits, image_question_inputs
 
 EXPORT_DTYPES = ("bfloat16", "float16")
 # The f16 GGUF and the float32 reference hold the same weights (every bf16 value of the merged
@@ -53,6 +53,7 @@ MMPROJ_OUTTYPE = "f16"
 # Each converter run spends seconds importing torch and transformers on one core; two at a time
 # keep both cores of a small machine busy without doubling peak memory on a large model.
 CONVERTER_WORKERS = 2
+HEADLINE_METRICS = ("n", "accuracy", "format_compliance", "mean_reward", "mean_generated_tokens")
 
 
 class ExportError(RuntimeError):
@@ -101,8 +102,8 @@ class ExportSettings:
 
 
 @dataclass
-class Step:
-    """A named step of the export with its wall time; shown as a progress bar."""
+class StepTimer:
+    """Times the export's named steps and shows them as a progress bar."""
 
     timings: dict[str, float] = field(default_factory=dict)
     bar: Any = None
@@ -142,13 +143,6 @@ class Step:
                     self.bar.update(1)
         self.timings[phase] = round(time.perf_counter() - start, 3)
         return results
-
-
-@dataclass(frozen=True)
-class CheckResult:
-    name: str
-    passed: bool
-    detail: str
 
 
 # ------------------------------------------------------------------------ merge
@@ -291,8 +285,8 @@ def gguf_file_names(settings: ExportSettings) -> dict[str, str]:
     return names
 
 
-def build_gguf_files(merged_dir: Path, gguf_dir: Path, settings: ExportSettings,
-                     source: Path, step: Step, base_dir: Path, scratch: Path) -> dict[str, Path]:
+def build_gguf_files(merged_dir: Path, gguf_dir: Path, settings: ExportSettings, source: Path,
+                     step: StepTimer, base_dir: Path, scratch: Path) -> dict[str, Path]:
     """Converts the merged model (every outtype and the projector) and, for the control, the
     base model; then quantizes from the f16 file. Returns kind -> path, the base as `base`."""
     names = gguf_file_names(settings)
@@ -340,11 +334,11 @@ def read_metrics(path: Path) -> dict[str, Any] | None:
 
 
 def headline_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:
-    """Numeric top-level values and the per-reward means, flattened."""
+    """The evaluation's headline numbers and per-reward means, flattened."""
     if not metrics:
         return {}
-    flat = {key: value for key, value in metrics.items()
-            if isinstance(value, (int, float)) and not isinstance(value, bool)}
+    flat = {key: metrics[key] for key in HEADLINE_METRICS
+            if isinstance(metrics.get(key), (int, float))}
     for name, value in (metrics.get("rewards") or {}).items():
         if isinstance(value, (int, float)):
             flat[f"reward {name}"] = value
@@ -485,7 +479,7 @@ def run_export(*, params: Mapping[str, Any], adapter: Path, eval_set: Path, merg
     with tqdm(total=total, desc="export", disable=not show_progress) as bar, \
             tempfile.TemporaryDirectory(prefix="vlmrl-export-") as scratch, \
             atomic_dir(merged_out) as merged_dir, atomic_dir(gguf_out) as gguf_dir:
-        step = Step(bar=bar)
+        step = StepTimer(bar=bar)
         exporter = _Exporter(params, model_settings, settings, step, Path(scratch))
         metrics = exporter.run(Path(adapter), row, merged_dir, gguf_dir, metrics_dir)
         metrics["files"] = (file_sizes(merged_dir, merged_out.as_posix())
@@ -499,9 +493,9 @@ class _Exporter:
     params: Mapping[str, Any]
     model_settings: ModelSettings
     settings: ExportSettings
-    step: Step
+    step: StepTimer
     scratch: Path
-    checks: list[CheckResult] = field(default_factory=list)
+    checks: list[Check] = field(default_factory=list)
     diffs: dict[str, float] = field(default_factory=dict)
 
     def run(self, adapter: Path, row: Mapping, merged_dir: Path, gguf_dir: Path,
@@ -540,7 +534,7 @@ class _Exporter:
         }
 
     def record(self, name: str, passed: bool, detail: str) -> None:
-        self.checks.append(CheckResult(name, passed, detail))
+        self.checks.append(Check(name, passed, detail))
 
     def check_merged(self, merged_dir: Path, row: Mapping, adapter_logits):
         """Reloads the merged directory alone; compares its logits with the adapter model's in

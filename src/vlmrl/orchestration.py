@@ -13,10 +13,26 @@ that the flow file reads like the pipeline and the logic here is testable withou
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import json
 import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
 
-# Offline by default: the project never phones home unless the user asks for it. Must precede
-# every Prefect import (settings are read when prefect is imported).
+# Offline by default: the project never phones home unless the user asks for it. Set before any
+# Prefect import (Prefect reads its settings when imported); this module imports it lazily.
 for _name, _value in {
     "DO_NOT_TRACK": "1",
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -26,23 +42,6 @@ for _name, _value in {
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
 }.items():
     os.environ.setdefault(_name, _value)
-
-import argparse  # noqa: E402
-import contextlib  # noqa: E402
-import json  # noqa: E402
-import queue  # noqa: E402
-import re  # noqa: E402
-import signal  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-from collections import deque  # noqa: E402
-from collections.abc import Callable, Iterable, Mapping, Sequence  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
-from enum import Enum  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import IO, TYPE_CHECKING, Any  # noqa: E402
 
 if TYPE_CHECKING:
     from uuid import UUID
@@ -59,7 +58,8 @@ DEFAULT_DEPLOYMENT_NAME = "scheduled"
 _RAN = re.compile(r"^Running stage '(?P<stage>[^']+)':")
 _UNCHANGED = re.compile(r"^Stage '(?P<stage>[^']+)' didn't change, skipping")
 _RESTORED = re.compile(r"^Stage '(?P<stage>[^']+)' is cached - skipping run, checking out outputs")
-_EXPERIMENT = re.compile(r"^(?:Reproducing experiment '(?P<a>[^']+)'|Ran experiment\(s\): (?P<b>\S+))")
+_EXPERIMENT = re.compile(
+    r"^(?:Reproducing experiment '(?P<a>[^']+)'|Ran experiment\(s\): (?P<b>\S+))")
 
 
 class Outcome(str, Enum):
@@ -135,7 +135,8 @@ def repro_command(stage: str) -> list[str]:
 
 
 def experiment_command(stages: Sequence[str], overrides: Mapping[str, Any]) -> list[str]:
-    settings = [arg for key, value in overrides.items() for arg in ("-S", format_override(key, value))]
+    settings = [arg for key, value in overrides.items()
+                for arg in ("-S", format_override(key, value))]
     return [sys.executable, "-m", "dvc", "exp", "run", "--single-item", *settings, *stages]
 
 
@@ -212,18 +213,26 @@ def run_stage(stage: str, repo: Path, log: Callable[[str], None]) -> StageReport
 def run_experiment(stages: Sequence[str], overrides: Mapping[str, Any], repo: Path,
                    log: Callable[[str], None]) -> PipelineReport:
     """One `dvc exp run -S ... --single-item STAGES`: the overrides land in a named experiment."""
-    started = time.monotonic()
     cmd = experiment_command(stages, overrides)
     log("$ dvc " + " ".join(cmd[3:]) + f"  (in {repo})")
-    result = stream_command(cmd, repo, lambda _stream, line: log(line))
+    first_seen: dict[str, float] = {}  # a stage's first DVC line starts its time
+
+    def on_line(_stream: str, line: str) -> None:
+        for stage in parse_outcomes([line]):
+            first_seen.setdefault(stage, time.monotonic())
+        log(line)
+
+    result = stream_command(cmd, repo, on_line)
     if result.returncode != 0:
         raise StageFailed(_failure_message(f"experiment over {', '.join(stages)}", result))
     outcomes = parse_outcomes(result.stdout)
     missing = [stage for stage in stages if stage not in outcomes]
     if missing:
         raise StageFailed(f"DVC exited 0 but did not report stages {missing}")
-    seconds = time.monotonic() - started
-    reports = [StageReport(stage, outcomes[stage], seconds) for stage in stages]
+    starts = sorted((first_seen[stage], stage) for stage in stages)
+    ends = [start for start, _ in starts[1:]] + [time.monotonic()]
+    seconds = {stage: end - start for (start, stage), end in zip(starts, ends, strict=True)}
+    reports = [StageReport(stage, outcomes[stage], seconds[stage]) for stage in stages]
     return PipelineReport(reports, parse_experiment_name(result.stdout))
 
 
@@ -268,7 +277,9 @@ def _cell(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     if isinstance(value, list | tuple):
-        return ", ".join(_cell(item) for item in value) if len(value) <= 8 else f"{len(value)} items"
+        if len(value) > 8:
+            return f"{len(value)} items"
+        return ", ".join(_cell(item) for item in value)
     return str(value).replace("|", "\\|").replace("\n", " ")
 
 
@@ -284,7 +295,8 @@ def _is_number(value: Any) -> bool:
 
 def before_after_markdown(baseline: Mapping[str, Any], post: Mapping[str, Any]) -> str:
     """Every numeric top-level metric the two evaluations share: baseline, post, change."""
-    keys = [key for key, value in post.items() if _is_number(value) and _is_number(baseline.get(key))]
+    keys = [key for key, value in post.items()
+            if _is_number(value) and _is_number(baseline.get(key))]
     rows = [(key, baseline[key], post[key], post[key] - baseline[key]) for key in keys]
     return "# Evaluation before and after GSPO\n\n" + _table(
         ("metric", "baseline", "post", "change"), rows)

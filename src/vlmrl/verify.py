@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vlmrl.config import ParamsError, require
+from vlmrl.config import ParamsError, require, section
 
 LORA_KEYS = ("r", "alpha", "dropout", "target_modules")
 MODULE_GROUPS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -94,8 +94,9 @@ class VerifyReport:
         }
 
     def failure_message(self) -> str:
-        head = f"LoRA adapter {self.adapter} failed {len(self.failed)} of {len(self.checks)} checks:"
-        lines = [head] + [f"  - {check.name}: {check.detail}" for check in self.failed]
+        failed = self.failed
+        lines = [f"LoRA adapter {self.adapter} failed {len(failed)} of {len(self.checks)} checks:"]
+        lines += [f"  - {check.name}: {check.detail}" for check in failed]
         return "\n".join(lines)
 
 
@@ -331,14 +332,10 @@ def verify_adapter(model_settings, adapter: Path | str, eval_set: Path | str, sp
 
 
 def lora_spec_from_params(params: Mapping[str, Any]) -> LoraSpec:
-    from vlmrl.config import section
-
     return LoraSpec.from_params(section(params, "train.lora"))
 
 
 def logit_tolerance_from_params(params: Mapping[str, Any]) -> float:
-    from vlmrl.config import section
-
     tolerance = float(require(section(params, "verify"), "logit_tolerance", "verify"))
     if not (tolerance >= 0 and math.isfinite(tolerance)):
         raise ParamsError(f"params.yaml `verify.logit_tolerance` must be >= 0, got {tolerance}")
