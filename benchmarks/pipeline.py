@@ -57,7 +57,7 @@ def timed_cached_flow(repo: Path) -> dict:
         started = time.perf_counter()
         report = pipeline(repo=str(repo))
         seconds = time.perf_counter() - started
-    ran = [stage.name for stage in report.stages if stage.ran]
+    ran = [stage.stage for stage in report.stages if stage.ran]
     return {"seconds": round(seconds, 2), "stages_that_ran": ran}
 
 
