@@ -61,7 +61,8 @@ case "$MODE" in
     setup) ;;
     tests)
         export TQDM_DISABLE=1
-        python3 -m pytest tests/gpu -m gpu -p no:cacheprovider -v -s --tb=short \
+        # SIGINT at the deadline: pytest stops cleanly, reports, and the logs below are kept.
+        timeout --signal=INT "${VLMRL_GPU_TEST_TIMEOUT:-36000}" python3 -m pytest tests/gpu -m gpu -p no:cacheprovider -v -s --tb=short \
             --junitxml="$OUTDIR/gpu-tests.xml" "$@" 2>&1 | tee "$OUTDIR/gpu-tests.log"
         rc="${PIPESTATUS[0]}"
         # The device tool returns at most 8 files: one archive for the per-stage logs.

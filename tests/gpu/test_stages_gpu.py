@@ -51,12 +51,14 @@ SMALL = {
     "train.save_steps": 2,
     "train.lora.r": 16,
     "train.lora.alpha": 16,
-    "train.grpo.max_steps": 2,
+    "train.grpo.max_steps": 4,
     "train.grpo.per_device_train_batch_size": 4,
     "train.grpo.gradient_accumulation_steps": 1,
     "train.grpo.steps_per_generation": 2,
     "train.grpo.num_generations": 4,
-    "train.grpo.max_completion_length": 16,
+    # 32 tokens, as in params.yaml: about half the completions pass length_penalty's 150
+    # characters, so groups have reward variance and the adapter really moves (verify_lora).
+    "train.grpo.max_completion_length": 32,
     "export.gguf_outtypes": ["f16"],
     "export.quantize": [],
     "upload.bucket": "",
