@@ -18,8 +18,12 @@ show it. Configurations (`CONFIGS`):
                       compiled decoding (torch.compile + CUDA graphs through transformers'
                       auto-compile, which TRL switches off), one generation for 2 optimizer steps
                       (steps_per_generation = 2 x GA)
-  gpu_profile_4bit    gpu_profile's generation settings with bitsandbytes 4-bit (transformers
-                      never compiles a bnb model, so static cache without compilation)
+  gpu_profile_spg1    gpu_profile with steps_per_generation = GA (half the static cache)
+  gpu_profile_4bit    gpu_profile's generation settings with bitsandbytes 4-bit, not compiled
+                      (transformers 5.17 never compiles a bitsandbytes model)
+  gpu_profile_4bit_compiled[_spg1]
+                      the same, compiled: the bnb quantizer is declared compileable
+                      (bitsandbytes >= 0.46 registers its 4-bit ops for torch.compile)
 
 TRL switches gradient checkpointing off around generation (`unwrap_model_for_generation`), so
 generate keeps its KV cache; every run still records whether transformers ever logged that it
@@ -59,25 +63,25 @@ LORA = {"r": 16, "alpha": 16, "dropout": 0.0,
                            "down_proj"]}
 
 CONFIGS: dict[str, dict[str, Any]] = {
-    "unsloth_4bit": dict(backend="unsloth", load_in_4bit=True, spg_factor=1,
-                         static_cache=False, compile=False),
-    "transformers_bf16": dict(backend="transformers", load_in_4bit=False, spg_factor=1,
-                              static_cache=False, compile=False),
-    "transformers_4bit": dict(backend="transformers", load_in_4bit=True, spg_factor=1,
-                              static_cache=False, compile=False),
-    "gpu_profile": dict(backend="transformers", load_in_4bit=False, spg_factor=2,
-                        static_cache=True, compile=True),
-    "gpu_profile_spg1": dict(backend="transformers", load_in_4bit=False, spg_factor=1,
-                             static_cache=True, compile=True),
-    "gpu_profile_4bit": dict(backend="transformers", load_in_4bit=True, spg_factor=2,
-                             static_cache=True, compile=False),
+    "unsloth_4bit": {"backend": "unsloth", "load_in_4bit": True, "spg_factor": 1,
+                     "static_cache": False, "compile": False},
+    "transformers_bf16": {"backend": "transformers", "load_in_4bit": False, "spg_factor": 1,
+                          "static_cache": False, "compile": False},
+    "transformers_4bit": {"backend": "transformers", "load_in_4bit": True, "spg_factor": 1,
+                          "static_cache": False, "compile": False},
+    "gpu_profile": {"backend": "transformers", "load_in_4bit": False, "spg_factor": 2,
+                    "static_cache": True, "compile": True},
+    "gpu_profile_spg1": {"backend": "transformers", "load_in_4bit": False, "spg_factor": 1,
+                         "static_cache": True, "compile": True},
+    "gpu_profile_4bit": {"backend": "transformers", "load_in_4bit": True, "spg_factor": 2,
+                         "static_cache": True, "compile": False},
     # transformers 5.17 never auto-compiles a bitsandbytes model (Bnb4BitHfQuantizer inherits
     # is_compileable = False); bitsandbytes >= 0.46 registers its 4-bit ops for torch.compile,
     # so these declare the quantizer compileable.
-    "gpu_profile_4bit_compiled": dict(backend="transformers", load_in_4bit=True, spg_factor=2,
-                                      static_cache=True, compile=True),
-    "gpu_profile_4bit_compiled_spg1": dict(backend="transformers", load_in_4bit=True,
-                                           spg_factor=1, static_cache=True, compile=True),
+    "gpu_profile_4bit_compiled": {"backend": "transformers", "load_in_4bit": True,
+                                  "spg_factor": 2, "static_cache": True, "compile": True},
+    "gpu_profile_4bit_compiled_spg1": {"backend": "transformers", "load_in_4bit": True,
+                                       "spg_factor": 1, "static_cache": True, "compile": True},
 }
 
 KV_DROPPED_MESSAGE = "Caching is incompatible with gradient checkpointing"
@@ -371,7 +375,7 @@ def main() -> int:
         try:
             result = worker(config, length, args.warmup, args.steps, args.train_set, args.model,
                             args.seed, partial=args.result.with_suffix(".partial"))
-        except BaseException as error:  # recorded, so the table says why a config has no row
+        except Exception as error:  # noqa: BLE001  (recorded: the table says why a run failed)
             traceback.print_exc()
             result = {"config": config, "completion_length": length,
                       "error": f"{type(error).__name__}: {error}"[:2000]}

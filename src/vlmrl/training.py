@@ -20,7 +20,7 @@ from typing import Any
 from vlmrl.config import ParamsError
 from vlmrl.modeling import ModelSettings, cuda_available, pick_backend, resolve_dtype
 from vlmrl.rewards import build_rewards_from_params
-from vlmrl.trl_compat import install_cpu_fallback
+from vlmrl.trl_compat import enable_compiled_generation, install_cpu_fallback
 
 LORA_KEYS = {"r", "alpha", "dropout", "target_modules"}
 TRAIN_KEYS = {"save_steps", "resume", "lora", "grpo"}
@@ -242,6 +242,10 @@ class TrainResult:
 def train(*, train_set: Path, params: Mapping[str, Any], adapter_out: Path,
           checkpoints: Path) -> TrainResult:
     """Runs GSPO and writes the adapter; returns the per-step log and the summary."""
+    train_params, model_settings = params["train"], ModelSettings.from_params(params["model"])
+    check_train_params(train_params)
+    if pick_backend(model_settings.backend) == "unsloth":
+        import unsloth  # noqa: F401  (must patch TRL, transformers and PEFT before they load)
     from datasets import load_from_disk
     from transformers import TrainerCallback
     from trl import GRPOTrainer
@@ -249,9 +253,6 @@ def train(*, train_set: Path, params: Mapping[str, Any], adapter_out: Path,
     from vlmrl.embedded import save_processor_files
     from vlmrl.modeling import suppressed_generation_kwargs
     from vlmrl.outputs import atomic_dir
-
-    train_params, model_settings = params["train"], ModelSettings.from_params(params["model"])
-    check_train_params(train_params)
     if not (train_set / "dataset_info.json").is_file():
         raise FileNotFoundError(f"{train_set}: no prepared train set; the prepare_data stage makes it")
     reward_funcs, reward_weights = build_rewards_from_params(params["rewards"])
@@ -268,12 +269,15 @@ def train(*, train_set: Path, params: Mapping[str, Any], adapter_out: Path,
 
     install_cpu_fallback()
     model, processor, _backend = load_policy(model_settings, train_params["lora"], config.seed)
-    config.generation_kwargs = {**suppressed_generation_kwargs(processor),
-                                **(config.generation_kwargs or {})}
+    generation_kwargs = dict(config.generation_kwargs or {})
+    compile_generation = generation_kwargs.pop("disable_compile", True) is False
+    config.generation_kwargs = {**suppressed_generation_kwargs(processor), **generation_kwargs}
     timer = type("StepTimerCallback", (StepTimer, TrainerCallback), {})()
     trainer = GRPOTrainer(model=model, reward_funcs=reward_funcs, args=config,
                           train_dataset=load_from_disk(str(train_set)),
                           processing_class=processor, callbacks=[timer])
+    if compile_generation:
+        enable_compiled_generation(trainer)
     started = time.perf_counter()
     if resume_from is not None:
         print(f"resuming from {resume_from}")

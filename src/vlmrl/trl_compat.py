@@ -56,3 +56,15 @@ def install_cpu_fallback() -> bool:
         return False
     trl_utils._ChunkedLogProbFunction = TorchChunkedLogProb
     return True
+
+
+def enable_compiled_generation(trainer) -> None:
+    """TRL builds its generation config with `disable_compile=True`; a static KV cache only pays
+    off with compiled decoding. transformers 5.17 also never compiles a bitsandbytes 4-bit model,
+    although compiling it works with bitsandbytes 0.50 (measured: benchmarks/gspo_step.py)."""
+    trainer.generation_config.disable_compile = False
+    try:
+        from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
+    except ImportError:
+        return
+    Bnb4BitHfQuantizer.is_compileable = property(lambda self: True)

