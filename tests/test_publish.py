@@ -23,7 +23,7 @@ from vlmrl.cli import main as vlmrl_main
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 UPLOAD_STAGE = REPO_ROOT / "stages" / "upload.py"
-VENV_DVC = REPO_ROOT / ".venv" / "bin" / "dvc"
+VENV_DVC = Path(sys.executable).parent / "dvc"
 PREFIX = "vlmrl/test"
 BIG_FILE_SIZE = 6 * 1024 * 1024  # over the 5 MiB multipart threshold used here
 WRONG_SECRET = "wrong-secret-that-must-never-be-printed"

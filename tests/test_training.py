@@ -32,8 +32,7 @@ def lora_b_norms(adapter: Path) -> dict[str, float]:
 
 @pytest.mark.slow
 def test_train_gspo_through_dvc(pipeline_repo: Path) -> None:
-    result = dvc_repro(pipeline_repo, "train_gspo")
-    assert "Running stage 'train_gspo'" in result.stdout
+    dvc_repro(pipeline_repo, "train_gspo")  # earlier tests may have reproduced it already
 
     adapter = pipeline_repo / "data/models/adapter"
     norms = lora_b_norms(adapter)
