@@ -6,7 +6,14 @@ import argparse
 from pathlib import Path
 
 from vlmrl.config import load_params, section
-from vlmrl.data import DataSettings, data_summary, load_raw_records, prepare, render_report, to_dataset
+from vlmrl.data import (
+    DataSettings,
+    data_summary,
+    load_raw_records,
+    prepare,
+    render_report,
+    to_dataset,
+)
 from vlmrl.outputs import atomic_dir, remove_outputs, write_json_atomic, write_text_atomic
 
 

@@ -63,7 +63,7 @@ def test_default_filter_keeps_numeric_free_form(tmp_path: Path) -> None:
 def test_split_is_by_pid_and_deterministic() -> None:
     rows = [{"pid": str(i)} for i in range(50)]
     train, eval_rows = split_by_pid(rows, 10, seed=3)
-    train2, eval2 = split_by_pid(list(reversed(rows)), 10, seed=3)
+    _, eval2 = split_by_pid(list(reversed(rows)), 10, seed=3)
     assert {r["pid"] for r in eval_rows} == {r["pid"] for r in eval2}
     assert len(eval_rows) == 10 and len(train) == 40
     assert {r["pid"] for r in split_by_pid(rows, 10, seed=4)[1]} != {r["pid"] for r in eval_rows}

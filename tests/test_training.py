@@ -103,7 +103,6 @@ def test_on_policy_gspo_warns() -> None:
 
 def test_gspo_defaults_move_the_ratio() -> None:
     import yaml
-
     from conftest import ROOT
 
     grpo = yaml.safe_load((ROOT / "params.yaml").read_text())["train"]["grpo"]

@@ -308,7 +308,8 @@ def _pid_rank(pid: str, seed: int) -> str:
 # ---------------------------------------------------------------- writing
 
 def to_dataset(rows: list[dict[str, Any]]):
-    from datasets import Dataset, Features, Image as ImageFeature, Sequence, Value
+    from datasets import Dataset, Features, Sequence, Value
+    from datasets import Image as ImageFeature
 
     features = Features({
         "pid": Value("string"),
