@@ -204,13 +204,13 @@ def _merge_with_unsloth(settings: ModelSettings, adapter: Path, row: Mapping, ou
 
     from vlmrl.embedded import save_processor_files
     from vlmrl.modeling import resolve_model_path
-    from vlmrl.unsloth_backend import load_unsloth_model
+    from vlmrl.unsloth_backend import load_unsloth_adapter_model, load_unsloth_model
 
     path = resolve_model_path(settings)
     model, processor = load_unsloth_model(path, settings)
     save_with_processor(model, processor, base_dir)
     del model
-    model, processor = load_unsloth_model(path, settings, adapter=adapter)
+    model = load_unsloth_adapter_model(adapter, settings)
     adapter_logits = forward_logits(model, image_question_inputs(processor, row))
     if hasattr(model, "save_pretrained_merged"):
         model.save_pretrained_merged(str(out_dir), processor.tokenizer,

@@ -15,15 +15,17 @@ def load_unsloth_model(path: str, settings, *, adapter: str | Path | None = None
 
     from vlmrl.modeling import load_processor, resolve_dtype
 
-    # Unsloth loads an adapter directory itself (base from adapter_config.json); an adapter
-    # attached afterwards with PEFT lacks Unsloth's patches (save_pretrained_merged refuses it).
     model, _tokenizer = FastVisionModel.from_pretrained(
-        model_name=str(adapter) if adapter is not None else path,
+        model_name=path,
         load_in_4bit=settings.load_in_4bit,
         dtype=resolve_dtype(settings.dtype),
         max_seq_length=settings.max_seq_length,
         use_gradient_checkpointing="unsloth" if for_training else False,
     )
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter), is_trainable=for_training)
     if not for_training:
         FastVisionModel.for_inference(model)
     return model, load_processor(path)
@@ -46,3 +48,17 @@ def unsloth_lora(model, lora: Mapping[str, Any], seed: int):
         random_state=seed,
         use_gradient_checkpointing="unsloth",
     )
+
+
+def load_unsloth_adapter_model(adapter: str | Path, settings):
+    """The adapter loaded by Unsloth itself (base from adapter_config.json): only such a model
+    has Unsloth's `save_pretrained_merged`; one attached afterwards with PEFT is refused."""
+    import unsloth  # noqa: F401
+    from unsloth import FastVisionModel
+
+    from vlmrl.modeling import resolve_dtype
+
+    model, _tokenizer = FastVisionModel.from_pretrained(
+        model_name=str(adapter), load_in_4bit=False, dtype=resolve_dtype(settings.dtype),
+        max_seq_length=settings.max_seq_length, use_gradient_checkpointing=False)
+    return model
