@@ -31,6 +31,8 @@ from enum import Enum
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from vlmrl.project_copy import dvc_env
+
 # Offline by default: the project never phones home unless the user asks for it. Set before any
 # Prefect import (Prefect reads its settings when imported); this module imports it lazily.
 for _name, _value in {
@@ -138,13 +140,6 @@ def experiment_command(stages: Sequence[str], overrides: Mapping[str, Any]) -> l
     settings = [arg for key, value in overrides.items()
                 for arg in ("-S", format_override(key, value))]
     return [sys.executable, "-m", "dvc", "exp", "run", "--single-item", *settings, *stages]
-
-
-def dvc_env() -> dict[str, str]:
-    """DVC and the stage commands it spawns (`python stages/...`) must use this interpreter."""
-    env = dict(os.environ, DVC_NO_ANALYTICS="1", PYTHONUNBUFFERED="1")
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    return env
 
 
 # --- running a command with its output streamed -------------------------------------------------
