@@ -3,36 +3,38 @@ configuration, on a random-init model with Qwen3-VL-2B's real shapes (`embedded:
 and the project's own data (512 px synthetic charts, tables and geometry from vlmrl.synth through
 vlmrl.data.prepare).
 
-Every configuration does the same work per optimizer step: 4 generations per prompt,
-per_device_train_batch_size 8 (2 prompts x 4), gradient_accumulation_steps 2, so 16 completions of
-`--lengths` tokens per optimizer step, LoRA r16/alpha16 on the language model's 7 projections, and
-gradient checkpointing. A random-init model almost never samples EOS (2 ids out of 151,936), so
-every completion runs to the maximum length; the measured mean completion length is reported to
-show it. Configurations (`CONFIGS`):
+Every configuration does the same work per optimizer step: 16 completions of `--lengths` tokens
+(4 prompts x 4 generations), LoRA r16/alpha16 on the language model's 7 projections, gradient
+checkpointing. The reference batch shape is per_device_train_batch_size 8 x
+gradient_accumulation_steps 2; the GPU profile trains the same 16 completions as 8 micro-batches
+of 2. A random-init model almost never samples EOS (2 ids out of 151,936), so every completion
+runs to the maximum length; the measured mean completion length is reported to show it.
+Configurations (`CONFIGS`):
 
   unsloth_4bit        the seed notebooks' reference: Unsloth FastVisionModel in 4-bit, Unsloth's
                       patched GRPOTrainer, Hugging Face generate, steps_per_generation = GA
   transformers_bf16   transformers + PEFT in bf16, plain TRL GRPOTrainer, steps_per_generation = GA
   transformers_4bit   the same with bitsandbytes NF4 4-bit
-  gpu_profile         transformers + PEFT in bf16, static KV cache sized once (max_cache_len),
-                      compiled decoding (torch.compile + CUDA graphs through transformers'
-                      auto-compile, which TRL switches off), one generation for 2 optimizer steps
-                      (steps_per_generation = 2 x GA)
-  gpu_profile_spg1    gpu_profile with steps_per_generation = GA (half the static cache)
-  gpu_profile_4bit    gpu_profile's generation settings with bitsandbytes 4-bit, not compiled
-                      (transformers 5.17 never compiles a bitsandbytes model)
-  gpu_profile_4bit_compiled[_spg1]
-                      the same, compiled: the bnb quantizer is declared compileable
-                      (bitsandbytes >= 0.46 registers its 4-bit ops for torch.compile)
+  gpu_profile_*       candidates for the GPU profile: NF4, a static KV cache sized once
+                      (max_cache_len), compiled decoding (torch.compile + CUDA graphs through
+                      transformers' auto-compile, which TRL switches off), micro-batches of 2,
+                      and a generation batch shape per candidate (see CONFIGS)
+  gpu_profile         the candidate the README's GPU profile uses (GPU_PROFILE)
+  gpu_profile_bf16    bf16 weights, static cache, compiled decoding, one generation of 32 rows
+                      for two optimizer steps, reference batch shape
 
-TRL switches gradient checkpointing off around generation (`unwrap_model_for_generation`), so
-generate keeps its KV cache; every run still records whether transformers ever logged that it
-dropped the cache under gradient checkpointing (`kv_cache_dropped_in_generation`), which would
-make every sampled token ignore the prompt.
+Compiled decoding and generation in chunks go through the train_gspo stage's own switches
+(vlmrl.trl_compat.enable_compiled_generation and limit_generation_rows). TRL switches gradient
+checkpointing off around generation (`unwrap_model_for_generation`), so generate keeps its KV
+cache; every run still records whether transformers ever logged that it dropped the cache under
+gradient checkpointing (`kv_cache_dropped_in_generation`), which would make every sampled token
+ignore the prompt. Peak memory is recorded per phase: inside `generate`, and the rest (training,
+scoring, old log-probabilities).
 
 Each (configuration, length) runs in its own process (Unsloth patches torch and transformers on
-import), results are merged into `--out` as they arrive, and a run that would not fit in
-`--budget-s` is skipped and recorded as such.
+import), results are merged into `--out` as they arrive (`runs`, raw; `results`, configuration ->
+one entry per completion length), and a run that would not fit in `--budget-s` is skipped and
+recorded as such.
 
 Usage (on a GPU machine; tests/gpu/run_on_device.sh installs what is missing):
   PYTHONPATH=src python benchmarks/gspo_step.py --configs unsloth_4bit,gpu_profile \\
@@ -62,27 +64,42 @@ LORA = {"r": 16, "alpha": 16, "dropout": 0.0,
         "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                            "down_proj"]}
 
+REFERENCE_BATCH = {"per_device_train_batch_size": PER_DEVICE_BATCH,
+                   "gradient_accumulation_steps": GRAD_ACCUM, "steps_per_generation": GRAD_ACCUM}
+# The profile's own batch shape: the same 16 completions per optimizer step, trained in
+# micro-batches of 2 (8 accumulation steps), so the logits of only 2 sequences are alive at once.
+LEAN_BATCH = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 8}
+
 CONFIGS: dict[str, dict[str, Any]] = {
-    "unsloth_4bit": {"backend": "unsloth", "load_in_4bit": True, "spg_factor": 1,
+    "unsloth_4bit": {"backend": "unsloth", "load_in_4bit": True, **REFERENCE_BATCH,
                      "static_cache": False, "compile": False},
-    "transformers_bf16": {"backend": "transformers", "load_in_4bit": False, "spg_factor": 1,
+    "transformers_bf16": {"backend": "transformers", "load_in_4bit": False, **REFERENCE_BATCH,
                           "static_cache": False, "compile": False},
-    "transformers_4bit": {"backend": "transformers", "load_in_4bit": True, "spg_factor": 1,
+    "transformers_4bit": {"backend": "transformers", "load_in_4bit": True, **REFERENCE_BATCH,
                           "static_cache": False, "compile": False},
-    "gpu_profile": {"backend": "transformers", "load_in_4bit": False, "spg_factor": 2,
-                    "static_cache": True, "compile": True},
-    "gpu_profile_spg1": {"backend": "transformers", "load_in_4bit": False, "spg_factor": 1,
-                         "static_cache": True, "compile": True},
-    "gpu_profile_4bit": {"backend": "transformers", "load_in_4bit": True, "spg_factor": 2,
-                         "static_cache": True, "compile": False},
-    # transformers 5.17 never auto-compiles a bitsandbytes model (Bnb4BitHfQuantizer inherits
-    # is_compileable = False); bitsandbytes >= 0.46 registers its 4-bit ops for torch.compile,
-    # so these declare the quantizer compileable.
-    "gpu_profile_4bit_compiled": {"backend": "transformers", "load_in_4bit": True,
-                                  "spg_factor": 2, "static_cache": True, "compile": True},
-    "gpu_profile_4bit_compiled_spg1": {"backend": "transformers", "load_in_4bit": True,
-                                       "spg_factor": 1, "static_cache": True, "compile": True},
+    # The GPU profile's candidates: NF4 weights, compiled static-cache decoding, micro-batches
+    # of 2. spg16_rows16: one generation batch of 32 for two optimizer steps (the second one
+    # off-policy, so GSPO's ratio and clipping act), generated 16 rows at a time
+    # (train.max_generation_rows); spg8: 16 rows for each step, on-policy; spg4: 2 x 8 rows.
+    "gpu_profile_mb2_spg16_rows16": {"backend": "transformers", "load_in_4bit": True,
+                                     **LEAN_BATCH, "steps_per_generation": 16,
+                                     "max_generation_rows": 16, "static_cache": True,
+                                     "compile": True},
+    "gpu_profile_mb2_spg8": {"backend": "transformers", "load_in_4bit": True, **LEAN_BATCH,
+                             "steps_per_generation": 8, "static_cache": True, "compile": True},
+    "gpu_profile_mb2_spg4": {"backend": "transformers", "load_in_4bit": True, **LEAN_BATCH,
+                             "steps_per_generation": 4, "static_cache": True, "compile": True},
+    # bf16 weights, compiled static-cache decoding, one generation of 32 rows for two optimizer
+    # steps: the fastest measured, at twice the reference's memory.
+    "gpu_profile_bf16": {"backend": "transformers", "load_in_4bit": False, **REFERENCE_BATCH,
+                         "steps_per_generation": 2 * GRAD_ACCUM, "static_cache": True,
+                         "compile": True},
 }
+GPU_PROFILE = "gpu_profile_mb2_spg16_rows16"
+CONFIGS["gpu_profile"] = CONFIGS[GPU_PROFILE]
+for _name, _knobs in CONFIGS.items():  # equal work: 16 completions per optimizer step
+    assert (_knobs["per_device_train_batch_size"] * _knobs["gradient_accumulation_steps"]
+            == PER_DEVICE_BATCH * GRAD_ACCUM), _name
 
 KV_DROPPED_MESSAGE = "Caching is incompatible with gradient checkpointing"
 
@@ -160,6 +177,35 @@ def _reset_peak() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
+def max_cache_len(prompt_tokens: int, completion_tokens: int) -> int:
+    return (prompt_tokens + completion_tokens + 63) // 64 * 64
+
+
+class MemoryPeaks:
+    """Peak GPU memory per phase (generation, the rest of training): the peak counters are read
+    and reset at each boundary."""
+
+    def __init__(self) -> None:
+        self.peaks: dict[str, dict[str, int]] = {}
+
+    def close(self, phase: str) -> None:
+        import torch
+
+        if not torch.cuda.is_available():
+            return
+        seen = self.peaks.setdefault(phase, {"allocated": 0, "reserved": 0})
+        for kind in seen:
+            seen[kind] = max(seen[kind], getattr(torch.cuda, f"max_memory_{kind}")())
+        torch.cuda.reset_peak_memory_stats()
+
+    def by_phase(self, kind: str) -> dict[str, float]:
+        return {phase: round(seen[kind] / 2**30, 2) for phase, seen in self.peaks.items()}
+
+    def overall(self, kind: str) -> float | None:
+        values = self.by_phase(kind).values()
+        return max(values) if values else None
+
+
 class _KVDropDetector(logging.Handler):
     def __init__(self) -> None:
         super().__init__()
@@ -183,7 +229,11 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
     from vlmrl.modeling import ModelSettings, suppressed_generation_kwargs
     from vlmrl.rewards import build_rewards_from_params
     from vlmrl.training import build_grpo_config, load_policy
-    from vlmrl.trl_compat import install_cpu_fallback
+    from vlmrl.trl_compat import (
+        enable_compiled_generation,
+        install_cpu_fallback,
+        limit_generation_rows,
+    )
 
     install_cpu_fallback()  # no-op where Triton exists (every GPU machine)
 
@@ -196,10 +246,8 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
                                           "load_in_4bit": knobs["load_in_4bit"], "dtype": "auto",
                                           "seed": seed})
     grpo = dict(params["train"]["grpo"])
-    grpo.update(max_steps=warmup + steps, per_device_train_batch_size=PER_DEVICE_BATCH,
-                gradient_accumulation_steps=GRAD_ACCUM,
-                steps_per_generation=GRAD_ACCUM * knobs["spg_factor"],
-                num_generations=NUM_GENERATIONS, max_completion_length=length,
+    batch = {key: knobs[key] for key in REFERENCE_BATCH}
+    grpo.update(max_steps=warmup + steps, **batch, num_generations=NUM_GENERATIONS, max_completion_length=length,
                 gradient_checkpointing=True, log_completions=False, logging_steps=1,
                 report_to="none", seed=seed)
     reward_funcs, reward_weights = build_rewards_from_params(params["rewards"])
@@ -217,7 +265,7 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
     if knobs["static_cache"]:
         config.cache_implementation = "static"
         # One cache for every call: sized for the longest prompt, so no reallocation/recompile.
-        generation_kwargs["max_cache_len"] = (prompt_tokens + length + 63) // 64 * 64
+        generation_kwargs["max_cache_len"] = max_cache_len(prompt_tokens, length)
     config.generation_kwargs = {**generation_kwargs, **(config.generation_kwargs or {})}
 
     step_times: list[float] = []
@@ -240,21 +288,24 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
 
     trainer = GRPOTrainer(model=model, reward_funcs=reward_funcs, args=config,
                           train_dataset=dataset, processing_class=processor, callbacks=[Timer()])
+    # the train_gspo stage's own switches (generation_kwargs.disable_compile: false and
+    # train.max_generation_rows)
     if knobs["compile"]:
-        trainer.generation_config.disable_compile = False  # TRL hard-codes True
-        if knobs["load_in_4bit"]:
-            from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
-
-            Bnb4BitHfQuantizer.is_compileable = property(lambda self: True)
+        enable_compiled_generation(trainer)
+    if knobs.get("max_generation_rows"):
+        limit_generation_rows(trainer, knobs["max_generation_rows"])
+    peaks = MemoryPeaks()
     wrapped = hasattr(trainer, "_generate_single_turn")
     if wrapped:
         original = trainer._generate_single_turn
 
         def generate_single_turn(*args, **kwargs):
             _sync()
+            peaks.close("training")
             started = time.perf_counter()
             completion_ids, logprobs = original(*args, **kwargs)
             _sync()
+            peaks.close("generation")
             generations.append({"step": trainer.state.global_step,
                                 "seconds": time.perf_counter() - started,
                                 "completions": len(completion_ids),
@@ -265,7 +316,8 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
 
     _reset_peak()
     trainer.train()
-    peak_allocated, peak_reserved = _peak_gib("allocated"), _peak_gib("reserved")
+    peaks.close("training")
+    peak_allocated, peak_reserved = peaks.overall("allocated"), peaks.overall("reserved")
 
     timed = step_times[warmup:]
     timed_generations = [g for g in generations if g["step"] >= warmup]
@@ -274,8 +326,9 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
     if not wrapped:  # fall back to the trainer's own log of mean completion length
         lengths = [e["completions/mean_length"] for e in trainer.state.log_history
                    if "completions/mean_length" in e][warmup:]
-        completions = PER_DEVICE_BATCH * GRAD_ACCUM * len(lengths)
-        tokens = sum(lengths) * PER_DEVICE_BATCH * GRAD_ACCUM
+        per_step = knobs["per_device_train_batch_size"] * knobs["gradient_accumulation_steps"]
+        completions = per_step * len(lengths)
+        tokens = sum(lengths) * per_step
     seconds = sum(timed)
     generation_seconds = sum(g["seconds"] for g in timed_generations)
     return {
@@ -293,16 +346,14 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
         "mean_completion_length": tokens / completions if completions else None,
         "peak_allocated_gib": peak_allocated,
         "peak_reserved_gib": peak_reserved,
+        "peak_allocated_gib_by_phase": peaks.by_phase("allocated"),
         "max_prompt_tokens": prompt_tokens,
         "load_seconds": round(load_seconds, 1),
         "warmup_steps": warmup,
         "timed_steps": len(timed),
         "generation_calls": [{**g, "seconds": round(g["seconds"], 3)} for g in generations],
         "kv_cache_dropped_in_generation": detector.seen,
-        "settings": {**knobs, "per_device_train_batch_size": PER_DEVICE_BATCH,
-                     "gradient_accumulation_steps": GRAD_ACCUM,
-                     "steps_per_generation": GRAD_ACCUM * knobs["spg_factor"],
-                     "num_generations": NUM_GENERATIONS, "lora": LORA,
+        "settings": {**knobs, "num_generations": NUM_GENERATIONS, "lora": LORA,
                      "cache_implementation": config.cache_implementation,
                      "generation_kwargs": {k: v for k, v in config.generation_kwargs.items()
                                            if k != "suppress_tokens"}},
@@ -315,6 +366,25 @@ def result_key(config: str, length: int) -> str:
     return f"{config}@{length}"
 
 
+SUMMARY_FIELDS = ("completion_length", "seconds_per_step", "generated_tokens_per_second",
+                  "generation_only_tokens_per_second", "peak_allocated_gib", "peak_reserved_gib",
+                  "peak_allocated_gib_by_phase", "mean_completion_length", "warmup_steps",
+                  "timed_steps", "device")
+
+
+def summarize(runs: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """configuration -> its measured runs, one per completion length (failed runs left out)."""
+    results: dict[str, list[dict[str, Any]]] = {}
+    for run in sorted(runs.values(), key=lambda r: (r["config"], r["completion_length"])):
+        if run.get("error") or run.get("seconds_per_step") is None:
+            continue
+        entry = {key: run[key] for key in SUMMARY_FIELDS if key in run}
+        entry["settings"] = {key: value for key, value in run.get("settings", {}).items()
+                             if key not in ("lora", "generation_kwargs")}
+        results.setdefault(run["config"], []).append(entry)
+    return results
+
+
 def load_results(path: Path) -> dict[str, Any]:
     if path.is_file():
         return json.loads(path.read_text())
@@ -322,6 +392,8 @@ def load_results(path: Path) -> dict[str, Any]:
 
 
 def save_results(path: Path, results: dict[str, Any]) -> None:
+    results["results"] = summarize(results["runs"])
+    results["gpu_profile"] = GPU_PROFILE
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
@@ -397,13 +469,13 @@ def main() -> int:
           flush=True)
     results = load_results(args.out)
     results.update(device=device_name(), versions=versions(), model=args.model,
-                   per_device_train_batch_size=PER_DEVICE_BATCH,
-                   gradient_accumulation_steps=GRAD_ACCUM, num_generations=NUM_GENERATIONS,
+                   num_generations=NUM_GENERATIONS,
                    completions_per_optimizer_step=PER_DEVICE_BATCH * GRAD_ACCUM, lora=LORA)
     for length in [int(x) for x in args.lengths.split(",")]:
         for config in [c.strip() for c in args.configs.split(",") if c.strip()]:
             if config not in CONFIGS:
                 raise SystemExit(f"unknown config {config!r}; known: {', '.join(CONFIGS)}")
+            config = GPU_PROFILE if config == "gpu_profile" else config
             left = args.budget_s - (time.perf_counter() - started)
             key = result_key(config, length)
             if left < args.min_run_s:

@@ -96,7 +96,7 @@ def test_export_writes_every_artifact_and_its_metrics(exported: Exported) -> Non
         assert (exported.workdir / name).stat().st_size == size
     assert len(metrics["files"]) == len(MERGED_FILES) + len(GGUF_NAMES)
     assert set(metrics["logit_max_abs_diff"]) == {
-        "merged_vs_adapter", "gguf_f16_vs_merged", "gguf_q8_0_vs_merged",
+        "merged_vs_adapter", "adapter_vs_base", "gguf_f16_vs_merged", "gguf_q8_0_vs_merged",
         "gguf_Q4_K_M_vs_merged", "base_gguf_f16_vs_merged"}
     assert metrics["timings_s"]["total"] > metrics["timings_s"]["merge"] > 0
     assert "exported data/models/merged and 4 GGUF files" in exported.result.stdout
@@ -193,7 +193,7 @@ def test_untrained_adapter_fails_the_base_control_and_leaves_no_outputs(
                               metrics="data/failed/metrics/export.json")
 
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
-    assert "export failed 1 of 13 checks" in result.stderr
+    assert "export failed 1 of 14 checks" in result.stderr
     assert "base_gguf_differs_from_merged" in result.stderr
     assert not any(path.exists() for path in stale)
     assert not (workdir / "data/failed/merged").exists()

@@ -151,3 +151,104 @@ def test_step_log_rows_flatten_trainer_keys() -> None:
                           {"step": 1, "train_runtime": 3.0}])
     assert rows == [{"step": 1, "reward": 0.5, "clip_ratio_region_mean": 0.25,
                      "completions_mean_length": 32.0}]
+
+
+def test_generation_rows_must_divide_the_generation_batch() -> None:
+    from vlmrl.training import generation_rows
+
+    config = build_grpo_config({"per_device_train_batch_size": 4, "steps_per_generation": 2,
+                                "num_generations": 4}, output_dir=Path("/tmp/x"), save_steps=2,
+                               reward_weights=[1.0], model_settings=ModelSettings(name="x"))
+    assert generation_rows({"max_generation_rows": None}, config) is None
+    assert generation_rows({"max_generation_rows": 4}, config) == 4
+    with pytest.raises(ParamsError, match=r"max_generation_rows.*\(3\) must divide.*= 8"):
+        generation_rows({"max_generation_rows": 3}, config)
+    with pytest.raises(ParamsError, match="positive integer"):
+        generation_rows({"max_generation_rows": 0}, config)
+
+
+def tiny_processor():
+    from vlmrl.modeling import load_processor, resolve_model_path
+
+    return load_processor(resolve_model_path(ModelSettings(name="embedded:tiny-qwen3-vl")))
+
+
+def test_generation_chunks_hold_exactly_their_prompts_images() -> None:
+    """Each chunk's fields must be what the processor gives for that chunk's prompts alone,
+    called as TRL's GRPOTrainer calls it."""
+    import numpy as np
+    from PIL import Image
+
+    from vlmrl.trl_compat import split_generation_inputs
+
+    processor = tiny_processor()
+    sizes = [(64, 64), (128, 96), (96, 160), (64, 128), (160, 64)]
+    images = [[Image.new("RGB", size, (40 * i, 90, 200))] for i, size in enumerate(sizes)]
+    prompts = [[{"role": "user", "content": [{"type": "image", "image": found[0]},
+                                             {"type": "text", "text": f"question {i}"}]}]
+               for i, found in enumerate(images)]
+
+    def tokenized(first: int, last: int) -> dict:
+        return dict(processor.apply_chat_template(
+            conversation=prompts[first:last], add_generation_prompt=True, tokenize=True,
+            return_dict=True))
+
+    whole = tokenized(0, 5)
+    fields = {k: v for k, v in whole.items() if k not in ("input_ids", "attention_mask")}
+    assert {"pixel_values", "image_grid_thw"} <= set(fields)
+    chunks = list(split_generation_inputs(whole["input_ids"], images, fields, rows=2))
+
+    assert [len(ids) for ids, _, _ in chunks] == [2, 2, 1]
+    for index, (ids, chunk_images, chunk_fields) in enumerate(chunks):
+        first, last = 2 * index, min(2 * index + 2, 5)
+        expected = tokenized(first, last)
+        assert ids == expected["input_ids"] and chunk_images == images[first:last]
+        assert set(chunk_fields) == set(fields)
+        for key in fields:
+            if isinstance(expected[key], list):  # per-prompt, ragged
+                assert chunk_fields[key] == expected[key], key
+            else:
+                assert np.array_equal(chunk_fields[key], expected[key]), key
+
+
+def test_unsplittable_field_is_a_clear_error() -> None:
+    import torch
+
+    from vlmrl.trl_compat import split_generation_inputs
+
+    with pytest.raises(ValueError, match=r"max_generation_rows.*`pixel_attention_mask`"):
+        list(split_generation_inputs([[1], [2], [3]], None,
+                                     {"pixel_attention_mask": torch.ones(3, 4)}, rows=2))
+
+
+def test_generation_in_chunks_keeps_the_row_order() -> None:
+    from vlmrl.trl_compat import limit_generation_rows
+
+    class Trainer:
+        def __init__(self) -> None:
+            self.calls: list[int] = []
+
+        def _generate_single_turn(self, prompt_ids, images, fields, num_generations,
+                                  has_tool_images=False):
+            self.calls.append(len(prompt_ids))
+            return [ids + [100] for ids in prompt_ids], None
+
+    trainer = Trainer()
+    limit_generation_rows(trainer, 4)
+    prompts = [[row] for row in range(12)]
+    completions, logprobs = trainer._generate_single_turn(prompts, None, {}, 4)
+    assert trainer.calls == [4, 4, 4]
+    assert completions == [[row, 100] for row in range(12)] and logprobs is None
+    trainer._generate_single_turn(prompts[:4], None, {}, 4)
+    assert trainer.calls[-1] == 4
+
+
+@pytest.mark.slow
+def test_train_gspo_generates_in_chunks(fresh_repo: Path) -> None:
+    update_params(fresh_repo, {"train.grpo.max_steps": 2, "train.max_generation_rows": 4})
+    dvc_repro(fresh_repo, "prepare_data")
+    result = run(["python", "stages/train_gspo.py"], fresh_repo)
+    assert "generating 8 rows per generation batch in chunks of 4" in result.stdout
+    summary = json.loads((fresh_repo / "data/metrics/train.json").read_text())
+    assert summary["steps"] == 2
+    assert all(value > 0 for value in lora_b_norms(fresh_repo / "data/models/adapter").values())

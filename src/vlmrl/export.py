@@ -2,9 +2,10 @@
 llama.cpp. Each conversion can silently lose the adapter (a merge into 4-bit weights rounds it
 away, a wrong file converts the base model) or break the model (a wrong tokenizer, a missing
 projector), so every artifact is checked against the one before it on fixed inputs: the merged
-model against the adapter model, the f16 GGUF against the merged model, and the base model's GGUF
-must NOT match, or the check could not tell the adapter apart from noise. Everything is built in
-staging directories and appears only when every check has passed."""
+weights against base + adapter, the merged model's logits against the adapter model's, the f16
+GGUF against the merged model, and the base model's GGUF must NOT match, or the check could not
+tell the adapter apart from noise. Everything is built in staging directories and appears only
+when every check has passed."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from vlmrl.gguf_tools import (
     quantize_gguf,
     read_gguf_info,
 )
+from vlmrl.merged_weights import compare_merged_weights
 from vlmrl.modeling import ModelSettings
 from vlmrl.outputs import atomic_dir
 from vlmrl.verify import Check, first_eval_row, forward_logits, image_question_inputs
@@ -66,6 +68,7 @@ class ExportSettings:
     gguf_outtypes: tuple[str, ...] = ("f16", "q8_0")
     quantize: tuple[str, ...] = ("Q4_K_M",)
     logit_atol: float = 0.05
+    logit_rtol: float = 0.25
 
     @classmethod
     def from_params(cls, export: Mapping[str, Any]) -> ExportSettings:
@@ -99,6 +102,14 @@ class ExportSettings:
                 raise ParamsError(f"params.yaml `export.quantize`: {error}") from None
         if not (self.logit_atol > 0 and math.isfinite(self.logit_atol)):
             raise ParamsError(f"params.yaml `export.logit_atol` must be > 0, got {self.logit_atol}")
+        if not 0 <= self.logit_rtol < 1:
+            raise ParamsError("params.yaml `export.logit_rtol` must be in [0, 1) (a fraction of the "
+                              f"adapter's own effect on the logits), got {self.logit_rtol}")
+
+    def merged_tolerance(self, adapter_effect: float) -> float:
+        """16-bit rounding of the merged weights moves the logits more the deeper the model; a
+        merge that lost the adapter moves them by the adapter's whole effect."""
+        return max(self.logit_atol, self.logit_rtol * adapter_effect)
 
 
 @dataclass
@@ -165,8 +176,8 @@ def merge_adapter(model_settings: ModelSettings, dtype: str, adapter: Path, row:
                   out_dir: Path, base_dir: Path):
     """Writes the merged 16-bit model with its processor files to `out_dir`, and the 16-bit base
     it was merged into to `base_dir` (for the base-GGUF control: then only the adapter tells the
-    two apart, not bf16 rounding). Returns the adapter model's logits on the row's
-    image+question, in `dtype`."""
+    two apart, not bf16 rounding). Returns the adapter model's and the base model's logits on the
+    row's image+question."""
     from vlmrl.modeling import pick_backend
 
     settings = sixteen_bit(model_settings, dtype)
@@ -191,9 +202,9 @@ def _merge_with_transformers(settings: ModelSettings, adapter: Path, row: Mappin
     save_with_processor(model, processor, base_dir)
     dtype = model.dtype
     model = attach_adapter(model, adapter).float()
-    adapter_logits = forward_logits(model, image_question_inputs(processor, row))
+    logits = adapter_and_base_logits(model, image_question_inputs(processor, row))
     save_with_processor(model.merge_and_unload().to(dtype), processor, out_dir)
-    return adapter_logits
+    return logits
 
 
 def _merge_with_unsloth(settings: ModelSettings, adapter: Path, row: Mapping, out_dir: Path,
@@ -211,14 +222,21 @@ def _merge_with_unsloth(settings: ModelSettings, adapter: Path, row: Mapping, ou
     save_with_processor(model, processor, base_dir)
     del model
     model = load_unsloth_adapter_model(adapter, settings)
-    adapter_logits = forward_logits(model, image_question_inputs(processor, row))
+    logits = adapter_and_base_logits(model, image_question_inputs(processor, row))
     if hasattr(model, "save_pretrained_merged"):
         model.save_pretrained_merged(str(out_dir), processor.tokenizer,
                                      save_method="merged_16bit")
         save_processor_files(out_dir, processor.image_processor, processor.tokenizer)
     else:
         save_with_processor(model.merge_and_unload(), processor, out_dir)
-    return adapter_logits
+    return logits
+
+
+def adapter_and_base_logits(model, inputs) -> tuple[Any, Any]:
+    adapter_logits = forward_logits(model, inputs)
+    with model.disable_adapter():
+        base_logits = forward_logits(model, inputs)
+    return adapter_logits, base_logits
 
 
 def save_with_processor(model, processor, out_dir: Path) -> None:
@@ -478,7 +496,7 @@ def run_export(*, params: Mapping[str, Any], adapter: Path, eval_set: Path, merg
         raise FileNotFoundError(f"{adapter}: no LoRA adapter (adapter_config.json) there; the "
                                 "train_gspo stage makes it (dvc repro train_gspo)")
     row = first_eval_row(eval_set)
-    total = 9 + len(settings.gguf_outtypes) + len(settings.quantize)
+    total = 10 + len(settings.gguf_outtypes) + len(settings.quantize)
     with tqdm(total=total, desc="export", disable=not show_progress) as bar, \
             tempfile.TemporaryDirectory(prefix="vlmrl-export-") as scratch, \
             atomic_dir(merged_out) as merged_dir, atomic_dir(gguf_out) as gguf_dir:
@@ -500,15 +518,20 @@ class _Exporter:
     scratch: Path
     checks: list[Check] = field(default_factory=list)
     diffs: dict[str, float] = field(default_factory=dict)
+    merged_tolerance: float = math.nan
 
     def run(self, adapter: Path, row: Mapping, merged_dir: Path, gguf_dir: Path,
             metrics_dir: Path) -> dict[str, Any]:
         with self.step("merge"):
-            adapter_logits = merge_adapter(self.model_settings, self.settings.dtype, adapter,
-                                           row, merged_dir, self.scratch / "base")
+            adapter_logits, base_logits = merge_adapter(
+                self.model_settings, self.settings.dtype, adapter, row, merged_dir,
+                self.scratch / "base")
+        with self.step("check merged weights"):
+            self.check_merged_weights(self.scratch / "base", merged_dir, adapter)
         with self.step("reload merged"):
-            text, token_ids, reference = self.check_merged(merged_dir, row, adapter_logits)
-        del adapter_logits
+            text, token_ids, reference = self.check_merged(merged_dir, row, adapter_logits,
+                                                           base_logits)
+        del adapter_logits, base_logits
         with self.step("find converter"):
             source = converter_source()
         files = build_gguf_files(merged_dir, gguf_dir, self.settings, source, self.step,
@@ -528,7 +551,7 @@ class _Exporter:
             "passed": True,
             "dtype": self.settings.dtype,
             "logit_max_abs_diff": self.diffs,
-            "tolerances": {"merged_vs_adapter": self.settings.logit_atol,
+            "tolerances": {"merged_vs_adapter": self.merged_tolerance,
                            "gguf_f16_vs_merged": gguf_tolerance(reference)},
             "checks": {c.name: {"passed": c.passed, "detail": c.detail} for c in self.checks},
             "gguf": gguf_report,
@@ -539,21 +562,30 @@ class _Exporter:
     def record(self, name: str, passed: bool, detail: str) -> None:
         self.checks.append(Check(name, passed, detail))
 
-    def check_merged(self, merged_dir: Path, row: Mapping, adapter_logits):
-        """Reloads the merged directory alone; compares its logits with the adapter model's,
-        both computed in float32 so that only the one rounding of the merged weights to 16 bits
-        separates them (16-bit compute noise over many layers is larger than a bad merge on a
-        random model), and returns the text prompt and its float32 reference logits."""
+    def check_merged_weights(self, base_dir: Path, merged_dir: Path, adapter: Path) -> None:
+        report = compare_merged_weights(base_dir, merged_dir, adapter)
+        self.record("merged_weights_match_adapter", report.passed, report.detail())
+
+    def check_merged(self, merged_dir: Path, row: Mapping, adapter_logits, base_logits):
+        """Reloads the merged directory alone (config, processor and all) and compares its logits
+        with the adapter model's, both computed in float32 so that only the one rounding of the
+        merged weights to 16 bits separates them; the tolerance grows with the adapter's own
+        effect (`ExportSettings.merged_tolerance`). Returns the text prompt and its float32
+        reference logits."""
         model, processor = load_merged(merged_dir)
         text, token_ids = text_prompt(processor, row)
         reference = hf_last_logits(model, token_ids)
         merged_logits = forward_logits(model, image_question_inputs(processor, row))
         diff = max_abs_diff(merged_logits, adapter_logits)
+        effect = max_abs_diff(adapter_logits, base_logits)
+        self.merged_tolerance = self.settings.merged_tolerance(effect)
         self.diffs["merged_vs_adapter"] = diff
-        self.record("merged_matches_adapter", diff <= self.settings.logit_atol,
-                    f"max |logit difference| {diff:.3g} on the image+question, both in "
-                    f"float32 over {self.settings.dtype} weights, tolerance export.logit_atol="
-                    f"{self.settings.logit_atol:g}")
+        self.diffs["adapter_vs_base"] = effect
+        self.record("merged_matches_adapter", diff <= self.merged_tolerance,
+                    f"max |logit difference| {diff:.3g} on the image+question, both in float32 "
+                    f"over {self.settings.dtype} weights; tolerance {self.merged_tolerance:.3g} = "
+                    f"max(export.logit_atol {self.settings.logit_atol:g}, export.logit_rtol "
+                    f"{self.settings.logit_rtol:g} x the adapter's effect {effect:.3g})")
         return text, token_ids, reference
 
     def check_gguf_files(self, files: Mapping[str, Path], token_ids: Sequence[int], text: str,

@@ -20,10 +20,14 @@ from typing import Any
 from vlmrl.config import ParamsError
 from vlmrl.modeling import ModelSettings, cuda_available, pick_backend, resolve_dtype
 from vlmrl.rewards import build_rewards_from_params
-from vlmrl.trl_compat import enable_compiled_generation, install_cpu_fallback
+from vlmrl.trl_compat import (
+    enable_compiled_generation,
+    install_cpu_fallback,
+    limit_generation_rows,
+)
 
 LORA_KEYS = {"r", "alpha", "dropout", "target_modules"}
-TRAIN_KEYS = {"save_steps", "resume", "lora", "grpo"}
+TRAIN_KEYS = {"save_steps", "resume", "lora", "grpo", "max_generation_rows"}
 # Set from dvc.yaml paths and other params sections, never from train.grpo.
 MANAGED_GRPO_KEYS = {"output_dir", "save_steps", "save_strategy", "reward_weights",
                      "resume_from_checkpoint", "use_cpu"}
@@ -40,6 +44,23 @@ def check_train_params(train: Mapping[str, Any]) -> None:
     if missing or extra:
         raise ParamsError(f"params.yaml `train.lora` needs exactly {sorted(LORA_KEYS)}"
                           f" (missing {missing}, unknown {extra})")
+
+
+def generation_rows(train: Mapping[str, Any], config) -> int | None:
+    """`train.max_generation_rows`, checked against the generation batch it splits."""
+    rows = train.get("max_generation_rows")
+    if rows is None:
+        return None
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+        raise ParamsError(f"params.yaml `train.max_generation_rows` must be a positive integer or "
+                          f"null, got {rows!r}")
+    if config.generation_batch_size % rows:
+        raise ParamsError(
+            f"params.yaml `train.max_generation_rows` ({rows}) must divide the generation batch "
+            f"(per_device_train_batch_size x steps_per_generation = "
+            f"{config.generation_batch_size}): every chunk then has the same shape, so compiled "
+            "decoding and its static cache are built once")
+    return rows
 
 
 def grpo_field_names() -> set[str]:
@@ -117,14 +138,15 @@ def _processor(path: str):
 
 
 def _transformers_policy(path: str, model_settings: ModelSettings, lora: Mapping[str, Any]):
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from peft import LoraConfig, get_peft_model
 
     from vlmrl.modeling import load_transformers_model
 
+    # 4-bit too goes straight to get_peft_model (which freezes the base; GRPOTrainer enables input
+    # gradients for checkpointing). peft's prepare_model_for_kbit_training would upcast every
+    # 16-bit tensor to float32, the 0.3 B-parameter embedding and so the logits among them.
     model = load_transformers_model(path, model_settings)
     model.train()
-    if model_settings.load_in_4bit:
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True)
     config = LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
                         target_modules=language_model_targets(model, lora["target_modules"]),
                         exclude_modules=r".*\.visual\..*", bias="none", task_type="CAUSAL_LM")
@@ -259,6 +281,7 @@ def train(*, train_set: Path, params: Mapping[str, Any], adapter_out: Path,
     config = build_grpo_config(train_params.get("grpo") or {}, output_dir=checkpoints,
                                save_steps=int(train_params["save_steps"]),
                                reward_weights=reward_weights, model_settings=model_settings)
+    rows = generation_rows(train_params, config)
     fingerprint = run_fingerprint({k: params[k] for k in ("model", "rewards", "train")}, train_set)
     resume_from = (last_complete_checkpoint(checkpoints, fingerprint)
                    if train_params.get("resume", True) else None)
@@ -278,6 +301,8 @@ def train(*, train_set: Path, params: Mapping[str, Any], adapter_out: Path,
                           processing_class=processor, callbacks=[timer])
     if compile_generation:
         enable_compiled_generation(trainer)
+    if rows is not None:
+        limit_generation_rows(trainer, rows)
     started = time.perf_counter()
     if resume_from is not None:
         print(f"resuming from {resume_from}")

@@ -1,7 +1,9 @@
 """TRL 1.15's GRPOTrainer always computes per-token log-probabilities through a Triton kernel
 (`trl.kernels.ChunkedLogProbFunction`), and Triton only ships with CUDA builds of torch. Where
 Triton is missing, a plain-torch function with the same call signature and outputs takes its
-place, chunked over tokens so the [tokens, vocab] logits never exist all at once."""
+place, chunked over tokens so the [tokens, vocab] logits never exist all at once. The other
+adaptations here are for speed and memory on a GPU: compiled decoding (which TRL switches off) and
+generation in chunks of rows (TRL generates a whole generation batch at once)."""
 
 from __future__ import annotations
 
@@ -68,3 +70,69 @@ def enable_compiled_generation(trainer) -> None:
     except ImportError:
         return
     Bnb4BitHfQuantizer.is_compileable = property(lambda self: True)
+
+
+def limit_generation_rows(trainer, rows: int) -> None:
+    """TRL generates a whole generation batch (per_device_train_batch_size x
+    steps_per_generation rows) in one `generate` call, so a static KV cache is sized for all of
+    it. Generating it `rows` at a time keeps the cache, and the memory, to one chunk's size,
+    while one batch can still serve several optimizer steps (GSPO's off-policy updates)."""
+    original = trainer._generate_single_turn
+    announced = False
+
+    def generate_in_chunks(prompt_ids, images, multimodal_fields, num_generations,
+                           has_tool_images=False):
+        nonlocal announced
+        if len(prompt_ids) <= rows:
+            return original(prompt_ids, images, multimodal_fields, num_generations,
+                            has_tool_images)
+        if not announced:
+            print(f"generating {len(prompt_ids)} rows per generation batch in chunks of {rows}")
+            announced = True
+        completion_ids: list = []
+        logprobs: list | None = []
+        for chunk_ids, chunk_images, chunk_fields in split_generation_inputs(
+                prompt_ids, images, multimodal_fields, rows):
+            ids, chunk_logprobs = original(chunk_ids, chunk_images, chunk_fields,
+                                           num_generations, has_tool_images)
+            completion_ids += ids
+            logprobs = None if chunk_logprobs is None or logprobs is None else (
+                logprobs + list(chunk_logprobs))
+        return completion_ids, logprobs
+
+    trainer._generate_single_turn = generate_in_chunks
+
+
+def split_generation_inputs(prompt_ids: list, images: list | None, fields: dict, rows: int):
+    """Yields (prompt_ids, images, multimodal fields) for each run of `rows` prompts. Qwen-VL
+    processors flatten every image's patches into one `pixel_values` and give each image a row of
+    `image_grid_thw` (t x h x w patches); per-prompt fields are lists with one entry per prompt."""
+    count = len(prompt_ids)
+    images_per_prompt = [len(found or []) for found in images] if images else [0] * count
+    image_start = _offsets(images_per_prompt)
+    grid = fields.get("image_grid_thw")
+    patch_start = _offsets(grid.prod(-1).tolist() if grid is not None else [])
+    for start in range(0, count, rows):
+        end = min(start + rows, count)
+        first_image, last_image = image_start[start], image_start[end]
+        chunk = {}
+        for key, value in fields.items():
+            if key == "image_grid_thw":
+                chunk[key] = value[first_image:last_image]
+            elif key == "pixel_values" and grid is not None:
+                chunk[key] = value[patch_start[first_image]:patch_start[last_image]]
+            elif isinstance(value, list) and len(value) == count:
+                chunk[key] = value[start:end]
+            else:
+                raise ValueError(
+                    f"params.yaml `train.max_generation_rows`: cannot split the processor's "
+                    f"`{key}` field ({type(value).__name__}) across generation chunks; only "
+                    "Qwen-VL image fields and per-prompt lists can be split. Remove the param.")
+        yield (prompt_ids[start:end], images[start:end] if images else images, chunk)
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    offsets = [0]
+    for size in sizes:
+        offsets.append(offsets[-1] + int(size))
+    return offsets

@@ -1,0 +1,180 @@
+"""A merged checkpoint is right when every adapted weight is W + scale * B @ A, rounded once to the
+export dtype, and every other tensor is the base model's, bit for bit. Checked in weight space
+this is exact at any model size, where a logit comparison must allow for 16-bit rounding that
+compounds over dozens of layers: on a random 2B model, rounding alone moved the logits by 0.23.
+Names are compared after dropping `model` segments, so checkpoints saved by transformers, PEFT
+and Unsloth (which nest `model.` differently) line up."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+class MergeCheckError(RuntimeError):
+    """A checkpoint or adapter could not be read or lined up with the other."""
+
+
+def canonical_name(key: str) -> str:
+    """`base_model.model.model.language_model.layers.0.mlp.up_proj.weight` and
+    `model.language_model.layers.0.mlp.up_proj.weight` -> `language_model.layers.0.mlp.up_proj.weight`."""
+    return ".".join(part for part in key.split(".") if part not in ("model", "base_model"))
+
+
+@contextmanager
+def open_checkpoint(directory: Path) -> Iterator[dict[str, Any]]:
+    """canonical name -> lazily readable tensor, over every safetensors file in `directory`
+    (one file or shards)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(directory).glob("*.safetensors"))
+    files = [path for path in files if path.name != ADAPTER_WEIGHTS]
+    if not files:
+        raise MergeCheckError(f"{directory}: no *.safetensors checkpoint")
+    with ExitStack() as stack:
+        index: dict[str, Any] = {}
+        for path in files:
+            handle = stack.enter_context(safe_open(str(path), "pt"))
+            for key in handle.keys():
+                name = canonical_name(key)
+                if name in index:
+                    raise MergeCheckError(f"{path}: tensor {key} appears twice in {directory}")
+                index[name] = (handle, key)
+        yield index
+
+
+def _load(entry) -> Any:
+    handle, key = entry
+    return handle.get_tensor(key)
+
+
+@dataclass(frozen=True)
+class LoraDelta:
+    a: Any
+    b: Any
+    scale: float
+
+    def weight_delta(self):
+        return (self.b.float() @ self.a.float()) * self.scale
+
+
+def _pattern_value(patterns: Mapping[str, Any], module: str, default: Any) -> Any:
+    """PEFT's rank_pattern/alpha_pattern lookup: a key matches a module name's dotted suffix."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def read_lora_deltas(adapter_dir: Path) -> dict[str, LoraDelta]:
+    """canonical weight name (`...q_proj.weight`) -> its LoRA factors and scale."""
+    from safetensors.torch import load_file
+
+    adapter_dir = Path(adapter_dir)
+    config_path, weights_path = adapter_dir / "adapter_config.json", adapter_dir / ADAPTER_WEIGHTS
+    for path in (config_path, weights_path):
+        if not path.is_file():
+            raise MergeCheckError(f"{path}: missing; the adapter directory needs both "
+                                  f"adapter_config.json and {ADAPTER_WEIGHTS}")
+    config = json.loads(config_path.read_text())
+    if config.get("use_dora"):
+        raise MergeCheckError(f"{config_path}: DoRA adapters are not checked in weight space")
+    tensors = load_file(str(weights_path))
+    factors: dict[str, dict[str, Any]] = {}
+    for key, tensor in tensors.items():
+        match = re.fullmatch(r"(.+)\.lora_([AB])(?:\.[^.]+)?\.weight", key)
+        if match:
+            factors.setdefault(match.group(1), {})[match.group(2)] = tensor
+    deltas: dict[str, LoraDelta] = {}
+    for module, pair in factors.items():
+        if set(pair) != {"A", "B"}:
+            raise MergeCheckError(f"{weights_path}: {module} has lora_{''.join(pair)} only")
+        name = canonical_name(module)
+        rank = _pattern_value(config.get("rank_pattern") or {}, name, config["r"])
+        alpha = _pattern_value(config.get("alpha_pattern") or {}, name, config["lora_alpha"])
+        scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+        deltas[f"{name}.weight"] = LoraDelta(pair["A"], pair["B"], scale)
+    if not deltas:
+        raise MergeCheckError(f"{weights_path}: no lora_A/lora_B tensors")
+    return deltas
+
+
+@dataclass
+class WeightReport:
+    adapted: int = 0
+    unchanged_checked: int = 0
+    wrong: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    max_ulps: float = 0.0
+    changed_fraction: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return not self.wrong and not self.missing and self.adapted > 0
+
+    def detail(self) -> str:
+        head = (f"{self.adapted} adapted weights within 1 ulp of W + scale*B@A (max "
+                f"{self.max_ulps:.2f} ulp; {self.changed_fraction:.1%} of their elements "
+                f"changed), {self.unchanged_checked} other tensors identical to the base")
+        problems = []
+        if self.missing:
+            problems.append(f"missing from one side: {', '.join(self.missing[:5])}"
+                            + (" ..." if len(self.missing) > 5 else ""))
+        if self.wrong:
+            problems.append(f"wrong: {', '.join(self.wrong[:5])}"
+                            + (" ..." if len(self.wrong) > 5 else ""))
+        if self.adapted == 0:
+            problems.append("no adapted weight found")
+        return head if not problems else f"{'; '.join(problems)} ({head})"
+
+
+def _ulps(merged, ideal, dtype) -> Any:
+    """|merged - ideal| in units of the export dtype's spacing at |ideal| (1 = one step)."""
+    import torch
+
+    info = torch.finfo(dtype)
+    spacing = torch.clamp(ideal.abs(), min=info.smallest_normal) * info.eps
+    return (merged.float() - ideal).abs() / spacing
+
+
+def compare_merged_weights(base_dir: Path, merged_dir: Path, adapter_dir: Path) -> WeightReport:
+    """Compares every tensor of the merged checkpoint with the base checkpoint plus the adapter."""
+    import torch
+
+    deltas = read_lora_deltas(adapter_dir)
+    report = WeightReport()
+    changed = total = 0
+    with open_checkpoint(base_dir) as base, open_checkpoint(merged_dir) as merged:
+        report.missing = sorted(name for name in base if name not in merged)
+        report.missing += sorted(f"{name} (adapted)" for name in deltas if name not in base)
+        for name, entry in base.items():
+            if name not in merged:
+                continue
+            base_tensor, merged_tensor = _load(entry), _load(merged[name])
+            if name not in deltas:
+                report.unchanged_checked += 1
+                if not torch.equal(base_tensor, merged_tensor):
+                    report.wrong.append(f"{name} (not adapted, differs from the base)")
+                continue
+            report.adapted += 1
+            ideal = base_tensor.float() + deltas[name].weight_delta()
+            if merged_tensor.shape != ideal.shape:
+                report.wrong.append(f"{name} (shape {tuple(merged_tensor.shape)}, "
+                                    f"expected {tuple(ideal.shape)})")
+                continue
+            ulps = float(_ulps(merged_tensor, ideal, merged_tensor.dtype).max())
+            report.max_ulps = max(report.max_ulps, ulps)
+            if not ulps <= 1.0:
+                report.wrong.append(f"{name} ({ulps:.3g} ulp from W + scale*B@A)")
+            changed += int((merged_tensor != base_tensor).sum())
+            total += merged_tensor.numel()
+    report.changed_fraction = changed / total if total else 0.0
+    return report
