@@ -43,7 +43,7 @@ def open_checkpoint(directory: Path) -> Iterator[dict[str, Any]]:
         index: dict[str, Any] = {}
         for path in files:
             handle = stack.enter_context(safe_open(str(path), "pt"))
-            for key in handle.keys():
+            for key in handle.keys():  # noqa: SIM118  (safe_open has no __iter__)
                 name = canonical_name(key)
                 if name in index:
                     raise MergeCheckError(f"{path}: tensor {key} appears twice in {directory}")
