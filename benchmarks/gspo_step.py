@@ -66,9 +66,19 @@ LORA = {"r": 16, "alpha": 16, "dropout": 0.0,
 
 REFERENCE_BATCH = {"per_device_train_batch_size": PER_DEVICE_BATCH,
                    "gradient_accumulation_steps": GRAD_ACCUM, "steps_per_generation": GRAD_ACCUM}
-# The profile's own batch shape: the same 16 completions per optimizer step, trained in
-# micro-batches of 2 (8 accumulation steps), so the logits of only 2 sequences are alive at once.
-LEAN_BATCH = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 8}
+
+
+def profile_candidate(micro_batch: int, steps_per_generation: int,
+                      rows: int | None = None) -> dict[str, Any]:
+    """NF4 weights, compiled static-cache decoding, the same 16 completions per optimizer step
+    trained in micro-batches of `micro_batch`, generation batches of micro_batch x
+    steps_per_generation rows generated `rows` at a time (train.max_generation_rows)."""
+    return {"backend": "transformers", "load_in_4bit": True,
+            "per_device_train_batch_size": micro_batch,
+            "gradient_accumulation_steps": PER_DEVICE_BATCH * GRAD_ACCUM // micro_batch,
+            "steps_per_generation": steps_per_generation, "max_generation_rows": rows,
+            "static_cache": True, "compile": True}
+
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "unsloth_4bit": {"backend": "unsloth", "load_in_4bit": True, **REFERENCE_BATCH,
@@ -77,18 +87,15 @@ CONFIGS: dict[str, dict[str, Any]] = {
                           "static_cache": False, "compile": False},
     "transformers_4bit": {"backend": "transformers", "load_in_4bit": True, **REFERENCE_BATCH,
                           "static_cache": False, "compile": False},
-    # The GPU profile's candidates: NF4 weights, compiled static-cache decoding, micro-batches
-    # of 2. spg16_rows16: one generation batch of 32 for two optimizer steps (the second one
-    # off-policy, so GSPO's ratio and clipping act), generated 16 rows at a time
-    # (train.max_generation_rows); spg8: 16 rows for each step, on-policy; spg4: 2 x 8 rows.
-    "gpu_profile_mb2_spg16_rows16": {"backend": "transformers", "load_in_4bit": True,
-                                     **LEAN_BATCH, "steps_per_generation": 16,
-                                     "max_generation_rows": 16, "static_cache": True,
-                                     "compile": True},
-    "gpu_profile_mb2_spg8": {"backend": "transformers", "load_in_4bit": True, **LEAN_BATCH,
-                             "steps_per_generation": 8, "static_cache": True, "compile": True},
-    "gpu_profile_mb2_spg4": {"backend": "transformers", "load_in_4bit": True, **LEAN_BATCH,
-                             "steps_per_generation": 4, "static_cache": True, "compile": True},
+    # The GPU profile's candidates. A generation batch larger than the optimizer step's 16
+    # completions serves two steps, the second off-policy (GSPO's ratio and clipping act);
+    # one of 16 is on-policy; rows16 caps each generate call (and the static cache) at 16 rows.
+    "gpu_profile_mb2_spg4": profile_candidate(2, 4),            # 2 x 8 rows per step
+    "gpu_profile_mb2_spg8": profile_candidate(2, 8),            # 16 rows per step
+    "gpu_profile_mb2_spg16_rows16": profile_candidate(2, 16, 16),  # 32 rows per 2 steps
+    "gpu_profile_mb4_spg4": profile_candidate(4, 4),            # 16 rows per step
+    "gpu_profile_mb4_spg8_rows16": profile_candidate(4, 8, 16),   # 32 rows per 2 steps
+    "gpu_profile_mb8_spg4_rows16": profile_candidate(8, 4, 16),   # 32 rows per 2 steps
     # bf16 weights, compiled static-cache decoding, one generation of 32 rows for two optimizer
     # steps: the fastest measured, at twice the reference's memory.
     "gpu_profile_bf16": {"backend": "transformers", "load_in_4bit": False, **REFERENCE_BATCH,
