@@ -102,7 +102,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
                          "steps_per_generation": 2 * GRAD_ACCUM, "static_cache": True,
                          "compile": True},
 }
-GPU_PROFILE = "gpu_profile_mb2_spg16_rows16"
+GPU_PROFILE = "gpu_profile_mb8_spg4_rows16"
 CONFIGS["gpu_profile"] = CONFIGS[GPU_PROFILE]
 for _name, _knobs in CONFIGS.items():  # equal work: 16 completions per optimizer step
     assert (_knobs["per_device_train_batch_size"] * _knobs["gradient_accumulation_steps"]
