@@ -165,3 +165,32 @@ def test_missing_adapter_or_checkpoint_is_a_clear_error(merged_case, tmp_path: P
     (tmp_path / "empty").mkdir()
     with pytest.raises(MergeCheckError, match="no \\*.safetensors checkpoint"):
         compare_merged_weights(merged_case["base"], tmp_path / "empty", merged_case["adapter"])
+
+
+def test_merged_checkpoint_in_another_dtype_fails(merged_case) -> None:
+    rewrite(merged_case["merged"], lambda tensors: tensors.update(
+        {key: value.float() for key, value in tensors.items()}))
+    report = compare_merged_weights(merged_case["base"], merged_case["merged"],
+                                    merged_case["adapter"], dtype="bfloat16")
+    assert not report.passed and not report.wrong
+    assert "stored as ['float32'], not bfloat16" in report.detail()
+
+
+def test_cast_floating_tensors_rewrites_a_float32_checkpoint(tmp_path: Path) -> None:
+    from vlmrl.merged_weights import cast_floating_tensors
+
+    weights = {"a.weight": torch.randn(4, 4), "b.ids": torch.arange(3)}
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"dtype": "float32", "text_config": {"dtype": "float32"}, "vision_config": {}}))
+
+    assert cast_floating_tensors(tmp_path, "bfloat16") == ["model.safetensors"]
+    cast = load_file(str(tmp_path / "model.safetensors"))
+    assert cast["a.weight"].dtype == torch.bfloat16
+    assert torch.equal(cast["a.weight"], weights["a.weight"].to(torch.bfloat16))
+    assert torch.equal(cast["b.ids"], weights["b.ids"])
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["dtype"] == config["text_config"]["dtype"] == "bfloat16"
+    assert "dtype" not in config["vision_config"]
+    assert cast_floating_tensors(tmp_path, "bfloat16") == []  # already there
+    assert not list(tmp_path.glob(".*.tmp"))

@@ -36,7 +36,7 @@ from vlmrl.gguf_tools import (
     quantize_gguf,
     read_gguf_info,
 )
-from vlmrl.merged_weights import compare_merged_weights
+from vlmrl.merged_weights import cast_floating_tensors, compare_merged_weights
 from vlmrl.modeling import ModelSettings
 from vlmrl.outputs import atomic_dir
 from vlmrl.verify import Check, first_eval_row, forward_logits, image_question_inputs
@@ -226,6 +226,7 @@ def _merge_with_unsloth(settings: ModelSettings, adapter: Path, row: Mapping, ou
     if hasattr(model, "save_pretrained_merged"):
         model.save_pretrained_merged(str(out_dir), processor.tokenizer,
                                      save_method="merged_16bit")
+        cast_floating_tensors(out_dir, settings.dtype)
         save_processor_files(out_dir, processor.image_processor, processor.tokenizer)
     else:
         save_with_processor(model.merge_and_unload(), processor, out_dir)
@@ -563,7 +564,7 @@ class _Exporter:
         self.checks.append(Check(name, passed, detail))
 
     def check_merged_weights(self, base_dir: Path, merged_dir: Path, adapter: Path) -> None:
-        report = compare_merged_weights(base_dir, merged_dir, adapter)
+        report = compare_merged_weights(base_dir, merged_dir, adapter, dtype=self.settings.dtype)
         self.record("merged_weights_match_adapter", report.passed, report.detail())
 
     def check_merged(self, merged_dir: Path, row: Mapping, adapter_logits, base_logits):

@@ -17,6 +17,9 @@ from pathlib import Path
 from typing import Any
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# One rounding of W + scale*B@A to 16 bits is half a step; a merge from a float32 checkpoint
+# (Unsloth merges into the checkpoint it was loaded from) against the 16-bit base adds another.
+MAX_ULPS = 2.0
 
 
 class MergeCheckError(RuntimeError):
@@ -115,13 +118,20 @@ class WeightReport:
     missing: list[str] = field(default_factory=list)
     max_ulps: float = 0.0
     changed_fraction: float = 0.0
+    dtypes: set[str] = field(default_factory=set)
+    expected_dtype: str | None = None
+
+    @property
+    def wrong_dtype(self) -> bool:
+        return self.expected_dtype is not None and self.dtypes != {self.expected_dtype}
 
     @property
     def passed(self) -> bool:
-        return not self.wrong and not self.missing and self.adapted > 0
+        return (not self.wrong and not self.missing and self.adapted > 0
+                and not self.wrong_dtype)
 
     def detail(self) -> str:
-        head = (f"{self.adapted} adapted weights within 1 ulp of W + scale*B@A (max "
+        head = (f"{self.adapted} adapted weights within {MAX_ULPS:g} ulp of W + scale*B@A (max "
                 f"{self.max_ulps:.2f} ulp; {self.changed_fraction:.1%} of their elements "
                 f"changed), {self.unchanged_checked} other tensors identical to the base")
         problems = []
@@ -133,6 +143,8 @@ class WeightReport:
                             + (" ..." if len(self.wrong) > 5 else ""))
         if self.adapted == 0:
             problems.append("no adapted weight found")
+        if self.wrong_dtype:
+            problems.append(f"stored as {sorted(self.dtypes)}, not {self.expected_dtype}")
         return head if not problems else f"{'; '.join(problems)} ({head})"
 
 
@@ -145,12 +157,23 @@ def _ulps(merged, ideal, dtype) -> Any:
     return (merged.float() - ideal).abs() / spacing
 
 
-def compare_merged_weights(base_dir: Path, merged_dir: Path, adapter_dir: Path) -> WeightReport:
-    """Compares every tensor of the merged checkpoint with the base checkpoint plus the adapter."""
+def _coarser(first, second):
+    """The dtype with the wider spacing: the one a 16-bit merge was rounded to."""
+    import torch
+
+    if not (first.is_floating_point and second.is_floating_point):
+        return first
+    return max(first, second, key=lambda dtype: torch.finfo(dtype).eps)
+
+
+def compare_merged_weights(base_dir: Path, merged_dir: Path, adapter_dir: Path,
+                           dtype: str | None = None) -> WeightReport:
+    """Compares every tensor of the merged checkpoint with the base checkpoint plus the adapter;
+    with `dtype` (torch's name, "bfloat16"), every floating tensor must be stored in it."""
     import torch
 
     deltas = read_lora_deltas(adapter_dir)
-    report = WeightReport()
+    report = WeightReport(expected_dtype=dtype)
     changed = total = 0
     with open_checkpoint(base_dir) as base, open_checkpoint(merged_dir) as merged:
         report.missing = sorted(name for name in base if name not in merged)
@@ -159,6 +182,8 @@ def compare_merged_weights(base_dir: Path, merged_dir: Path, adapter_dir: Path) 
             if name not in merged:
                 continue
             base_tensor, merged_tensor = _load(entry), _load(merged[name])
+            if merged_tensor.is_floating_point():
+                report.dtypes.add(str(merged_tensor.dtype).removeprefix("torch."))
             if name not in deltas:
                 report.unchanged_checked += 1
                 if not torch.equal(base_tensor, merged_tensor):
@@ -170,11 +195,73 @@ def compare_merged_weights(base_dir: Path, merged_dir: Path, adapter_dir: Path) 
                 report.wrong.append(f"{name} (shape {tuple(merged_tensor.shape)}, "
                                     f"expected {tuple(ideal.shape)})")
                 continue
-            ulps = float(_ulps(merged_tensor, ideal, merged_tensor.dtype).max())
+            ulps = float(_ulps(merged_tensor, ideal,
+                               _coarser(merged_tensor.dtype, base_tensor.dtype)).max())
             report.max_ulps = max(report.max_ulps, ulps)
-            if not ulps <= 1.0:
+            if not ulps <= MAX_ULPS:
                 report.wrong.append(f"{name} ({ulps:.3g} ulp from W + scale*B@A)")
             changed += int((merged_tensor != base_tensor).sum())
             total += merged_tensor.numel()
     report.changed_fraction = changed / total if total else 0.0
     return report
+
+
+def cast_floating_tensors(directory: Path, dtype: str) -> list[str]:
+    """Rewrites, file by file, the safetensors of `directory` whose floating tensors are not in
+    `dtype` (Unsloth's merged save keeps the dtype of the checkpoint it merged into, float32 for
+    a checkpoint saved in float32), and config.json's dtype with them. Returns the files
+    rewritten."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    target = getattr(torch, dtype)
+    rewritten: list[str] = []
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        with safe_open(str(path), "pt") as handle:
+            metadata = handle.metadata()
+            tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
+        if all(not t.is_floating_point() or t.dtype == target for t in tensors.values()):
+            continue
+        tensors = {key: (t.to(target) if t.is_floating_point() else t).contiguous()
+                   for key, t in tensors.items()}
+        staging = path.with_name(f".{path.name}.tmp")
+        save_file(tensors, str(staging), metadata=metadata)
+        staging.replace(path)
+        rewritten.append(path.name)
+    if rewritten:
+        _set_config_dtype(Path(directory), dtype)
+        _update_index_size(Path(directory))
+    return rewritten
+
+
+def _set_config_dtype(directory: Path, dtype: str) -> None:
+    path = directory / "config.json"
+    if not path.is_file():
+        return
+    config = json.loads(path.read_text())
+    for section in (config, *(v for v in config.values() if isinstance(v, dict))):
+        for key in ("dtype", "torch_dtype"):
+            if key in section:
+                section[key] = dtype
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _update_index_size(directory: Path) -> None:
+    from safetensors import safe_open
+
+    for index_path in directory.glob("*.safetensors.index.json"):
+        index = json.loads(index_path.read_text())
+        total = 0
+        for name in sorted(set(index.get("weight_map", {}).values())):
+            with safe_open(str(directory / name), "pt") as handle:
+                for key in handle.keys():  # noqa: SIM118
+                    piece = handle.get_slice(key)
+                    total += math.prod(piece.get_shape()) * _dtype_bytes(piece.get_dtype())
+        index.setdefault("metadata", {})["total_size"] = total
+        index_path.write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _dtype_bytes(name: str) -> int:
+    return {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+            "U8": 1, "BOOL": 1}.get(name, 1)

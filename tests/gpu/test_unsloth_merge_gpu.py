@@ -108,3 +108,30 @@ def test_unsloth_base_is_the_checkpoint_and_merge_adds_the_adapter(model_dir, kn
 
     assert not base_changes
     assert merged_report.passed, merged_report.detail()
+
+
+def test_export_stage_on_the_unsloth_path(model_dir, known_adapter, tmp_path):
+    """The whole export (merge, weight and logit checks, GGUF f16 + mmproj, base control) with
+    Unsloth's merged save, on the known adapter."""
+    from vlmrl.config import load_params
+    from vlmrl.data import DataSettings, load_raw_records, prepare, to_dataset
+    from vlmrl.export import run_export
+
+    settings = DataSettings(synthetic_size=8, eval_size=2, image_size=512)
+    eval_set = tmp_path / "eval"
+    to_dataset(prepare(load_raw_records(settings), settings).eval).save_to_disk(str(eval_set))
+    params = load_params(Path(__file__).resolve().parents[2] / "params.yaml")
+    params["model"].update(name=MODEL, backend="unsloth", load_in_4bit=False, dtype="auto")
+    params["export"].update(gguf_outtypes=["f16"], quantize=[])
+    (tmp_path / "metrics").mkdir()
+
+    metrics = run_export(params=params, adapter=known_adapter, eval_set=eval_set,
+                         merged_out=tmp_path / "merged", gguf_out=tmp_path / "gguf",
+                         metrics_dir=tmp_path / "metrics", show_progress=False)
+    print(json.dumps({"checks": metrics["checks"], "diffs": metrics["logit_max_abs_diff"],
+                      "tolerances": metrics["tolerances"], "timings": metrics["timings_s"]},
+                     indent=1))
+    assert metrics["passed"]
+    assert metrics["checks"]["merged_weights_match_adapter"]["passed"]
+    assert {p.name for p in (tmp_path / "gguf").glob("*.gguf")} == {"model-f16.gguf",
+                                                                      "mmproj-f16.gguf"}
