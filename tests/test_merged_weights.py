@@ -194,3 +194,30 @@ def test_cast_floating_tensors_rewrites_a_float32_checkpoint(tmp_path: Path) -> 
     assert "dtype" not in config["vision_config"]
     assert cast_floating_tensors(tmp_path, "bfloat16") == []  # already there
     assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_merge_into_the_float32_checkpoint_passes(tmp_path: Path) -> None:
+    """Unsloth merges into the checkpoint it loaded (float32 here) and the export casts the result
+    to bfloat16, while the base it is checked against was saved in bfloat16: two roundings, and
+    where W + delta nearly cancels they are many steps of the result's own size."""
+    torch.manual_seed(0)
+    weight = torch.randn(256, 128) * 0.02
+    a, b = torch.rand(4, 128) * 0.04 - 0.02, torch.randn(256, 4) * 0.01
+    weight[0, :4] = -(b @ a)[0, :4]  # exact cancellation in float32
+    for name, tensors in (("base", {Q: weight.to(torch.bfloat16)}),
+                          ("merged", {Q: (weight + 2.0 * (b @ a)).to(torch.bfloat16)})):
+        (tmp_path / name).mkdir()
+        save_file(tensors, str(tmp_path / name / "model.safetensors"))
+    (tmp_path / "adapter").mkdir()
+    save_file({f"base_model.model.{Q[:-len('.weight')]}.lora_A.weight": a,
+               f"base_model.model.{Q[:-len('.weight')]}.lora_B.weight": b},
+              str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps(
+        {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}))
+
+    report = compare_merged_weights(tmp_path / "base", tmp_path / "merged", tmp_path / "adapter",
+                                    dtype="bfloat16")
+    assert report.passed, report.detail()
+    assert report.max_ulps <= 2.0
+    unmerged = compare_merged_weights(tmp_path / "base", tmp_path / "base", tmp_path / "adapter")
+    assert not unmerged.passed and unmerged.max_ulps > 10

@@ -148,12 +148,15 @@ class WeightReport:
         return head if not problems else f"{'; '.join(problems)} ({head})"
 
 
-def _ulps(merged, ideal, dtype) -> Any:
-    """|merged - ideal| in units of the export dtype's spacing at |ideal| (1 = one step)."""
+def _ulps(merged, ideal, base, delta, dtype) -> Any:
+    """|merged - ideal| in steps of `dtype` at the larger of |W|, |delta| and |W + delta|: a
+    merge's rounding is relative to its operands, so where W + delta nearly cancels, the error
+    is still measured against W."""
     import torch
 
     info = torch.finfo(dtype)
-    spacing = torch.clamp(ideal.abs(), min=info.smallest_normal) * info.eps
+    scale = torch.maximum(torch.maximum(ideal.abs(), base.float().abs()), delta.abs())
+    spacing = torch.clamp(scale, min=info.smallest_normal) * info.eps
     return (merged.float() - ideal).abs() / spacing
 
 
@@ -190,12 +193,13 @@ def compare_merged_weights(base_dir: Path, merged_dir: Path, adapter_dir: Path,
                     report.wrong.append(f"{name} (not adapted, differs from the base)")
                 continue
             report.adapted += 1
-            ideal = base_tensor.float() + deltas[name].weight_delta()
+            delta = deltas[name].weight_delta()
+            ideal = base_tensor.float() + delta
             if merged_tensor.shape != ideal.shape:
                 report.wrong.append(f"{name} (shape {tuple(merged_tensor.shape)}, "
                                     f"expected {tuple(ideal.shape)})")
                 continue
-            ulps = float(_ulps(merged_tensor, ideal,
+            ulps = float(_ulps(merged_tensor, ideal, base_tensor, delta,
                                _coarser(merged_tensor.dtype, base_tensor.dtype)).max())
             report.max_ulps = max(report.max_ulps, ulps)
             if not ulps <= MAX_ULPS:
