@@ -252,3 +252,68 @@ def test_train_gspo_generates_in_chunks(fresh_repo: Path) -> None:
     summary = json.loads((fresh_repo / "data/metrics/train.json").read_text())
     assert summary["steps"] == 2
     assert all(value > 0 for value in lora_b_norms(fresh_repo / "data/models/adapter").values())
+
+
+def readme_gpu_overrides() -> dict[str, object]:
+    """The `-S key=value` overrides of the README's GPU command, parsed as DVC/Hydra would."""
+    import re
+    import shlex
+
+    import yaml
+    from conftest import ROOT
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Real model and MathVista on a GPU"):]
+    command = section[section.index("```bash"):section.index("```", section.index("```bash") + 3)]
+    words = shlex.split(command.replace("\\\n", " "))
+    overrides: dict[str, object] = {}
+    for flag, assignment in zip(words, words[1:]):
+        if flag != "-S":
+            continue
+        key, value = assignment.split("=", 1)
+        if value.startswith("{"):
+            parsed = dict(re.findall(r"(\w+):([^,}]+)", value))
+            overrides[key.lstrip("+")] = {k: yaml.safe_load(v) for k, v in parsed.items()}
+        else:
+            overrides[key.lstrip("+")] = yaml.safe_load(value)
+    return overrides
+
+
+def test_readme_gpu_profile_is_the_benchmarked_one_and_valid() -> None:
+    """The GPU command in the README must be the configuration benchmarks/gspo_step.py measured
+    as the GPU profile, and must pass the stage's own params checks."""
+    import sys
+
+    import yaml
+    from conftest import ROOT
+
+    from vlmrl.training import generation_rows
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gspo_step
+
+    profile = gspo_step.CONFIGS[gspo_step.GPU_PROFILE]
+    overrides = readme_gpu_overrides()
+    assert overrides["model.backend"] == profile["backend"]
+    assert overrides["model.load_in_4bit"] is profile["load_in_4bit"]
+    for key in ("per_device_train_batch_size", "gradient_accumulation_steps",
+                "steps_per_generation"):
+        assert overrides[f"train.grpo.{key}"] == profile[key], key
+    assert overrides["train.max_generation_rows"] == profile["max_generation_rows"]
+    assert overrides["train.grpo.cache_implementation"] == "static"
+    generation = overrides["train.grpo.generation_kwargs"]
+    assert generation["disable_compile"] is False
+    # the benchmark's longest prompt with its image is 374 tokens
+    assert generation["max_cache_len"] >= 374 + overrides["train.grpo.max_completion_length"]
+
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    for dotted, value in overrides.items():
+        *parents, leaf = dotted.split(".")
+        node = params
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    config = build_grpo_config(params["train"]["grpo"], output_dir=Path("/tmp/x"), save_steps=50,
+                               reward_weights=[1.0], model_settings=ModelSettings(name="x"))
+    assert generation_rows(params["train"], config) == 16
+    assert config.generation_batch_size == 2 * 16  # one generation for two optimizer steps
