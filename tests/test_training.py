@@ -258,6 +258,7 @@ def readme_gpu_overrides() -> dict[str, object]:
     """The `-S key=value` overrides of the README's GPU command, parsed as DVC/Hydra would."""
     import re
     import shlex
+    from itertools import pairwise
 
     import yaml
     from conftest import ROOT
@@ -267,7 +268,7 @@ def readme_gpu_overrides() -> dict[str, object]:
     command = section[section.index("```bash"):section.index("```", section.index("```bash") + 3)]
     words = shlex.split(command.replace("\\\n", " "))
     overrides: dict[str, object] = {}
-    for flag, assignment in zip(words, words[1:]):
+    for flag, assignment in pairwise(words):
         if flag != "-S":
             continue
         key, value = assignment.split("=", 1)
