@@ -23,8 +23,8 @@ Configurations (`CONFIGS`):
   gpu_profile_bf16    bf16 weights, static cache, compiled decoding, one generation of 32 rows
                       for two optimizer steps, reference batch shape
 
-Compiled decoding and generation in chunks go through the train_gspo stage's own switches
-(vlmrl.trl_compat.enable_compiled_generation and limit_generation_rows). TRL switches gradient
+The trainer is built by the train_gspo stage's own code (vlmrl.training.make_trainer), so compiled
+decoding and generation in chunks are switched on exactly as the stage does. TRL switches gradient
 checkpointing off around generation (`unwrap_model_for_generation`), so generate keeps its KV
 cache; every run still records whether transformers ever logged that it dropped the cache under
 gradient checkpointing (`kv_cache_dropped_in_generation`), which would make every sampled token
@@ -230,17 +230,12 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
         import unsloth  # noqa: F401  (before trl and transformers, as the notebooks do)
     from datasets import load_from_disk
     from transformers import TrainerCallback
-    from trl import GRPOTrainer
 
     from vlmrl.config import load_params
-    from vlmrl.modeling import ModelSettings, suppressed_generation_kwargs
+    from vlmrl.modeling import ModelSettings
     from vlmrl.rewards import build_rewards_from_params
-    from vlmrl.training import build_grpo_config, load_policy
-    from vlmrl.trl_compat import (
-        enable_compiled_generation,
-        install_cpu_fallback,
-        limit_generation_rows,
-    )
+    from vlmrl.training import build_grpo_config, load_policy, make_trainer
+    from vlmrl.trl_compat import install_cpu_fallback
 
     install_cpu_fallback()  # no-op where Triton exists (every GPU machine)
 
@@ -267,13 +262,16 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
     load_started = time.perf_counter()
     model, processor, backend = load_policy(settings, LORA, config.seed)
     load_seconds = time.perf_counter() - load_started
-    generation_kwargs = dict(suppressed_generation_kwargs(processor))
     prompt_tokens = max_prompt_tokens(dataset, processor)
+    # The train_gspo stage's own switches: train.grpo.cache_implementation and generation_kwargs
+    # (max_cache_len, disable_compile), train.max_generation_rows; see make_trainer.
     if knobs["static_cache"]:
         config.cache_implementation = "static"
         # One cache for every call: sized for the longest prompt, so no reallocation/recompile.
-        generation_kwargs["max_cache_len"] = max_cache_len(prompt_tokens, length)
-    config.generation_kwargs = {**generation_kwargs, **(config.generation_kwargs or {})}
+        config.generation_kwargs = {**(config.generation_kwargs or {}),
+                                    "max_cache_len": max_cache_len(prompt_tokens, length)}
+    if knobs["compile"]:
+        config.generation_kwargs = {**(config.generation_kwargs or {}), "disable_compile": False}
 
     step_times: list[float] = []
     generations: list[dict[str, Any]] = []
@@ -293,14 +291,8 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
                     "peak_allocated_gib": _peak_gib("allocated"),
                     "peak_reserved_gib": _peak_gib("reserved")}))
 
-    trainer = GRPOTrainer(model=model, reward_funcs=reward_funcs, args=config,
-                          train_dataset=dataset, processing_class=processor, callbacks=[Timer()])
-    # the train_gspo stage's own switches (generation_kwargs.disable_compile: false and
-    # train.max_generation_rows)
-    if knobs["compile"]:
-        enable_compiled_generation(trainer)
-    if knobs.get("max_generation_rows"):
-        limit_generation_rows(trainer, knobs["max_generation_rows"])
+    trainer = make_trainer(model, processor, config, dataset, reward_funcs,
+                           generation_rows=knobs.get("max_generation_rows"), callbacks=[Timer()])
     peaks = MemoryPeaks()
     wrapped = hasattr(trainer, "_generate_single_turn")
     if wrapped:

@@ -39,7 +39,13 @@ from vlmrl.gguf_tools import (
 from vlmrl.merged_weights import cast_floating_tensors, compare_merged_weights
 from vlmrl.modeling import ModelSettings
 from vlmrl.outputs import atomic_dir
-from vlmrl.verify import Check, first_eval_row, forward_logits, image_question_inputs
+from vlmrl.verify import (
+    Check,
+    adapter_and_base_logits,
+    first_eval_row,
+    forward_logits,
+    image_question_inputs,
+)
 
 EXPORT_DTYPES = ("bfloat16", "float16")
 # The f16 GGUF and the float32 reference hold the same weights (every bf16 value of the merged
@@ -231,13 +237,6 @@ def _merge_with_unsloth(settings: ModelSettings, adapter: Path, row: Mapping, ou
     else:
         save_with_processor(model.merge_and_unload(), processor, out_dir)
     return logits
-
-
-def adapter_and_base_logits(model, inputs) -> tuple[Any, Any]:
-    adapter_logits = forward_logits(model, inputs)
-    with model.disable_adapter():
-        base_logits = forward_logits(model, inputs)
-    return adapter_logits, base_logits
 
 
 def save_with_processor(model, processor, out_dir: Path) -> None:
@@ -519,7 +518,6 @@ class _Exporter:
     scratch: Path
     checks: list[Check] = field(default_factory=list)
     diffs: dict[str, float] = field(default_factory=dict)
-    merged_tolerance: float = math.nan
 
     def run(self, adapter: Path, row: Mapping, merged_dir: Path, gguf_dir: Path,
             metrics_dir: Path) -> dict[str, Any]:
@@ -552,7 +550,7 @@ class _Exporter:
             "passed": True,
             "dtype": self.settings.dtype,
             "logit_max_abs_diff": self.diffs,
-            "tolerances": {"merged_vs_adapter": self.merged_tolerance,
+            "tolerances": {"merged_vs_adapter": self.merged_tolerance(),
                            "gguf_f16_vs_merged": gguf_tolerance(reference)},
             "checks": {c.name: {"passed": c.passed, "detail": c.detail} for c in self.checks},
             "gguf": gguf_report,
@@ -562,6 +560,9 @@ class _Exporter:
 
     def record(self, name: str, passed: bool, detail: str) -> None:
         self.checks.append(Check(name, passed, detail))
+
+    def merged_tolerance(self) -> float:
+        return self.settings.merged_tolerance(self.diffs["adapter_vs_base"])
 
     def check_merged_weights(self, base_dir: Path, merged_dir: Path, adapter: Path) -> None:
         report = compare_merged_weights(base_dir, merged_dir, adapter, dtype=self.settings.dtype)
@@ -579,12 +580,12 @@ class _Exporter:
         merged_logits = forward_logits(model, image_question_inputs(processor, row))
         diff = max_abs_diff(merged_logits, adapter_logits)
         effect = max_abs_diff(adapter_logits, base_logits)
-        self.merged_tolerance = self.settings.merged_tolerance(effect)
         self.diffs["merged_vs_adapter"] = diff
         self.diffs["adapter_vs_base"] = effect
-        self.record("merged_matches_adapter", diff <= self.merged_tolerance,
+        tolerance = self.merged_tolerance()
+        self.record("merged_matches_adapter", diff <= tolerance,
                     f"max |logit difference| {diff:.3g} on the image+question, both in float32 "
-                    f"over {self.settings.dtype} weights; tolerance {self.merged_tolerance:.3g} = "
+                    f"over {self.settings.dtype} weights; tolerance {tolerance:.3g} = "
                     f"max(export.logit_atol {self.settings.logit_atol:g}, export.logit_rtol "
                     f"{self.settings.logit_rtol:g} x the adapter's effect {effect:.3g})")
         return text, token_ids, reference

@@ -161,11 +161,9 @@ def _ulps(merged, ideal, base, delta, dtype) -> Any:
 
 
 def _coarser(first, second):
-    """The dtype with the wider spacing: the one a 16-bit merge was rounded to."""
+    """The floating dtype with the wider spacing: the one a 16-bit merge was rounded to."""
     import torch
 
-    if not (first.is_floating_point and second.is_floating_point):
-        return first
     return max(first, second, key=lambda dtype: torch.finfo(dtype).eps)
 
 
@@ -210,32 +208,46 @@ def compare_merged_weights(base_dir: Path, merged_dir: Path, adapter_dir: Path,
     return report
 
 
+SAFETENSORS_FLOATS = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+SAFETENSORS_BYTES = {**SAFETENSORS_FLOATS, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                     "BOOL": 1}
+
+
 def cast_floating_tensors(directory: Path, dtype: str) -> list[str]:
     """Rewrites, file by file, the safetensors of `directory` whose floating tensors are not in
     `dtype` (Unsloth's merged save keeps the dtype of the checkpoint it merged into, float32 for
-    a checkpoint saved in float32), and config.json's dtype with them. Returns the files
+    a checkpoint saved in float32), and config.json's dtype and a shard index's total size with
+    them. Files already in `dtype` are read only as far as their headers. Returns the files
     rewritten."""
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    target = getattr(torch, dtype)
+    target, target_name = getattr(torch, dtype), SAFETENSORS_DTYPES[dtype]
     rewritten: list[str] = []
+    total_size = 0
     for path in sorted(Path(directory).glob("*.safetensors")):
         with safe_open(str(path), "pt") as handle:
+            stored = {key: handle.get_slice(key) for key in handle.keys()}  # noqa: SIM118
+            cast = {key for key, piece in stored.items()
+                    if piece.get_dtype() in SAFETENSORS_FLOATS and piece.get_dtype() != target_name}
+            total_size += sum(
+                math.prod(piece.get_shape())
+                * SAFETENSORS_BYTES[target_name if key in cast else piece.get_dtype()]
+                for key, piece in stored.items())
+            if not cast:
+                continue
             metadata = handle.metadata()
-            tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
-        if all(not t.is_floating_point() or t.dtype == target for t in tensors.values()):
-            continue
-        tensors = {key: (t.to(target) if t.is_floating_point() else t).contiguous()
-                   for key, t in tensors.items()}
+            tensors = {key: (handle.get_tensor(key).to(target) if key in cast
+                             else handle.get_tensor(key)).contiguous() for key in stored}
         staging = path.with_name(f".{path.name}.tmp")
         save_file(tensors, str(staging), metadata=metadata)
         staging.replace(path)
         rewritten.append(path.name)
     if rewritten:
         _set_config_dtype(Path(directory), dtype)
-        _update_index_size(Path(directory))
+        _set_index_size(Path(directory), total_size)
     return rewritten
 
 
@@ -251,21 +263,8 @@ def _set_config_dtype(directory: Path, dtype: str) -> None:
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _update_index_size(directory: Path) -> None:
-    from safetensors import safe_open
-
+def _set_index_size(directory: Path, total_size: int) -> None:
     for index_path in directory.glob("*.safetensors.index.json"):
         index = json.loads(index_path.read_text())
-        total = 0
-        for name in sorted(set(index.get("weight_map", {}).values())):
-            with safe_open(str(directory / name), "pt") as handle:
-                for key in handle.keys():  # noqa: SIM118
-                    piece = handle.get_slice(key)
-                    total += math.prod(piece.get_shape()) * _dtype_bytes(piece.get_dtype())
-        index.setdefault("metadata", {})["total_size"] = total
+        index.setdefault("metadata", {})["total_size"] = total_size
         index_path.write_text(json.dumps(index, indent=2) + "\n")
-
-
-def _dtype_bytes(name: str) -> int:
-    return {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
-            "U8": 1, "BOOL": 1}.get(name, 1)

@@ -261,6 +261,27 @@ class TrainResult:
     completions_dir: Path
 
 
+def make_trainer(model, processor, config, dataset, reward_funcs, *,
+                 generation_rows: int | None, callbacks: list):
+    """TRL's GRPOTrainer with the project's generation switches: the processor's suppressed
+    tokens, compiled decoding when `generation_kwargs.disable_compile` is false (TRL itself
+    always disables it), and generation in chunks of `generation_rows`."""
+    from trl import GRPOTrainer
+
+    from vlmrl.modeling import suppressed_generation_kwargs
+
+    generation_kwargs = dict(config.generation_kwargs or {})
+    compile_generation = generation_kwargs.pop("disable_compile", True) is False
+    config.generation_kwargs = {**suppressed_generation_kwargs(processor), **generation_kwargs}
+    trainer = GRPOTrainer(model=model, reward_funcs=reward_funcs, args=config,
+                          train_dataset=dataset, processing_class=processor, callbacks=callbacks)
+    if compile_generation:
+        enable_compiled_generation(trainer)
+    if generation_rows is not None:
+        limit_generation_rows(trainer, generation_rows)
+    return trainer
+
+
 def train(*, train_set: Path, params: Mapping[str, Any], adapter_out: Path,
           checkpoints: Path) -> TrainResult:
     """Runs GSPO and writes the adapter; returns the per-step log and the summary."""
@@ -270,10 +291,8 @@ def train(*, train_set: Path, params: Mapping[str, Any], adapter_out: Path,
         import unsloth  # noqa: F401  (must patch TRL, transformers and PEFT before they load)
     from datasets import load_from_disk
     from transformers import TrainerCallback
-    from trl import GRPOTrainer
 
     from vlmrl.embedded import save_processor_files
-    from vlmrl.modeling import suppressed_generation_kwargs
     from vlmrl.outputs import atomic_dir
     if not (train_set / "dataset_info.json").is_file():
         raise FileNotFoundError(f"{train_set}: no prepared train set; the prepare_data stage makes it")
@@ -292,17 +311,9 @@ def train(*, train_set: Path, params: Mapping[str, Any], adapter_out: Path,
 
     install_cpu_fallback()
     model, processor, _backend = load_policy(model_settings, train_params["lora"], config.seed)
-    generation_kwargs = dict(config.generation_kwargs or {})
-    compile_generation = generation_kwargs.pop("disable_compile", True) is False
-    config.generation_kwargs = {**suppressed_generation_kwargs(processor), **generation_kwargs}
     timer = type("StepTimerCallback", (StepTimer, TrainerCallback), {})()
-    trainer = GRPOTrainer(model=model, reward_funcs=reward_funcs, args=config,
-                          train_dataset=load_from_disk(str(train_set)),
-                          processing_class=processor, callbacks=[timer])
-    if compile_generation:
-        enable_compiled_generation(trainer)
-    if rows is not None:
-        limit_generation_rows(trainer, rows)
+    trainer = make_trainer(model, processor, config, load_from_disk(str(train_set)), reward_funcs,
+                           generation_rows=rows, callbacks=[timer])
     started = time.perf_counter()
     if resume_from is not None:
         print(f"resuming from {resume_from}")

@@ -123,6 +123,14 @@ def image_question_inputs(processor, row: Mapping[str, Any]):
     return processor(text=[text], images=[row["image"]], return_tensors="pt")
 
 
+def adapter_and_base_logits(model, inputs) -> tuple[Any, Any]:
+    """Float32 logits of the PEFT model with its adapter, and with the adapter switched off."""
+    adapter_logits = forward_logits(model, inputs)
+    with model.disable_adapter():
+        base_logits = forward_logits(model, inputs)
+    return adapter_logits, base_logits
+
+
 def forward_logits(model, inputs):
     """Float32 logits of every position, on the CPU."""
     import torch
@@ -308,10 +316,8 @@ def verify_adapter(model_settings, adapter: Path | str, eval_set: Path | str, sp
     config = read_adapter_config(adapter)
     row = first_eval_row(eval_set)
     model, processor, _backend = load_model(model_settings, adapter=adapter)
-    inputs = image_question_inputs(processor, row)
-    adapted_logits = forward_logits(model, inputs)
-    with model.disable_adapter():
-        base_logits = forward_logits(model, inputs)
+    adapted_logits, base_logits = adapter_and_base_logits(model,
+                                                          image_question_inputs(processor, row))
     modules = lora_modules(model)
     delta = logit_delta(base_logits, adapted_logits)
     checks = [
