@@ -31,6 +31,11 @@ gradient checkpointing (`kv_cache_dropped_in_generation`), which would make ever
 ignore the prompt. Peak memory is recorded per phase: inside `generate`, and the rest (training,
 scoring, old log-probabilities).
 
+`--model embedded:qwen3-vl-8b-shape` runs the same configurations on Qwen3-VL-8B's shape, to see
+what fits a 24 GB GPU; such runs are keyed `config@length@qwen3-vl-8b-shape` and summarized under
+`results_other_models`, apart from the 2B-shaped `results` the speed target is judged on.
+`peak_device_gib` adds what the process holds beside PyTorch's pool (CUDA context, kernels).
+
 Each (configuration, length) runs in its own process (Unsloth patches torch and transformers on
 import), results are merged into `--out` as they arrive (`runs`, raw; `results`, configuration ->
 one entry per completion length), and a run that would not fit in `--budget-s` is skipped and
@@ -184,6 +189,28 @@ def _reset_peak() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
+def device_used_bytes() -> int | None:
+    """Bytes in use on the device by every process (what nvidia-smi shows)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
+def _non_pytorch_gib(others_bytes: int) -> float | None:
+    """What this process holds on the device beside PyTorch's pool (CUDA context, cuBLAS
+    workspaces, compiled kernels): a 24 GB card must hold this plus the peak reserved pool.
+    `others_bytes` is what other processes (the driver process among them) held before it."""
+    import torch
+
+    used = device_used_bytes()
+    if used is None:
+        return None
+    return round((used - others_bytes - torch.cuda.memory_reserved()) / 2**30, 2)
+
+
 def max_cache_len(prompt_tokens: int, completion_tokens: int) -> int:
     return (prompt_tokens + completion_tokens + 63) // 64 * 64
 
@@ -224,7 +251,8 @@ class _KVDropDetector(logging.Handler):
 
 
 def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Path,
-           model_name: str, seed: int, partial: Path | None = None) -> dict[str, Any]:
+           model_name: str, seed: int, partial: Path | None = None,
+           others_bytes: int = 0) -> dict[str, Any]:
     knobs = CONFIGS[config_name]
     if knobs["backend"] == "unsloth":
         import unsloth  # noqa: F401  (before trl and transformers, as the notebooks do)
@@ -317,6 +345,7 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
     trainer.train()
     peaks.close("training")
     peak_allocated, peak_reserved = peaks.overall("allocated"), peaks.overall("reserved")
+    non_pytorch = _non_pytorch_gib(others_bytes)
 
     timed = step_times[warmup:]
     timed_generations = [g for g in generations if g["step"] >= warmup]
@@ -345,6 +374,9 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
         "mean_completion_length": tokens / completions if completions else None,
         "peak_allocated_gib": peak_allocated,
         "peak_reserved_gib": peak_reserved,
+        "non_pytorch_gib": non_pytorch,
+        "peak_device_gib": (round(peak_reserved + non_pytorch, 2)
+                            if peak_reserved is not None and non_pytorch is not None else None),
         "peak_allocated_gib_by_phase": peaks.by_phase("allocated"),
         "max_prompt_tokens": prompt_tokens,
         "load_seconds": round(load_seconds, 1),
@@ -361,21 +393,25 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
 
 # ------------------------------------------------------------------ driver
 
-def result_key(config: str, length: int) -> str:
-    return f"{config}@{length}"
+def result_key(config: str, length: int, model: str = MODEL) -> str:
+    key = f"{config}@{length}"
+    return key if model == MODEL else f"{key}@{model.removeprefix('embedded:')}"
 
 
 SUMMARY_FIELDS = ("completion_length", "seconds_per_step", "generated_tokens_per_second",
                   "generation_only_tokens_per_second", "peak_allocated_gib", "peak_reserved_gib",
                   "peak_allocated_gib_by_phase", "mean_completion_length", "warmup_steps",
-                  "timed_steps", "device")
+                  "timed_steps", "device", "non_pytorch_gib", "peak_device_gib")
 
 
-def summarize(runs: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
-    """configuration -> its measured runs, one per completion length (failed runs left out)."""
+def summarize(runs: dict[str, Any], model: str = MODEL) -> dict[str, list[dict[str, Any]]]:
+    """configuration -> its measured runs on `model`, one per completion length (failed runs
+    left out)."""
     results: dict[str, list[dict[str, Any]]] = {}
     for run in sorted(runs.values(), key=lambda r: (r["config"], r["completion_length"])):
         if run.get("error") or run.get("seconds_per_step") is None:
+            continue
+        if run.get("model", MODEL) != model:
             continue
         entry = {key: run[key] for key in SUMMARY_FIELDS if key in run}
         entry["settings"] = {key: value for key, value in run.get("settings", {}).items()
@@ -392,6 +428,10 @@ def load_results(path: Path) -> dict[str, Any]:
 
 def save_results(path: Path, results: dict[str, Any]) -> None:
     results["results"] = summarize(results["runs"])
+    others = sorted({run["model"] for run in results["runs"].values()
+                     if run.get("model", MODEL) != MODEL})
+    results["results_other_models"] = {model: summarize(results["runs"], model)
+                                       for model in others}
     results["gpu_profile"] = GPU_PROFILE
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -439,13 +479,15 @@ def main() -> int:
     parser.add_argument("--worker", nargs=2, metavar=("CONFIG", "LENGTH"), help=argparse.SUPPRESS)
     parser.add_argument("--train-set", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--others-bytes", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.worker:
         config, length = args.worker[0], int(args.worker[1])
         try:
             result = worker(config, length, args.warmup, args.steps, args.train_set, args.model,
-                            args.seed, partial=args.result.with_suffix(".partial"))
+                            args.seed, partial=args.result.with_suffix(".partial"),
+                            others_bytes=args.others_bytes)
         except Exception as error:  # noqa: BLE001  (recorded: the table says why a run failed)
             traceback.print_exc()
             result = {"config": config, "completion_length": length,
@@ -467,7 +509,7 @@ def main() -> int:
     print(f"model {model_dir}; data {train_set}; setup {time.perf_counter() - started:.0f} s",
           flush=True)
     results = load_results(args.out)
-    results.update(device=device_name(), versions=versions(), model=args.model,
+    results.update(device=device_name(), versions=versions(), model=MODEL,
                    num_generations=NUM_GENERATIONS,
                    completions_per_optimizer_step=PER_DEVICE_BATCH * GRAD_ACCUM, lora=LORA)
     for length in [int(x) for x in args.lengths.split(",")]:
@@ -476,7 +518,7 @@ def main() -> int:
                 raise SystemExit(f"unknown config {config!r}; known: {', '.join(CONFIGS)}")
             config = GPU_PROFILE if config == "gpu_profile" else config
             left = args.budget_s - (time.perf_counter() - started)
-            key = result_key(config, length)
+            key = result_key(config, length, args.model)
             if left < args.min_run_s:
                 print(f"{key}: skipped, {left:.0f} s of the budget left", flush=True)
                 continue
@@ -486,7 +528,8 @@ def main() -> int:
             command = [sys.executable, __file__, "--worker", config, str(length),
                        "--warmup", str(args.warmup), "--steps", str(args.steps),
                        "--model", args.model, "--seed", str(args.seed),
-                       "--train-set", str(train_set), "--result", str(result_file)]
+                       "--train-set", str(train_set), "--result", str(result_file),
+                       "--others-bytes", str(device_used_bytes() or 0)]
             print(f"== {key}", flush=True)
             run_started = time.perf_counter()
             try:
@@ -503,6 +546,7 @@ def main() -> int:
                     result["partial"] = json.loads(result_file.with_suffix(".partial").read_text())
             result["wall_seconds"] = round(time.perf_counter() - run_started, 1)
             result["device"] = results["device"]
+            result["model"] = args.model
             results["runs"][key] = result
             save_results(args.out, results)
             print(json.dumps({k: v for k, v in result.items()

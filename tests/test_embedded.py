@@ -98,3 +98,50 @@ def test_saved_like_a_hub_repo() -> None:
 def test_unknown_embedded_name() -> None:
     with pytest.raises(ValueError, match="embedded:tiny-qwen3-vl"):
         ensure_embedded_model("embedded:huge")
+
+
+def test_8b_shape_is_qwen3_vl_8b() -> None:
+    """Qwen3-VL-8B-Instruct's published config, and its 8.77 B parameters (counted on the meta
+    device: nothing is allocated)."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    config = build_config(SHAPES["qwen3-vl-8b-shape"])
+    text, vision = config.text_config, config.vision_config
+    assert (text.hidden_size, text.num_hidden_layers, text.num_attention_heads,
+            text.num_key_value_heads, text.head_dim, text.intermediate_size) == (
+        4096, 36, 32, 8, 128, 12288)
+    assert (vision.depth, vision.hidden_size, vision.intermediate_size, vision.out_hidden_size,
+            list(vision.deepstack_visual_indexes)) == (27, 1152, 4304, 4096, [8, 16, 24])
+    assert config.tie_word_embeddings is False and text.tie_word_embeddings is False
+    with torch.device("meta"):
+        model = Qwen3VLForConditionalGeneration(config)
+    assert round(sum(p.numel() for p in model.parameters()) / 1e9, 2) == 8.77
+
+
+def test_fields_added_later_keep_existing_cache_dirs() -> None:
+    from vlmrl.embedded import _identity
+
+    for name in ("tiny-qwen3-vl", "qwen3-vl-2b-shape"):
+        assert set(_identity(SHAPES[name])) == {"text", "vision", "max_pixels", "min_pixels",
+                                                "mrope_section"}, name
+    assert _identity(SHAPES["qwen3-vl-8b-shape"])["saved_dtype"] == "bfloat16"
+
+
+def test_untied_shape_saved_in_bf16(tmp_path) -> None:
+    """The 8B shape's two switches, on the tiny shape: a separate lm_head, bf16 on disk."""
+    from dataclasses import replace
+
+    from safetensors import safe_open
+
+    from vlmrl.embedded import build_model
+
+    shape = replace(SHAPES["tiny-qwen3-vl"], tie_word_embeddings=False, saved_dtype="bfloat16")
+    build_model(shape, seed=0, out_dir=tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as weights:
+        names = list(weights.keys())
+        dtypes = {weights.get_slice(name).get_dtype() for name in names}
+        head = weights.get_tensor("lm_head.weight")
+        embed = weights.get_tensor("model.language_model.embed_tokens.weight")
+    assert dtypes == {"BF16"}
+    assert not torch.equal(head, embed)
+    assert json.loads((tmp_path / "config.json").read_text())["tie_word_embeddings"] is False

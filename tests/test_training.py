@@ -318,3 +318,28 @@ def test_readme_gpu_profile_is_the_benchmarked_one_and_valid() -> None:
                                reward_weights=[1.0], model_settings=ModelSettings(name="x"))
     assert generation_rows(params["train"], config) == 16
     assert config.generation_batch_size == 2 * 16  # one generation for two optimizer steps
+
+
+def test_benchmark_keeps_other_models_apart() -> None:
+    """Runs on another model (the 8B shape's memory check) get their own keys and summary, so
+    they never overwrite or mix with the 2B-shaped configurations the targets are judged on."""
+    import sys
+
+    from conftest import ROOT
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gspo_step
+
+    def run(config: str, model: str, seconds: float) -> dict:
+        return {"config": config, "completion_length": 1024, "model": model,
+                "seconds_per_step": seconds, "peak_allocated_gib": 1.0}
+
+    big = "embedded:qwen3-vl-8b-shape"
+    runs = {gspo_step.result_key("gpu_profile_bf16", 1024): run("gpu_profile_bf16",
+                                                                gspo_step.MODEL, 11.0),
+            gspo_step.result_key("gpu_profile_bf16", 1024, big): run("gpu_profile_bf16", big, 21.0)}
+    assert len(runs) == 2
+    assert gspo_step.result_key("gpu_profile_bf16", 1024) == "gpu_profile_bf16@1024"
+    assert [e["seconds_per_step"] for e in gspo_step.summarize(runs)["gpu_profile_bf16"]] == [11.0]
+    assert [e["seconds_per_step"]
+            for e in gspo_step.summarize(runs, big)["gpu_profile_bf16"]] == [21.0]

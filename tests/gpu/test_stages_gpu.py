@@ -148,6 +148,20 @@ def run_stage(repo: Path, name: str, tag: str) -> subprocess.CompletedProcess:
     return result
 
 
+def selected_stages(selection: str | None, repo: Path) -> list[str]:
+    """DOWNSTREAM, or the stages named in `selection` plus baseline_eval where post_eval is
+    named and the baseline's records are missing (post_eval compares against them)."""
+    if not selection:
+        return list(DOWNSTREAM)
+    names = set(selection.split(","))
+    unknown = names - set(DOWNSTREAM)
+    if unknown:
+        raise ValueError(f"VLMRL_GPU_DOWNSTREAM names {sorted(unknown)}; known: {DOWNSTREAM}")
+    if "post_eval" in names and not (repo / "data/eval/baseline/records.jsonl").is_file():
+        names.add("baseline_eval")
+    return [stage for stage in DOWNSTREAM if stage in names]
+
+
 def read_json(path: Path) -> dict:
     return json.loads(path.read_text())
 
@@ -229,8 +243,7 @@ def test_downstream(copies, config):
     repo = copies[config]
     if not (repo / "data/models/adapter/adapter_config.json").is_file():
         pytest.skip("train_gspo did not produce an adapter for this configuration")
-    selected = os.environ.get("VLMRL_GPU_DOWNSTREAM")
-    stages = [s for s in DOWNSTREAM if not selected or s in selected.split(",")]
+    stages = selected_stages(os.environ.get("VLMRL_GPU_DOWNSTREAM"), repo)
     for stage in stages:
         run_stage(repo, stage, config)
     metrics = repo / "data/metrics"

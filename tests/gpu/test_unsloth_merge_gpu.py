@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -111,23 +113,36 @@ def test_unsloth_base_is_the_checkpoint_and_merge_adds_the_adapter(model_dir, kn
 
 
 def test_export_stage_on_the_unsloth_path(model_dir, known_adapter, tmp_path):
-    """The whole export (merge, weight and logit checks, GGUF f16 + mmproj, base control) with
-    Unsloth's merged save, on the known adapter."""
+    """The export stage script (merge, weight and logit checks, GGUF f16 + mmproj, base control)
+    with Unsloth's merged save, on the known adapter. It runs in its own process, as DVC runs it:
+    a pytest process that had run Unsloth's merge and llama.cpp in-process once died of a
+    segmentation fault at interpreter exit, after its test had passed."""
+    import yaml
+
     from vlmrl.config import load_params
     from vlmrl.data import DataSettings, load_raw_records, prepare, to_dataset
-    from vlmrl.export import run_export
 
+    root = Path(__file__).resolve().parents[2]
     settings = DataSettings(synthetic_size=8, eval_size=2, image_size=512)
     eval_set = tmp_path / "eval"
     to_dataset(prepare(load_raw_records(settings), settings).eval).save_to_disk(str(eval_set))
-    params = load_params(Path(__file__).resolve().parents[2] / "params.yaml")
+    params = load_params(root / "params.yaml")
     params["model"].update(name=MODEL, backend="unsloth", load_in_4bit=False, dtype="auto")
     params["export"].update(gguf_outtypes=["f16"], quantize=[])
-    (tmp_path / "metrics").mkdir()
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    metrics_file = tmp_path / "metrics" / "export.json"
 
-    metrics = run_export(params=params, adapter=known_adapter, eval_set=eval_set,
-                         merged_out=tmp_path / "merged", gguf_out=tmp_path / "gguf",
-                         metrics_dir=tmp_path / "metrics", show_progress=False)
+    result = subprocess.run(
+        [sys.executable, "stages/export.py", "--adapter", str(known_adapter),
+         "--eval-set", str(eval_set), "--merged", str(tmp_path / "merged"),
+         "--gguf", str(tmp_path / "gguf"), "--metrics", str(metrics_file),
+         "--params", str(tmp_path / "params.yaml")],
+        cwd=root, text=True, capture_output=True, check=False,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [str(root / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])))
+    assert result.returncode == 0, f"rc {result.returncode}\n{result.stdout[-3000:]}\n" \
+                                   f"{result.stderr[-6000:]}"
+    metrics = json.loads(metrics_file.read_text())
     print(json.dumps({"checks": metrics["checks"], "diffs": metrics["logit_max_abs_diff"],
                       "tolerances": metrics["tolerances"], "timings": metrics["timings_s"]},
                      indent=1))
