@@ -21,7 +21,10 @@ Configurations (`CONFIGS`):
                       and a generation batch shape per candidate (see CONFIGS)
   gpu_profile         the candidate the README's GPU profile uses (GPU_PROFILE)
   gpu_profile_bf16    bf16 weights, static cache, compiled decoding, one generation of 32 rows
-                      for two optimizer steps, reference batch shape
+                      for two optimizer steps
+  gpu_profile_vllm    bf16 weights, TRL's vLLM colocate generation, one generation of 32 rows for
+                      two optimizer steps; only where vllm is installed (recorded as skipped
+                      elsewhere), reference batch shape
 
 The trainer is built by the train_gspo stage's own code (vlmrl.training.make_trainer), so compiled
 decoding and generation in chunks are switched on exactly as the stage does. TRL switches gradient
@@ -49,6 +52,7 @@ Usage (on a GPU machine; tests/gpu/run_on_device.sh installs what is missing):
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import os
@@ -107,6 +111,14 @@ CONFIGS: dict[str, dict[str, Any]] = {
                          "steps_per_generation": 2 * GRAD_ACCUM, "static_cache": True,
                          "compile": True},
 }
+# vLLM colocate (paged attention, continuous batching, CUDA graphs) in place of HF generate,
+# bf16 weights, one generation for two optimizer steps. Runs only where vllm is installed: its
+# wheels cannot be carried to the offline test GPU, so the run is recorded as skipped there.
+CONFIGS["gpu_profile_vllm"] = {"backend": "transformers", "load_in_4bit": False, **REFERENCE_BATCH,
+                               "steps_per_generation": 2 * GRAD_ACCUM, "static_cache": False,
+                               "compile": False, "vllm": True}
+VLLM_SETTINGS = {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3,
+                 "vllm_enable_sleep_mode": True}
 GPU_PROFILE = "gpu_profile_mb8_spg4_rows16"
 CONFIGS["gpu_profile"] = CONFIGS[GPU_PROFILE]
 for _name, _knobs in CONFIGS.items():  # equal work: 16 completions per optimizer step
@@ -254,6 +266,9 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
            model_name: str, seed: int, partial: Path | None = None,
            others_bytes: int = 0) -> dict[str, Any]:
     knobs = CONFIGS[config_name]
+    if knobs.get("vllm") and importlib.util.find_spec("vllm") is None:
+        return {"config": config_name, "completion_length": length,
+                "error": "skipped: vllm is not installed"}
     if knobs["backend"] == "unsloth":
         import unsloth  # noqa: F401  (before trl and transformers, as the notebooks do)
     from datasets import load_from_disk
@@ -279,7 +294,7 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
     batch = {key: knobs[key] for key in REFERENCE_BATCH}
     grpo.update(max_steps=warmup + steps, **batch, num_generations=NUM_GENERATIONS, max_completion_length=length,
                 gradient_checkpointing=True, log_completions=False, logging_steps=1,
-                report_to="none", seed=seed)
+                report_to="none", seed=seed, **(VLLM_SETTINGS if knobs.get("vllm") else {}))
     reward_funcs, reward_weights = build_rewards_from_params(params["rewards"])
     out_dir = Path(tempfile.mkdtemp(prefix="gspo-bench-"))
     config = build_grpo_config(grpo, output_dir=out_dir, save_steps=10**6,

@@ -343,3 +343,35 @@ def test_benchmark_keeps_other_models_apart() -> None:
     assert [e["seconds_per_step"] for e in gspo_step.summarize(runs)["gpu_profile_bf16"]] == [11.0]
     assert [e["seconds_per_step"]
             for e in gspo_step.summarize(runs, big)["gpu_profile_bf16"]] == [21.0]
+
+
+def test_use_vllm_without_vllm_names_the_param() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vllm is installed here")
+    with pytest.raises(ParamsError, match=r"train\.grpo\.use_vllm.*vllm is not installed"):
+        build_grpo_config({"use_vllm": True, "vllm_mode": "colocate"}, output_dir=Path("/tmp/x"),
+                          save_steps=50, reward_weights=[1.0],
+                          model_settings=ModelSettings(name="x"))
+
+
+def test_benchmark_vllm_profile_is_skipped_without_vllm(tmp_path) -> None:
+    """The vLLM candidate is the profile's settings plus TRL's colocate switches; where vllm is
+    missing (the offline test GPU, this machine) the run is recorded as skipped, not failed."""
+    import importlib.util
+    import sys
+
+    from conftest import ROOT
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vllm is installed here")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gspo_step
+
+    knobs = gspo_step.CONFIGS["gpu_profile_vllm"]
+    assert knobs["per_device_train_batch_size"] * knobs["gradient_accumulation_steps"] == 16
+    assert set(gspo_step.VLLM_SETTINGS) <= set(__import__("trl").GRPOConfig.__dataclass_fields__)
+    result = gspo_step.worker("gpu_profile_vllm", 256, 1, 1, tmp_path, gspo_step.MODEL, 0)
+    assert result == {"config": "gpu_profile_vllm", "completion_length": 256,
+                      "error": "skipped: vllm is not installed"}

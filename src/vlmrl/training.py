@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import math
 import shutil
@@ -81,6 +82,9 @@ def build_grpo_config(grpo: Mapping[str, Any], *, output_dir: Path, save_steps: 
         if key in MANAGED_GRPO_KEYS:
             raise ParamsError(f"params.yaml `train.grpo.{key}` is set by the pipeline "
                               f"(dvc.yaml paths, train.save_steps or rewards); remove it")
+    if grpo.get("use_vllm") and importlib.util.find_spec("vllm") is None:
+        raise ParamsError("params.yaml `train.grpo.use_vllm` is true but vllm is not installed; "
+                          "pip install vllm (a build matching this torch) or set it to false")
     kwargs = dict(grpo)
     kwargs.update(output_dir=str(output_dir), save_strategy="steps", save_steps=save_steps,
                   reward_weights=reward_weights, **precision_flags(grpo, model_settings))
