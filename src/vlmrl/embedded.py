@@ -29,7 +29,8 @@ class EmbeddedShape:
     min_pixels: int = 32 * 32 * 4
     mrope_section: list[int] = field(default_factory=lambda: [24, 20, 20])
     tie_word_embeddings: bool = True
-    # The 8B shape is saved in bf16, as the hub checkpoints are: float32 would take 35 GB of disk.
+    # The 8B shape is built and saved in bf16, as the hub checkpoints are: in float32 it would
+    # take 35 GB of device memory and disk.
     saved_dtype: str = "float32"
 
 
@@ -158,9 +159,14 @@ def build_model(shape: EmbeddedShape, seed: int, out_dir: Path, device: str = "c
 
     torch.manual_seed(seed)
     config = build_config(shape)
-    with torch.device(device):
-        model = Qwen3VLForConditionalGeneration(config)
-    model = model.to(getattr(torch, shape.saved_dtype))
+    # Initialised in the saved dtype: the 8B shape in float32 would need 35 GB on the device.
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, shape.saved_dtype))
+    try:
+        with torch.device(device):
+            model = Qwen3VLForConditionalGeneration(config)
+    finally:
+        torch.set_default_dtype(previous)
     model.generation_config = GenerationConfig(
         bos_token_id=151643, eos_token_id=[151645, 151643], pad_token_id=151643,
         do_sample=False)
