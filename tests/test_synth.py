@@ -33,6 +33,8 @@ def many_small() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def testmini() -> list[dict]:
+    if not TESTMINI.exists():
+        pytest.skip(f"MathVista testmini annotations not found at {TESTMINI}")
     return list(json.loads(TESTMINI.read_text(encoding="utf-8")).values())
 
 
