@@ -21,10 +21,9 @@ Configurations (`CONFIGS`):
                       and a generation batch shape per candidate (see CONFIGS)
   gpu_profile         the candidate the README's GPU profile uses (GPU_PROFILE)
   gpu_profile_bf16    bf16 weights, static cache, compiled decoding, one generation of 32 rows
-                      for two optimizer steps
-  gpu_profile_vllm    bf16 weights, TRL's vLLM colocate generation, one generation of 32 rows for
-                      two optimizer steps; only where vllm is installed (recorded as skipped
-                      elsewhere), reference batch shape
+                      for two optimizer steps, reference batch shape
+  gpu_profile_vllm    the same with TRL's vLLM colocate generation in place of HF generate; only
+                      where vllm is installed (recorded as skipped elsewhere)
 
 The trainer is built by the train_gspo stage's own code (vlmrl.training.make_trainer), so compiled
 decoding and generation in chunks are switched on exactly as the stage does. TRL switches gradient
@@ -52,7 +51,6 @@ Usage (on a GPU machine; tests/gpu/run_on_device.sh installs what is missing):
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import logging
 import os
@@ -266,9 +264,12 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
            model_name: str, seed: int, partial: Path | None = None,
            others_bytes: int = 0) -> dict[str, Any]:
     knobs = CONFIGS[config_name]
-    if knobs.get("vllm") and importlib.util.find_spec("vllm") is None:
-        return {"config": config_name, "completion_length": length,
-                "error": "skipped: vllm is not installed"}
+    if knobs.get("vllm"):
+        from vlmrl.training import vllm_installed
+
+        if not vllm_installed():
+            return {"config": config_name, "completion_length": length,
+                    "error": "skipped: vllm is not installed"}
     if knobs["backend"] == "unsloth":
         import unsloth  # noqa: F401  (before trl and transformers, as the notebooks do)
     from datasets import load_from_disk

@@ -16,7 +16,12 @@ from conftest import dvc_env, dvc_repro, make_project_repo, run, update_params
 
 from vlmrl.config import ParamsError
 from vlmrl.modeling import ModelSettings
-from vlmrl.training import build_grpo_config, language_model_targets, step_log_rows
+from vlmrl.training import (
+    build_grpo_config,
+    language_model_targets,
+    step_log_rows,
+    vllm_installed,
+)
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -280,18 +285,26 @@ def readme_gpu_overrides() -> dict[str, object]:
     return overrides
 
 
-def test_readme_gpu_profile_is_the_benchmarked_one_and_valid() -> None:
-    """The GPU command in the README must be the configuration benchmarks/gspo_step.py measured
-    as the GPU profile, and must pass the stage's own params checks."""
+@pytest.fixture(scope="module")
+def gspo_step():
+    """benchmarks/gspo_step.py, imported as the benchmark runs it (a script beside its peers)."""
     import sys
 
+    from conftest import ROOT
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gspo_step
+
+    return gspo_step
+
+
+def test_readme_gpu_profile_is_the_benchmarked_one_and_valid(gspo_step) -> None:
+    """The GPU command in the README must be the configuration benchmarks/gspo_step.py measured
+    as the GPU profile, and must pass the stage's own params checks."""
     import yaml
     from conftest import ROOT
 
     from vlmrl.training import generation_rows
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import gspo_step
 
     profile = gspo_step.CONFIGS[gspo_step.GPU_PROFILE]
     overrides = readme_gpu_overrides()
@@ -320,16 +333,9 @@ def test_readme_gpu_profile_is_the_benchmarked_one_and_valid() -> None:
     assert config.generation_batch_size == 2 * 16  # one generation for two optimizer steps
 
 
-def test_benchmark_keeps_other_models_apart() -> None:
+def test_benchmark_keeps_other_models_apart(gspo_step) -> None:
     """Runs on another model (the 8B shape's memory check) get their own keys and summary, so
     they never overwrite or mix with the 2B-shaped configurations the targets are judged on."""
-    import sys
-
-    from conftest import ROOT
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import gspo_step
-
     def run(config: str, model: str, seconds: float) -> dict:
         return {"config": config, "completion_length": 1024, "model": model,
                 "seconds_per_step": seconds, "peak_allocated_gib": 1.0}
@@ -346,9 +352,7 @@ def test_benchmark_keeps_other_models_apart() -> None:
 
 
 def test_use_vllm_without_vllm_names_the_param() -> None:
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is not None:
+    if vllm_installed():
         pytest.skip("vllm is installed here")
     with pytest.raises(ParamsError, match=r"train\.grpo\.use_vllm.*vllm is not installed"):
         build_grpo_config({"use_vllm": True, "vllm_mode": "colocate"}, output_dir=Path("/tmp/x"),
@@ -356,19 +360,11 @@ def test_use_vllm_without_vllm_names_the_param() -> None:
                           model_settings=ModelSettings(name="x"))
 
 
-def test_benchmark_vllm_profile_is_skipped_without_vllm(tmp_path) -> None:
+def test_benchmark_vllm_profile_is_skipped_without_vllm(gspo_step, tmp_path) -> None:
     """The vLLM candidate is the profile's settings plus TRL's colocate switches; where vllm is
     missing (the offline test GPU, this machine) the run is recorded as skipped, not failed."""
-    import importlib.util
-    import sys
-
-    from conftest import ROOT
-
-    if importlib.util.find_spec("vllm") is not None:
+    if vllm_installed():
         pytest.skip("vllm is installed here")
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import gspo_step
-
     knobs = gspo_step.CONFIGS["gpu_profile_vllm"]
     assert knobs["per_device_train_batch_size"] * knobs["gradient_accumulation_steps"] == 16
     assert set(gspo_step.VLLM_SETTINGS) <= set(__import__("trl").GRPOConfig.__dataclass_fields__)

@@ -11,7 +11,7 @@ import importlib.resources
 import importlib.util
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -98,15 +98,13 @@ def embedded_model_dir(name: str, seed: int = 0) -> Path:
 
 # Fields added after models were cached count only where set: the models they do not change
 # keep their cache directories.
-_LATER_FIELDS = {"tie_word_embeddings": True, "saved_dtype": "float32"}
+_LATER_FIELDS = ("tie_word_embeddings", "saved_dtype")
 
 
 def _identity(shape: EmbeddedShape) -> dict[str, Any]:
-    fields = asdict(shape)
-    for key, default in _LATER_FIELDS.items():
-        if fields[key] == default:
-            del fields[key]
-    return fields
+    defaults = {f.name: f.default for f in fields(EmbeddedShape)}
+    return {key: value for key, value in asdict(shape).items()
+            if key not in _LATER_FIELDS or value != defaults[key]}
 
 
 def _builder_version() -> str:

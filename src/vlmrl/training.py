@@ -82,7 +82,7 @@ def build_grpo_config(grpo: Mapping[str, Any], *, output_dir: Path, save_steps: 
         if key in MANAGED_GRPO_KEYS:
             raise ParamsError(f"params.yaml `train.grpo.{key}` is set by the pipeline "
                               f"(dvc.yaml paths, train.save_steps or rewards); remove it")
-    if grpo.get("use_vllm") and importlib.util.find_spec("vllm") is None:
+    if grpo.get("use_vllm") and not vllm_installed():
         raise ParamsError("params.yaml `train.grpo.use_vllm` is true but vllm is not installed; "
                           "pip install vllm (a build matching this torch) or set it to false")
     kwargs = dict(grpo)
@@ -90,6 +90,10 @@ def build_grpo_config(grpo: Mapping[str, Any], *, output_dir: Path, save_steps: 
                   reward_weights=reward_weights, **precision_flags(grpo, model_settings))
     warn_if_on_policy(kwargs)
     return GRPOConfig(**kwargs)
+
+
+def vllm_installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
 
 
 def precision_flags(grpo: Mapping[str, Any], model_settings: ModelSettings) -> dict[str, Any]:
