@@ -75,3 +75,17 @@ def test_train_param_experiment_reruns_train_and_after(reproduced: Path, tmp_pat
     text = json.dumps(shown)
     assert "post_eval.json" in text and "baseline_eval.json" in text
     assert "0.0002" in text
+
+
+@pytest.mark.slow
+def test_eval_param_experiment_reruns_the_evals_and_not_export(reproduced: Path,
+                                                               tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    shutil.copytree(reproduced, repo, symlinks=True)
+    run(["git", "add", "-A"], repo)
+    run(["git", "commit", "-qm", "reproduced"], repo)
+
+    result = run(["dvc", "exp", "run", "-S", "eval.max_new_tokens=40"], repo)
+    assert ran_stages(result.stdout) == ["baseline_eval", "post_eval", "upload"]
+    for stage in ("train_gspo", "verify_lora", "export"):
+        assert f"Stage '{stage}' didn't change" in result.stdout
