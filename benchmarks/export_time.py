@@ -74,7 +74,7 @@ def main() -> None:
         wall, cpu = time.perf_counter(), cpu_seconds()
         metrics = run_export(params=params, adapter=adapter, eval_set=eval_set,
                              merged_out=scratch / "merged", gguf_out=scratch / "gguf",
-                             metrics_dir=scratch / "metrics", show_progress=False)
+                             show_progress=False)
         wall, cpu = time.perf_counter() - wall, cpu_seconds() - cpu
 
     print(f"model {section(params, 'model')['name']}, export dtype "

@@ -1,6 +1,6 @@
 """DVC stage export: merge the adapter into the 16-bit base model, convert it to GGUF (f16, q8_0,
-Q4_K_M and the vision projector), check every artifact against the one before it, and write a
-model card.
+Q4_K_M and the vision projector) and check every artifact against the one before it. (The model
+card is the upload stage's, so that an eval rerun never reruns the export.)
 
 Thin on purpose: the work is in vlmrl.export and vlmrl.gguf_tools. Stale outputs are removed
 first; the merged model, the GGUF files and the metrics appear only when every check passed.
@@ -24,9 +24,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--eval-set", type=Path, default=Path("data/prepared/eval"))
     parser.add_argument("--merged", type=Path, default=Path("data/models/merged"))
     parser.add_argument("--gguf", type=Path, default=Path("data/models/gguf"))
-    parser.add_argument("--metrics", type=Path, default=Path("data/metrics/export.json"),
-                        help="export metrics; baseline_eval.json and post_eval.json beside it "
-                             "feed the model card")
+    parser.add_argument("--metrics", type=Path, default=Path("data/metrics/export.json"))
     parser.add_argument("--params", type=Path, default=Path("params.yaml"))
     return parser.parse_args(argv)
 
@@ -37,8 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     remove_outputs(*outputs)
     try:
         metrics = run_export(params=load_params(args.params), adapter=args.adapter,
-                             eval_set=args.eval_set, merged_out=args.merged, gguf_out=args.gguf,
-                             metrics_dir=args.metrics.parent)
+                             eval_set=args.eval_set, merged_out=args.merged, gguf_out=args.gguf)
         write_json_atomic(args.metrics, metrics)
     except (ParamsError, FileNotFoundError, ExportError, GGUFError) as error:
         remove_outputs(*outputs)

@@ -1,6 +1,7 @@
-"""DVC stage `upload`: publish this run's adapter, merged model, GGUF files and metrics to S3.
+"""DVC stage `upload`: render the model card and publish this run's adapter, merged model (with
+the card as its README.md), GGUF files and metrics to S3.
 
-Thin on purpose: it parses params, calls vlmrl.publish and writes the two outputs, which appear
+Thin on purpose: it parses params, calls vlmrl.publish and writes the three outputs, which appear
 (atomically) only once the upload has fully succeeded. With no upload.bucket it writes the manifest
 locally, uploads nothing and succeeds, so the pipeline runs end to end without cloud credentials.
 """
@@ -12,8 +13,9 @@ import sys
 from pathlib import Path
 
 from vlmrl.config import ParamsError, load_params, section
-from vlmrl.outputs import remove_outputs, write_json_atomic
+from vlmrl.outputs import remove_outputs, write_json_atomic, write_text_atomic
 from vlmrl.publish import PublishError, UploadParams, params_hash, publish
+from vlmrl.publish.model_card import build_model_card
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -40,12 +42,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=Path,
         default=Path("data/metrics/upload.json"),
     )
+    option(
+        "--model-card",
+        type=Path,
+        default=Path("data/reports/model_card.md"),
+        help="rendered here and published as the merged model's README.md",
+    )
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    remove_outputs(args.manifest_out, args.metrics_out)
+    outputs = (args.manifest_out, args.metrics_out, args.model_card)
+    remove_outputs(*outputs)
     inputs = {
         "adapter": args.adapter,
         "merged": args.merged,
@@ -55,10 +64,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         all_params = load_params(args.params)
         upload_params = UploadParams.from_mapping(section(all_params, "upload"))
-        result = publish(inputs, upload_params, params_digest=params_hash(all_params))
+        card = build_model_card(all_params, args.metrics_dir, args.gguf)
+        write_text_atomic(args.model_card, card)
+        result = publish(
+            inputs,
+            upload_params,
+            params_digest=params_hash(all_params),
+            model_card=args.model_card,
+        )
     except (ParamsError, PublishError) as exc:
+        remove_outputs(*outputs)
         print(f"upload failed: {exc}", file=sys.stderr)
         return 1
+    except BaseException:
+        remove_outputs(*outputs)
+        raise
     write_json_atomic(args.manifest_out, result.manifest)
     write_json_atomic(args.metrics_out, result.summary())
     if result.location is None:

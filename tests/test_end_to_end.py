@@ -36,7 +36,7 @@ def test_every_stage_produced_its_outputs(reproduced: Path) -> None:
                  "eval/post/records.jsonl", "models/adapter/adapter_model.safetensors",
                  "models/merged/model.safetensors", "models/gguf/model-f16.gguf",
                  "models/gguf/mmproj-f16.gguf", "reports/eval/report.md",
-                 "reports/upload_manifest.json"):
+                 "reports/upload_manifest.json", "reports/model_card.md"):
         assert (data / path).exists(), path
     upload = json.loads((data / "metrics/upload.json").read_text())
     assert upload["uploaded"] is False

@@ -41,11 +41,7 @@ from vlmrl.verify import first_eval_row, forward_logits, image_question_inputs
 GGUF_NAMES = {"model-f16.gguf", "model-q8_0.gguf", "model-Q4_K_M.gguf", "mmproj-f16.gguf"}
 MERGED_FILES = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                 "tokenizer_config.json", "chat_template.jinja", "preprocessor_config.json",
-                "video_preprocessor_config.json", "README.md"}
-BASELINE = {"n": 16, "accuracy": 0.0625, "format_compliance": 0.25, "mean_reward": 0.4,
-            "rewards": {"format_reward": 0.1, "correctness_reward": 0.0625}}
-POST = {"n": 16, "accuracy": 0.1875, "format_compliance": 0.75, "mean_reward": 0.9,
-        "rewards": {"format_reward": 0.3, "correctness_reward": 0.1875}}
+                "video_preprocessor_config.json"}
 
 
 @dataclass
@@ -78,8 +74,6 @@ def run_export_stage(workdir: Path, adapter: Path, out: str = "data/models",
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory) -> Exported:
     workdir = prepare_workdir(tmp_path_factory.mktemp("export") / "repo")
-    for name, payload in (("baseline_eval.json", BASELINE), ("post_eval.json", POST)):
-        (workdir / "data/metrics" / name).write_text(json.dumps(payload))
     adapter = make_adapter(workdir / "data/models/adapter", b_scale=0.02)
     result = run_export_stage(workdir, adapter)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -226,19 +220,6 @@ def test_image_prompt_runs_through_the_mtmd_handler(exported: Exported) -> None:
     assert exported.metrics["image_prompt"]["usage"]["completion_tokens"] >= 1
 
 
-def test_model_card_describes_training_results_and_usage(exported: Exported) -> None:
-    card = (exported.merged / "README.md").read_text()
-    assert "base_model: embedded:tiny-qwen3-vl" in card
-    assert "`embedded:synthetic`" in card
-    assert "| correctness_reward | 1 |" in card and "| format_reward | 0.3 |" in card
-    assert "| 8 | 16 | 0 | q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj |" in card
-    assert "| importance_sampling_level | sequence |" in card
-    assert "| accuracy | 0.0625 | 0.1875 |" in card
-    assert "| reward format_reward | 0.1 | 0.3 |" in card
-    assert "llama-mtmd-cli -m model-Q4_K_M.gguf --mmproj mmproj-f16.gguf" in card
-    assert "MTMDChatHandler(clip_model_path='mmproj-f16.gguf')" in card
-
-
 # ------------------------------------------------------------ damaged files
 
 
@@ -354,4 +335,3 @@ def test_dvc_repro_export_through_the_pipeline(pipeline_repo: Path) -> None:
     assert metrics["passed"]
     assert json.loads((pipeline_repo / "data/metrics/verify_lora.json").read_text())["passed"]
     assert {p.name for p in (pipeline_repo / "data/models/gguf").iterdir()} == GGUF_NAMES
-    assert "| accuracy |" in (pipeline_repo / "data/models/merged/README.md").read_text()

@@ -91,13 +91,16 @@ def make_project(root: Path, upload: dict[str, Any], many_files: int = 0) -> Pat
     write_bytes(models / "merged" / "config.json", b'{"model_type": "qwen3_vl"}')
     write_bytes(models / "merged" / "model.safetensors", os.urandom(BIG_FILE_SIZE))
     write_bytes(models / "merged" / "tokenizer" / "vocab.json", b'{"a": 1}')
+    write_bytes(models / "merged" / "README.md", b"a card the upload stage replaces")
     write_bytes(models / "gguf" / "model-Q4_K_M.gguf", os.urandom(300_000))
+    write_bytes(models / "gguf" / "mmproj-f16.gguf", os.urandom(50_000))
     for index in range(many_files):
         write_bytes(models / "gguf" / "shards" / f"part-{index:04d}.bin", os.urandom(32_000))
     write_bytes(metrics / "post_eval.json", json.dumps({"accuracy": 0.625, "n": 64}).encode())
     write_bytes(metrics / "baseline_eval.json", json.dumps({"accuracy": 0.5, "n": 64}).encode())
     write_bytes(metrics / "train.json", b'{"steps": 10}')
     write_bytes(metrics / "train_log.jsonl", b'{"step": 1, "loss": 1.0}\n')
+    write_bytes(metrics / "export.json", b'{"dtype": "bfloat16", "logit_max_abs_diff": {}}')
     params = {
         "upload": {
             "prefix": PREFIX,
@@ -129,6 +132,13 @@ def local_files(project: Path) -> dict[str, bytes]:
         for path in sorted(root.rglob("*"))
         if path.is_file() and path.name != "upload.json"
     }
+
+
+def stage_release_files(project: Path) -> dict[str, bytes]:
+    """What the upload stage publishes: the inputs, with its model card as merged/README.md."""
+    card = (project / "data/reports/model_card.md").read_bytes()
+    assert card.startswith(b"---\nbase_model:")
+    return local_files(project) | {"merged/README.md": card}
 
 
 def upload_params(server: MotoServer, bucket: str, **overrides: Any) -> pub.UploadParams:
@@ -201,7 +211,7 @@ def test_stage_upload_then_pull_round_trip(
     assert "published s3://" in completed.stdout
 
     summary = json.loads((project / "data/metrics/upload.json").read_text())
-    originals = local_files(project)
+    originals = stage_release_files(project)
     assert summary["uploaded"] is True and summary["version"] == "v1"
     assert summary["bucket"] == bucket and summary["prefix"] == PREFIX
     assert summary["uploaded_files"] == len(originals) + 1  # + manifest.json
@@ -312,7 +322,10 @@ def test_interrupted_upload_keeps_latest_and_rerun_completes(
     assert completed.returncode == 0, completed.stderr
     summary = json.loads((project / "data/metrics/upload.json").read_text())
     assert summary["skipped_files"] >= 1
-    assert summary["uploaded_files"] + summary["skipped_files"] == len(local_files(project)) + 1
+    assert (
+        summary["uploaded_files"] + summary["skipped_files"]
+        == len(stage_release_files(project)) + 1
+    )
     assert latest_version(s3_server, bucket) == "v2"
 
 
@@ -488,7 +501,7 @@ def test_no_bucket_writes_the_manifest_and_uploads_nothing(tmp_path: Path) -> No
         and summary["uploaded_files"] == 0
     )
     manifest = json.loads((project / "data/reports/upload_manifest.json").read_text())
-    assert len(manifest["files"]) == len(local_files(project))
+    assert len(manifest["files"]) == len(stage_release_files(project))
     assert manifest["version"].startswith("local-")
     assert all(len(entry["sha256"]) == 64 for entry in manifest["files"])
 

@@ -7,8 +7,8 @@ import importlib
 import sys
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "pull": ("vlmrl.publish", "cli_pull"),
-    "versions": ("vlmrl.publish", "cli_versions"),
+    "pull": ("vlmrl.publish.cli", "cli_pull"),
+    "versions": ("vlmrl.publish.cli", "cli_versions"),
     "run": ("vlmrl.orchestration", "cli_run"),
     "schedule": ("vlmrl.orchestration", "cli_schedule"),
     "ui": ("vlmrl.ui", "cli_ui"),

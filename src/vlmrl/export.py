@@ -10,7 +10,6 @@ when every check has passed."""
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import tempfile
 import time
@@ -61,7 +60,6 @@ MMPROJ_OUTTYPE = "f16"
 # Each converter run spends seconds importing torch and transformers on one core; two at a time
 # keep both cores of a small machine busy without doubling peak memory on a large model.
 CONVERTER_WORKERS = 2
-HEADLINE_METRICS = ("n", "accuracy", "format_compliance", "mean_reward", "mean_generated_tokens")
 
 
 class ExportError(RuntimeError):
@@ -345,137 +343,6 @@ def gguf_tolerance(reference) -> float:
     return GGUF_F16_RTOL * max(1.0, float(np.abs(reference).max()))
 
 
-# ------------------------------------------------------------------ model card
-
-
-def read_metrics(path: Path) -> dict[str, Any] | None:
-    if not path.is_file():
-        return None
-    return json.loads(path.read_text(encoding="utf-8"))
-
-
-def headline_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:
-    """The evaluation's headline numbers and per-reward means, flattened."""
-    if not metrics:
-        return {}
-    flat = {key: metrics[key] for key in HEADLINE_METRICS
-            if isinstance(metrics.get(key), (int, float))}
-    for name, value in (metrics.get("rewards") or {}).items():
-        if isinstance(value, (int, float)):
-            flat[f"reward {name}"] = value
-    return flat
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def _cell(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    if value is None:
-        return "–"
-    return str(value).replace("|", "\\|")
-
-
-def _size(num_bytes: int) -> str:
-    if num_bytes < 1024 * 1024:
-        return f"{num_bytes / 1024:.1f} KiB"
-    return f"{num_bytes / 1024**2:.1f} MiB"
-
-
-def render_model_card(params: Mapping[str, Any], settings: ExportSettings,
-                      baseline: Mapping | None, post: Mapping | None,
-                      gguf_sizes: Mapping[str, int], diffs: Mapping[str, float]) -> str:
-    model = params.get("model", {})
-    data = params.get("data", {})
-    train = params.get("train", {})
-    lora, grpo = train.get("lora", {}), train.get("grpo", {})
-    weights = params.get("rewards", {}).get("weights", {})
-    names = gguf_file_names(settings)
-    quant = names[settings.quantize[0]] if settings.quantize else names["f16"]
-    before, after = headline_metrics(baseline), headline_metrics(post)
-    metric_rows = [(key, before.get(key), after.get(key))
-                   for key in dict.fromkeys([*before, *after])]
-    sections = [
-        "---",
-        f"base_model: {model.get('name')}",
-        "library_name: transformers",
-        "pipeline_tag: image-text-to-text",
-        "tags: [qwen3-vl, lora, gspo, grpo, gguf, visual-math]",
-        "---",
-        "",
-        f"# {model.get('name')} + GSPO LoRA for visual maths (merged)",
-        "",
-        (f"The base model with the GSPO-trained LoRA adapter merged in ({settings.dtype}), "
-         "saved as safetensors with its tokenizer, chat template and image processor, plus GGUF "
-         "files for llama.cpp."),
-        "",
-        "## Training",
-        "",
-        f"- Base model: `{model.get('name')}`",
-        (f"- Data: `{data.get('source')}` (split `{data.get('split')}`), question types "
-         f"{data.get('question_types')}, answer types {data.get('answer_types')}, "
-         f"{data.get('eval_size')} items held out for evaluation"),
-        "",
-        "Rewards and weights:",
-        "",
-        _table(["reward", "weight"], list(weights.items())),
-        "",
-        "LoRA (language model only; the vision tower is not adapted):",
-        "",
-        _table(["r", "alpha", "dropout", "target modules"],
-               [(lora.get("r"), lora.get("alpha"), lora.get("dropout"),
-                 ", ".join(lora.get("target_modules", [])))]),
-        "",
-        "GRPO / GSPO (TRL `GRPOConfig`):",
-        "",
-        _table(["setting", "value"], list(grpo.items())),
-        "",
-        "## Results",
-        "",
-        (_table(["metric", "before (base)", "after (adapter)"], metric_rows) if metric_rows
-         else "No evaluation metrics were found (data/metrics/baseline_eval.json, "
-              "post_eval.json)."),
-        "",
-        "## Files and checks",
-        "",
-        _table(["GGUF file", "size"], [(name, _size(size)) for name, size in gguf_sizes.items()]),
-        "",
-        _table(["check (max abs logit difference)", "value"], list(diffs.items())),
-        "",
-        "## Running it",
-        "",
-        "llama.cpp:",
-        "",
-        "```sh",
-        f"llama-mtmd-cli -m {quant} --mmproj {names['mmproj']} --image problem.png \\",
-        "    -p 'What is the value of x? Answer with an integer.'",
-        "```",
-        "",
-        "llama-cpp-python:",
-        "",
-        "```python",
-        "from llama_cpp import Llama",
-        "from llama_cpp.llama_chat_format import MTMDChatHandler",
-        "",
-        f"handler = MTMDChatHandler(clip_model_path='{names['mmproj']}')",
-        f"llm = Llama(model_path='{quant}', chat_handler=handler, n_ctx=4096)",
-        "reply = llm.create_chat_completion(messages=[{'role': 'user', 'content': [",
-        "    {'type': 'image_url', 'image_url': {'url': 'data:image/png;base64,...'}},",
-        "    {'type': 'text', 'text': 'What is the value of x?'}]}])",
-        "llm.close()",
-        "```",
-        "",
-        ("transformers: `AutoModelForImageTextToText.from_pretrained(this_dir)` and "
-         "`AutoProcessor.from_pretrained(this_dir)`."),
-        "",
-    ]
-    return "\n".join(sections)
-
-
 # ------------------------------------------------------------------------ export
 
 
@@ -485,7 +352,7 @@ def file_sizes(directory: Path, label: str) -> dict[str, int]:
 
 
 def run_export(*, params: Mapping[str, Any], adapter: Path, eval_set: Path, merged_out: Path,
-               gguf_out: Path, metrics_dir: Path, show_progress: bool = True) -> dict[str, Any]:
+               gguf_out: Path, show_progress: bool = True) -> dict[str, Any]:
     """Merges, converts and checks; the outputs appear only if every check passes. Returns the
     export metrics."""
     from tqdm import tqdm
@@ -496,13 +363,13 @@ def run_export(*, params: Mapping[str, Any], adapter: Path, eval_set: Path, merg
         raise FileNotFoundError(f"{adapter}: no LoRA adapter (adapter_config.json) there; the "
                                 "train_gspo stage makes it (dvc repro train_gspo)")
     row = first_eval_row(eval_set)
-    total = 10 + len(settings.gguf_outtypes) + len(settings.quantize)
+    total = 9 + len(settings.gguf_outtypes) + len(settings.quantize)
     with tqdm(total=total, desc="export", disable=not show_progress) as bar, \
             tempfile.TemporaryDirectory(prefix="vlmrl-export-") as scratch, \
             atomic_dir(merged_out) as merged_dir, atomic_dir(gguf_out) as gguf_dir:
         step = StepTimer(bar=bar)
-        exporter = _Exporter(params, model_settings, settings, step, Path(scratch))
-        metrics = exporter.run(Path(adapter), row, merged_dir, gguf_dir, metrics_dir)
+        exporter = _Exporter(model_settings, settings, step, Path(scratch))
+        metrics = exporter.run(Path(adapter), row, merged_dir, gguf_dir)
         metrics["files"] = (file_sizes(merged_dir, merged_out.as_posix())
                             | file_sizes(gguf_dir, gguf_out.as_posix()))
         metrics["timings_s"] = step.timings | {"total": step.total()}
@@ -511,7 +378,6 @@ def run_export(*, params: Mapping[str, Any], adapter: Path, eval_set: Path, merg
 
 @dataclass
 class _Exporter:
-    params: Mapping[str, Any]
     model_settings: ModelSettings
     settings: ExportSettings
     step: StepTimer
@@ -519,8 +385,7 @@ class _Exporter:
     checks: list[Check] = field(default_factory=list)
     diffs: dict[str, float] = field(default_factory=dict)
 
-    def run(self, adapter: Path, row: Mapping, merged_dir: Path, gguf_dir: Path,
-            metrics_dir: Path) -> dict[str, Any]:
+    def run(self, adapter: Path, row: Mapping, merged_dir: Path, gguf_dir: Path) -> dict[str, Any]:
         with self.step("merge"):
             adapter_logits, base_logits = merge_adapter(
                 self.model_settings, self.settings.dtype, adapter, row, merged_dir,
@@ -544,8 +409,6 @@ class _Exporter:
         with self.step("base GGUF control"):
             self.check_base_control(base_file, token_ids, text, reference)
         self.raise_on_failures()
-        with self.step("model card"):
-            self.write_model_card(merged_dir, gguf_dir, metrics_dir)
         return {
             "passed": True,
             "dtype": self.settings.dtype,
@@ -643,9 +506,3 @@ class _Exporter:
             raise ExportError(f"export failed {len(failed)} of {len(self.checks)} checks:\n"
                               + "\n".join(f"  - {c.name}: {c.detail}" for c in failed))
 
-    def write_model_card(self, merged_dir: Path, gguf_dir: Path, metrics_dir: Path) -> None:
-        sizes = {path.name: path.stat().st_size for path in sorted(gguf_dir.glob("*.gguf"))}
-        card = render_model_card(self.params, self.settings,
-                                 read_metrics(metrics_dir / "baseline_eval.json"),
-                                 read_metrics(metrics_dir / "post_eval.json"), sizes, self.diffs)
-        (merged_dir / "README.md").write_text(card, encoding="utf-8")

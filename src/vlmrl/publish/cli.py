@@ -1,0 +1,149 @@
+"""`vlmrl pull` and `vlmrl versions`: argument parsing, defaults from ./params.yaml, and tables.
+Imports nothing heavy, so the commands start fast on a machine that only consumes releases.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from vlmrl.config import ParamsError, load_params, section
+from vlmrl.publish.errors import PublishError
+from vlmrl.publish.manifest import GROUPS
+from vlmrl.publish.pull import list_versions, pull
+from vlmrl.publish.s3 import S3Location, make_s3_client
+from vlmrl.publish.upload import UploadParams
+
+
+def format_size(size: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows, strict=False)]
+    lines = [header, ["-" * width for width in widths], *rows]
+    return "\n".join(
+        "  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=False)).rstrip()
+        for line in lines
+    )
+
+
+def _params_upload_section(params_path: Path) -> dict[str, Any]:
+    """CLI defaults, when run inside a checkout; elsewhere every location flag is explicit."""
+    if not params_path.is_file():
+        return {}
+    try:
+        return section(load_params(params_path), "upload")
+    except ParamsError:
+        return {}
+
+
+def _add_location_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--bucket", help="default: upload.bucket in ./params.yaml")
+    parser.add_argument("--prefix", help="default: upload.prefix in ./params.yaml")
+    parser.add_argument(
+        "--endpoint-url", help="S3-compatible endpoint; default: upload.endpoint_url"
+    )
+    parser.add_argument("--region", help="default: upload.region, else us-east-1")
+    parser.add_argument("--params", type=Path, default=Path("params.yaml"), help=argparse.SUPPRESS)
+
+
+def _location_from_args(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> tuple[S3Location, UploadParams]:
+    section = _params_upload_section(args.params)
+    overrides = {
+        "bucket": args.bucket,
+        "prefix": args.prefix,
+        "endpoint_url": args.endpoint_url,
+        "region": args.region,
+    }
+    section.update({name: value for name, value in overrides.items() if value is not None})
+    try:
+        params = UploadParams.from_mapping(section)
+    except (ParamsError, TypeError) as exc:
+        parser.error(str(exc))
+    location = params.location()
+    if location is None:
+        parser.error(f"--bucket is required (no upload.bucket in {args.params})")
+    return location, params
+
+
+def _run_cli(action: Any) -> int:
+    try:
+        return action()
+    except PublishError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+def cli_pull(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="vlmrl pull", description="Fetch a published version.")
+    parser.add_argument("--version", default="latest", help="a version name, or latest (default)")
+    parser.add_argument("--what", choices=[*GROUPS, "all"], default="all")
+    parser.add_argument(
+        "--to", type=Path, required=True, metavar="DIR", help="destination directory"
+    )
+    parser.add_argument("--force", action="store_true", help="replace a non-empty destination")
+    _add_location_arguments(parser)
+    args = parser.parse_args(argv)
+    location, params = _location_from_args(parser, args)
+    groups = list(GROUPS) if args.what == "all" else [args.what]
+
+    def action() -> int:
+        client = make_s3_client(location, params.max_attempts)
+        result = pull(
+            client,
+            location,
+            args.version,
+            groups,
+            args.to,
+            force=args.force,
+            multipart_threshold_mb=params.multipart_threshold_mb,
+        )
+        rows = [[file.path, format_size(file.size)] for file in result.files]
+        print(f"pulled {location.url(result.version)}/ ({args.what}) into {result.destination}")
+        print(format_table(["file", "size"], rows))
+        return 0
+
+    return _run_cli(action)
+
+
+def cli_versions(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="vlmrl versions", description="List published versions.")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _add_location_arguments(parser)
+    args = parser.parse_args(argv)
+    location, params = _location_from_args(parser, args)
+
+    def action() -> int:
+        versions = list_versions(make_s3_client(location, params.max_attempts), location)
+        if args.json:
+            print(json.dumps([vars(info) for info in versions], indent=2))
+            return 0
+        if not versions:
+            print(f"no published versions under {location.url()}/")
+            return 0
+        rows = [
+            [
+                ("* " if info.is_latest else "  ") + info.version,
+                info.created_at,
+                (info.git_revision or "-")[:12],
+                "  ".join(f"{name}={value:.4g}" for name, value in info.headline_metrics.items())
+                or "-",
+            ]
+            for info in versions
+        ]
+        print(f"versions under {location.url()}/ (* = latest)")
+        print(format_table(["version", "created_at", "git", "metrics"], rows))
+        return 0
+
+    return _run_cli(action)

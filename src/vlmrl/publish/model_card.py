@@ -1,0 +1,227 @@
+"""The model card: what the merged model is, how it was trained, how it scored before and after
+training, which GGUF files come with it and how to run them. Rendered by the upload stage from
+files the pipeline already wrote (params, eval and export metrics, the GGUF folder), so that
+rerunning an eval stage rewrites the card without rerunning the export; the release carries it as
+the merged model's README.md.
+
+History: export wrote the card into the merged folder, which made export depend on the eval
+metrics, so any eval rerun reran the merge and the GGUF conversion.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from vlmrl.publish.errors import MissingInputError, PublishError
+
+EXPORT_METRICS_NAME = "export.json"
+EVAL_METRICS_NAMES = ("baseline_eval.json", "post_eval.json")
+CARD_METRICS = ("n", "accuracy", "format_compliance", "mean_reward", "mean_generated_tokens")
+PROJECTOR_PREFIX = "mmproj"  # llama.cpp's name for the vision projector's GGUF file
+
+
+def build_model_card(params: Mapping[str, Any], metrics_dir: Path, gguf_dir: Path) -> str:
+    """The card from params.yaml's sections, the metrics folder and the GGUF folder."""
+    export_metrics = _read_json(metrics_dir / EXPORT_METRICS_NAME)
+    if export_metrics is None:
+        raise MissingInputError(
+            f"missing {metrics_dir / EXPORT_METRICS_NAME} (the model card's export settings and "
+            "checks); it is made by export"
+        )
+    if not gguf_dir.is_dir():
+        raise MissingInputError(f"missing input directory {gguf_dir} (gguf); it is made by export")
+    baseline, post = (_read_json(metrics_dir / name) for name in EVAL_METRICS_NAMES)
+    sizes = {path.name: path.stat().st_size for path in sorted(gguf_dir.glob("*.gguf"))}
+    gguf_roles(sizes, where=str(gguf_dir))
+    return render_model_card(params, export_metrics, baseline, post, sizes)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    try:
+        payload = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise PublishError(f"{path} is not valid JSON: {error}") from None
+    if not isinstance(payload, dict):
+        raise PublishError(f"{path} must hold a JSON object, got {type(payload).__name__}")
+    return payload
+
+
+def card_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:
+    """An evaluation's headline numbers and per-reward means, flattened for the results table."""
+    if not metrics:
+        return {}
+    flat = {key: metrics[key] for key in CARD_METRICS if isinstance(metrics.get(key), int | float)}
+    for name, value in (metrics.get("rewards") or {}).items():
+        if isinstance(value, int | float):
+            flat[f"reward {name}"] = value
+    return flat
+
+
+def gguf_roles(gguf_sizes: Mapping[str, int], where: str = "the GGUF folder") -> tuple[str, str]:
+    """(model file, projector file) for the usage examples: the smallest language-model file,
+    which is the most quantized one, and the vision projector."""
+    projectors = [name for name in gguf_sizes if name.startswith(PROJECTOR_PREFIX)]
+    models = [name for name in gguf_sizes if not name.startswith(PROJECTOR_PREFIX)]
+    if not projectors or not models:
+        raise MissingInputError(
+            f"{where} needs a GGUF model file and a {PROJECTOR_PREFIX}-*.gguf projector, "
+            f"has {sorted(gguf_sizes)}; they are made by export"
+        )
+    return min(models, key=lambda name: (gguf_sizes[name], name)), projectors[0]
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if value is None:
+        return "–"
+    return str(value).replace("|", "\\|")
+
+
+def _size(num_bytes: int) -> str:
+    if num_bytes < 1024 * 1024:
+        return f"{num_bytes / 1024:.1f} KiB"
+    return f"{num_bytes / 1024**2:.1f} MiB"
+
+
+def render_model_card(
+    params: Mapping[str, Any],
+    export_metrics: Mapping[str, Any],
+    baseline: Mapping | None,
+    post: Mapping | None,
+    gguf_sizes: Mapping[str, int],
+) -> str:
+    model = params.get("model", {})
+    quant, projector = gguf_roles(gguf_sizes)
+    header = [
+        "---",
+        f"base_model: {model.get('name')}",
+        "library_name: transformers",
+        "pipeline_tag: image-text-to-text",
+        "tags: [qwen3-vl, lora, gspo, grpo, gguf, visual-math]",
+        "---",
+        "",
+        f"# {model.get('name')} + GSPO LoRA for visual maths (merged)",
+        "",
+        (
+            "The base model with the GSPO-trained LoRA adapter merged in "
+            f"({export_metrics.get('dtype')}), saved as safetensors with its tokenizer, chat "
+            "template and image processor, plus GGUF files for llama.cpp."
+        ),
+        "",
+    ]
+    return "\n".join(
+        [
+            *header,
+            *_training_section(params),
+            *_results_section(baseline, post),
+            *_files_section(gguf_sizes, export_metrics.get("logit_max_abs_diff") or {}),
+            *_usage_section(quant, projector),
+        ]
+    )
+
+
+def _training_section(params: Mapping[str, Any]) -> list[str]:
+    model, data = params.get("model", {}), params.get("data", {})
+    train = params.get("train", {})
+    lora, grpo = train.get("lora", {}), train.get("grpo", {})
+    weights = params.get("rewards", {}).get("weights", {})
+    return [
+        "## Training",
+        "",
+        f"- Base model: `{model.get('name')}`",
+        (
+            f"- Data: `{data.get('source')}` (split `{data.get('split')}`), question types "
+            f"{data.get('question_types')}, answer types {data.get('answer_types')}, "
+            f"{data.get('eval_size')} items held out for evaluation"
+        ),
+        "",
+        "Rewards and weights:",
+        "",
+        _table(["reward", "weight"], list(weights.items())),
+        "",
+        "LoRA (language model only; the vision tower is not adapted):",
+        "",
+        _table(
+            ["r", "alpha", "dropout", "target modules"],
+            [
+                (
+                    lora.get("r"),
+                    lora.get("alpha"),
+                    lora.get("dropout"),
+                    ", ".join(lora.get("target_modules", [])),
+                )
+            ],
+        ),
+        "",
+        "GRPO / GSPO (TRL `GRPOConfig`):",
+        "",
+        _table(["setting", "value"], list(grpo.items())),
+        "",
+    ]
+
+
+def _results_section(baseline: Mapping | None, post: Mapping | None) -> list[str]:
+    before, after = card_metrics(baseline), card_metrics(post)
+    rows = [(key, before.get(key), after.get(key)) for key in dict.fromkeys([*before, *after])]
+    table = (
+        _table(["metric", "before (base)", "after (adapter)"], rows)
+        if rows
+        else "No evaluation metrics were found (data/metrics/baseline_eval.json, post_eval.json)."
+    )
+    return ["## Results", "", table, ""]
+
+
+def _files_section(gguf_sizes: Mapping[str, int], diffs: Mapping[str, float]) -> list[str]:
+    return [
+        "## Files and checks",
+        "",
+        _table(["GGUF file", "size"], [(name, _size(size)) for name, size in gguf_sizes.items()]),
+        "",
+        _table(["check (max abs logit difference)", "value"], list(diffs.items())),
+        "",
+    ]
+
+
+def _usage_section(quant: str, projector: str) -> list[str]:
+    return [
+        "## Running it",
+        "",
+        "llama.cpp:",
+        "",
+        "```sh",
+        f"llama-mtmd-cli -m {quant} --mmproj {projector} --image problem.png \\",
+        "    -p 'What is the value of x? Answer with an integer.'",
+        "```",
+        "",
+        "llama-cpp-python:",
+        "",
+        "```python",
+        "from llama_cpp import Llama",
+        "from llama_cpp.llama_chat_format import MTMDChatHandler",
+        "",
+        f"handler = MTMDChatHandler(clip_model_path='{projector}')",
+        f"llm = Llama(model_path='{quant}', chat_handler=handler, n_ctx=4096)",
+        "reply = llm.create_chat_completion(messages=[{'role': 'user', 'content': [",
+        "    {'type': 'image_url', 'image_url': {'url': 'data:image/png;base64,...'}},",
+        "    {'type': 'text', 'text': 'What is the value of x?'}]}])",
+        "llm.close()",
+        "```",
+        "",
+        (
+            "transformers: `AutoModelForImageTextToText.from_pretrained(this_dir)` and "
+            "`AutoProcessor.from_pretrained(this_dir)`."
+        ),
+        "",
+    ]

@@ -1,0 +1,279 @@
+"""Publish a run's artifacts to S3 as a versioned, verifiable release.
+
+It puts the LoRA adapter, the merged model, the GGUF files and the metrics under
+`s3://BUCKET/PREFIX/VERSION/` next to a `manifest.json` of sha256 sums. A version is advertised
+through `PREFIX/latest.json` only after every object of it (manifest included) has been verified,
+so a reader never sees a half-uploaded release; a rerun skips what is already there and finishes
+an interrupted upload; a published version is never silently replaced.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vlmrl.config import ParamsError
+from vlmrl.publish.errors import IntegrityError, VersionConflictError
+from vlmrl.publish.manifest import (
+    LATEST_NAME,
+    MANIFEST_NAME,
+    ArtifactFile,
+    build_manifest,
+    collect_artifacts,
+    derive_version,
+    git_revision,
+    local_artifact,
+    manifest_bytes,
+    read_manifest_metrics,
+    replace_file,
+)
+from vlmrl.publish.s3 import (
+    MIB,
+    MIN_PART_SIZE,
+    S3Location,
+    check_bucket,
+    head_object,
+    make_s3_client,
+    object_matches,
+    progress_bar,
+    read_json_object,
+    s3_errors,
+    transfer_config,
+)
+
+MODEL_CARD_NAME = "README.md"  # in the merged group, where the Hugging Face tools look for it
+
+
+@dataclass(frozen=True)
+class UploadParams:
+    """The `upload` section of params.yaml."""
+
+    bucket: str = ""
+    prefix: str = "vlmrl/qwen3-vl"
+    version: str = ""
+    endpoint_url: str = ""
+    region: str = "us-east-1"
+    overwrite: bool = False
+    multipart_threshold_mb: float = 64
+    max_attempts: int = 5
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any] | None) -> UploadParams:
+        values = dict(values or {})
+        unknown = sorted(set(values) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ParamsError(f"params.yaml `upload` has unknown keys {unknown}; known: "
+                              f"{sorted(cls.__dataclass_fields__)}")
+        clean = {name: value for name, value in values.items() if value is not None}
+        params = cls(**clean)
+        if params.multipart_threshold_mb * MIB < MIN_PART_SIZE:
+            raise ParamsError(
+                "params.yaml `upload.multipart_threshold_mb` must be at least 5 (S3's part minimum)"
+            )
+        if params.max_attempts < 1:
+            raise ParamsError("params.yaml `upload.max_attempts` must be at least 1")
+        return params
+
+    def location(self) -> S3Location | None:
+        if not self.bucket:
+            return None
+        return S3Location(self.bucket, self.prefix, self.endpoint_url or None, self.region)
+
+
+@dataclass
+class UploadResult:
+    version: str
+    location: S3Location | None
+    manifest: dict[str, Any]
+    uploaded_files: int = 0
+    skipped_files: int = 0
+    uploaded_bytes: int = 0
+
+    @property
+    def uploaded(self) -> bool:
+        return self.location is not None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(entry["size"] for entry in self.manifest["files"])
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "bucket": self.location.bucket if self.location else None,
+            "prefix": self.location.prefix if self.location else None,
+            "url": self.location.url(self.version) + "/" if self.location else None,
+            "uploaded": self.uploaded,
+            "uploaded_files": self.uploaded_files,
+            "skipped_files": self.skipped_files,
+            "uploaded_bytes": self.uploaded_bytes,
+            "total_bytes": self.total_bytes,
+            "files": len(self.manifest["files"]),
+        }
+
+
+def _file_index(manifest: Mapping[str, Any]) -> dict[str, tuple[int, str]]:
+    return {
+        f"{entry['group']}/{entry['path']}": (entry["size"], entry["sha256"])
+        for entry in manifest.get("files", [])
+    }
+
+
+def differing_files(published: Mapping[str, Any], candidate: Mapping[str, Any]) -> list[str]:
+    old, new = _file_index(published), _file_index(candidate)
+    return sorted(name for name in old.keys() | new.keys() if old.get(name) != new.get(name))
+
+
+def _object_key(location: S3Location, version: str, file: ArtifactFile) -> str:
+    return location.key(version, file.group, file.path)
+
+
+def _verify_uploaded(client: Any, location: S3Location, key: str, size: int, sha256: str) -> None:
+    if not object_matches(head_object(client, location.bucket, key), size, sha256):
+        raise IntegrityError(
+            f"verification failed for s3://{location.bucket}/{key}: size or sha256 metadata differ "
+            "from the local file after upload"
+        )
+
+
+def _claim_version(
+    client: Any, location: S3Location, manifest: dict[str, Any], overwrite: bool
+) -> dict[str, Any]:
+    """Return the manifest to publish: the already published one when this is a rerun of the same
+    version, the new one otherwise; refuse to replace a different published version."""
+    version = manifest["version"]
+    manifest_key = location.key(version, MANIFEST_NAME)
+    published = read_json_object(client, location.bucket, manifest_key)
+    if published is None:
+        return manifest
+    changed = differing_files(published, manifest)
+    if not changed:
+        return published
+    if not overwrite:
+        listed = ", ".join(changed[:20]) + (
+            f" and {len(changed) - 20} more" if len(changed) > 20 else ""
+        )
+        raise VersionConflictError(
+            f"version '{version}' is already published at {location.url(version)}/ with different "
+            f"files: {listed}. Choose another upload.version, or set upload.overwrite: true."
+        )
+    # Unpublish first, so that nobody pulls a version that is half old, half new.
+    client.delete_object(Bucket=location.bucket, Key=manifest_key)
+    return manifest
+
+
+def _delete_stale_objects(client: Any, location: S3Location, version: str, keep: set[str]) -> None:
+    paginator = client.get_paginator("list_objects_v2")
+    for page in paginator.paginate(Bucket=location.bucket, Prefix=location.key(version) + "/"):
+        for item in page.get("Contents", []):
+            if item["Key"] not in keep:
+                client.delete_object(Bucket=location.bucket, Key=item["Key"])
+
+
+def _upload_files(
+    client: Any,
+    location: S3Location,
+    version: str,
+    files: Sequence[ArtifactFile],
+    params: UploadParams,
+    result: UploadResult,
+) -> None:
+    pending = []
+    for file in files:
+        key = _object_key(location, version, file)
+        if object_matches(head_object(client, location.bucket, key), file.size, file.sha256):
+            result.skipped_files += 1
+        else:
+            pending.append((file, key))
+    config = transfer_config(params.multipart_threshold_mb)
+    total = sum(file.size for file, _ in pending)
+    with progress_bar(total, f"upload {version}") as progress:
+        for file, key in pending:
+            client.upload_file(
+                str(file.local_path),
+                location.bucket,
+                key,
+                ExtraArgs={"Metadata": {"sha256": file.sha256}},
+                Config=config,
+                Callback=progress.update,
+            )
+            _verify_uploaded(client, location, key, file.size, file.sha256)
+            result.uploaded_files += 1
+            result.uploaded_bytes += file.size
+
+
+def _put_verified_json(
+    client: Any, location: S3Location, key: str, data: Mapping[str, Any]
+) -> bool:
+    """Put a small JSON object unless an identical one is there; return whether it was put."""
+    body = manifest_bytes(data)
+    digest = hashlib.sha256(body).hexdigest()
+    if object_matches(head_object(client, location.bucket, key), len(body), digest):
+        return False
+    client.put_object(
+        Bucket=location.bucket,
+        Key=key,
+        Body=body,
+        ContentType="application/json",
+        Metadata={"sha256": digest},
+    )
+    _verify_uploaded(client, location, key, len(body), digest)
+    return True
+
+
+def upload_release(
+    client: Any,
+    location: S3Location,
+    files: Sequence[ArtifactFile],
+    manifest: dict[str, Any],
+    params: UploadParams,
+) -> UploadResult:
+    version = manifest["version"]
+    with s3_errors(location):
+        check_bucket(client, location)
+        manifest = _claim_version(client, location, manifest, params.overwrite)
+        result = UploadResult(version, location, manifest)
+        _upload_files(client, location, version, files, params, result)
+        manifest_key = location.key(version, MANIFEST_NAME)
+        if params.overwrite:
+            keep = {_object_key(location, version, file) for file in files} | {manifest_key}
+            _delete_stale_objects(client, location, version, keep)
+        if _put_verified_json(client, location, manifest_key, manifest):
+            result.uploaded_files += 1
+        else:
+            result.skipped_files += 1
+        # Only now, with every object of the version verified, does `latest` move.
+        latest = {
+            "version": version,
+            "created_at": manifest["created_at"],
+            "manifest": manifest_key,
+        }
+        _put_verified_json(client, location, location.key(LATEST_NAME), latest)
+    return result
+
+
+def publish(
+    inputs: Mapping[str, Path],
+    params: UploadParams,
+    *,
+    params_digest: str,
+    repo_dir: Path = Path("."),
+    client: Any = None,
+    model_card: Path | None = None,
+) -> UploadResult:
+    """Hash the artifacts, build the manifest and, when a bucket is configured, upload them.
+    `model_card` is published as the merged model's README.md, replacing one the folder holds."""
+    version = derive_version(params.version, params_digest, repo_dir)
+    files = collect_artifacts(inputs)
+    if model_card is not None:
+        files = replace_file(files, local_artifact("merged", MODEL_CARD_NAME, model_card))
+    metrics = read_manifest_metrics(inputs.get("metrics"))
+    manifest = build_manifest(files, version, git_revision(repo_dir), params_digest, metrics)
+    location = params.location()
+    if location is None:
+        return UploadResult(version, None, manifest)
+    client = client or make_s3_client(location, params.max_attempts)
+    return upload_release(client, location, files, manifest, params)

@@ -1,0 +1,112 @@
+"""The model card, rendered by the upload stage from the project's params, the eval and export
+metrics and the GGUF folder, written to data/reports/model_card.md and published as the merged
+model's README.md (replacing one the merged folder holds)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, dvc_repro
+
+from vlmrl.publish.errors import MissingInputError
+from vlmrl.publish.model_card import gguf_roles
+
+BASELINE = {"n": 16, "accuracy": 0.0625, "format_compliance": 0.25, "mean_reward": 0.4,
+            "rewards": {"format_reward": 0.1, "correctness_reward": 0.0625}}
+POST = {"n": 16, "accuracy": 0.1875, "format_compliance": 0.75, "mean_reward": 0.9,
+        "rewards": {"format_reward": 0.3, "correctness_reward": 0.1875}}
+EXPORT = {"passed": True, "dtype": "bfloat16",
+          "logit_max_abs_diff": {"merged_vs_adapter": 0.002, "gguf_f16_vs_merged": 0.001}}
+GGUF_SIZES = {"model-f16.gguf": 40_000, "model-q8_0.gguf": 21_000, "model-Q4_K_M.gguf": 12_000,
+              "mmproj-f16.gguf": 30_000}
+
+
+def write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+
+
+def make_outputs(project: Path) -> Path:
+    """The pipeline's outputs as the upload stage finds them, with the project's params.yaml."""
+    shutil.copy(ROOT / "params.yaml", project / "params.yaml")
+    models, metrics = project / "data/models", project / "data/metrics"
+    write(models / "adapter/adapter_config.json", b'{"r": 8}')
+    write(models / "merged/config.json", b'{"model_type": "qwen3_vl"}')
+    write(models / "merged/README.md", b"an older card")
+    for name, size in GGUF_SIZES.items():
+        write(models / "gguf" / name, os.urandom(size))
+    for name, payload in (("baseline_eval.json", BASELINE), ("post_eval.json", POST),
+                          ("export.json", EXPORT)):
+        write(metrics / name, json.dumps(payload).encode())
+    return project
+
+
+def run_upload_stage(project: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, str(ROOT / "stages/upload.py")], cwd=project, env=env,
+                          capture_output=True, text=True, check=False, timeout=300)
+
+
+@pytest.fixture
+def uploaded(tmp_path: Path) -> Path:
+    project = make_outputs(tmp_path)
+    completed = run_upload_stage(project)
+    assert completed.returncode == 0, completed.stderr
+    return project
+
+
+def test_model_card_describes_training_results_and_usage(uploaded: Path) -> None:
+    card = (uploaded / "data/reports/model_card.md").read_text()
+    assert "base_model: embedded:tiny-qwen3-vl" in card
+    assert "`embedded:synthetic`" in card
+    assert "| correctness_reward | 1 |" in card and "| format_reward | 0.3 |" in card
+    assert "| 8 | 16 | 0 | q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj |" in card
+    assert "| importance_sampling_level | sequence |" in card
+    assert "| accuracy | 0.0625 | 0.1875 |" in card
+    assert "| reward format_reward | 0.1 | 0.3 |" in card
+    assert "llama-mtmd-cli -m model-Q4_K_M.gguf --mmproj mmproj-f16.gguf" in card
+    assert "MTMDChatHandler(clip_model_path='mmproj-f16.gguf')" in card
+    assert "merged in (bfloat16)" in card
+    assert "| merged_vs_adapter | 0.002 |" in card
+    assert "| model-Q4_K_M.gguf | 11.7 KiB |" in card
+
+
+def test_release_carries_the_card_as_the_merged_readme(uploaded: Path) -> None:
+    card = (uploaded / "data/reports/model_card.md").read_bytes()
+    manifest = json.loads((uploaded / "data/reports/upload_manifest.json").read_text())
+    readmes = [e for e in manifest["files"] if e["path"] == "README.md"]
+    assert readmes == [{"group": "merged", "path": "README.md", "size": len(card),
+                        "sha256": hashlib.sha256(card).hexdigest()}]
+
+
+def test_card_without_export_metrics_names_the_export_stage(tmp_path: Path) -> None:
+    project = make_outputs(tmp_path)
+    (project / "data/metrics/export.json").unlink()
+    completed = run_upload_stage(project)
+    assert completed.returncode == 1
+    assert "data/metrics/export.json" in completed.stderr and "made by export" in completed.stderr
+    assert not (project / "data/reports/model_card.md").exists()
+    assert not (project / "data/reports/upload_manifest.json").exists()
+
+
+def test_usage_examples_use_the_smallest_model_file_and_the_projector() -> None:
+    assert gguf_roles(GGUF_SIZES) == ("model-Q4_K_M.gguf", "mmproj-f16.gguf")
+    assert gguf_roles({"model-f16.gguf": 9, "model-q8_0.gguf": 5, "mmproj-f16.gguf": 1}) == (
+        "model-q8_0.gguf", "mmproj-f16.gguf")
+    with pytest.raises(MissingInputError, match="projector"):
+        gguf_roles({"model-f16.gguf": 9})
+
+
+@pytest.mark.slow
+def test_dvc_repro_upload_writes_the_card(pipeline_repo: Path) -> None:
+    dvc_repro(pipeline_repo, "upload")
+    assert "| accuracy |" in (pipeline_repo / "data/reports/model_card.md").read_text()
+    assert not (pipeline_repo / "data/models/merged/README.md").exists()
