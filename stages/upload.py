@@ -9,6 +9,7 @@ locally, uploads nothing and succeeds, so the pipeline runs end to end without c
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -48,6 +49,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=Path("data/reports/model_card.md"),
         help="rendered here and published as the merged model's README.md",
     )
+    option(
+        "--promote",
+        action="store_true",
+        help="point latest at this version even if it names a version created later",
+    )
     return parser.parse_args(argv)
 
 
@@ -64,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         all_params = load_params(args.params)
         upload_params = UploadParams.from_mapping(section(all_params, "upload"))
+        if args.promote:
+            upload_params = dataclasses.replace(upload_params, promote=True)
         card = build_model_card(all_params, args.metrics_dir, args.gguf)
         write_text_atomic(args.model_card, card)
         result = publish(
@@ -91,6 +99,11 @@ def main(argv: list[str] | None = None) -> int:
             f"published {result.location.url(result.version)}/: {result.uploaded_files} objects "
             f"uploaded, {result.skipped_files} already there; manifest written to {args.manifest_out}"
         )
+        if result.latest != result.version:
+            print(
+                f"latest still names {result.latest}, created after {result.version}; "
+                "pass --promote or set upload.promote: true to point it here"
+            )
     return 0
 
 

@@ -14,7 +14,7 @@ from typing import Any
 from vlmrl.config import ParamsError, load_params, section
 from vlmrl.publish.errors import PublishError
 from vlmrl.publish.manifest import GROUPS
-from vlmrl.publish.pull import list_versions, pull
+from vlmrl.publish.pull import VersionInfo, list_versions, pull
 from vlmrl.publish.s3 import S3Location, make_s3_client
 from vlmrl.publish.upload import UploadParams
 
@@ -27,7 +27,13 @@ def format_size(size: float) -> str:
     raise AssertionError("unreachable")
 
 
+def printable(value: object) -> str:
+    """Text from the bucket, with control characters (terminal escapes) shown as '?'."""
+    return "".join(char if char.isprintable() else "?" for char in str(value))
+
+
 def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    rows = [[printable(cell) for cell in row] for row in rows]
     widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows, strict=False)]
     lines = [header, ["-" * width for width in widths], *rows]
     return "\n".join(
@@ -69,7 +75,7 @@ def _location_from_args(
     section.update({name: value for name, value in overrides.items() if value is not None})
     try:
         params = UploadParams.from_mapping(section)
-    except (ParamsError, TypeError) as exc:
+    except ParamsError as exc:
         parser.error(str(exc))
     location = params.location()
     if location is None:
@@ -81,7 +87,7 @@ def _run_cli(action: Any) -> int:
     try:
         return action()
     except PublishError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {printable(exc)}", file=sys.stderr)
         return 1
 
 
@@ -90,11 +96,21 @@ def cli_pull(argv: list[str]) -> int:
     parser.add_argument("--version", default="latest", help="a version name, or latest (default)")
     parser.add_argument("--what", choices=[*GROUPS, "all"], default="all")
     parser.add_argument(
+        "--file",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="only this file of the --what group: a file name, a path, or a quant name such as "
+        "Q4_K_M (repeatable)",
+    )
+    parser.add_argument(
         "--to", type=Path, required=True, metavar="DIR", help="destination directory"
     )
     parser.add_argument("--force", action="store_true", help="replace a non-empty destination")
     _add_location_arguments(parser)
     args = parser.parse_args(argv)
+    if args.file and args.what == "all":
+        parser.error("--file picks files of one group: pass --what GROUP too")
     location, params = _location_from_args(parser, args)
     groups = list(GROUPS) if args.what == "all" else [args.what]
 
@@ -107,7 +123,8 @@ def cli_pull(argv: list[str]) -> int:
             groups,
             args.to,
             force=args.force,
-            multipart_threshold_mb=params.multipart_threshold_mb,
+            files=args.file,
+            max_attempts=params.max_attempts,
         )
         rows = [[file.path, format_size(file.size)] for file in result.files]
         print(f"pulled {location.url(result.version)}/ ({args.what}) into {result.destination}")
@@ -115,6 +132,12 @@ def cli_pull(argv: list[str]) -> int:
         return 0
 
     return _run_cli(action)
+
+
+def _metrics_cell(info: VersionInfo) -> str:
+    if info.problem:
+        return f"invalid: {info.problem}"
+    return "  ".join(f"{name}={value:.4g}" for name, value in info.headline_metrics.items()) or "-"
 
 
 def cli_versions(argv: list[str]) -> int:
@@ -137,8 +160,7 @@ def cli_versions(argv: list[str]) -> int:
                 ("* " if info.is_latest else "  ") + info.version,
                 info.created_at,
                 (info.git_revision or "-")[:12],
-                "  ".join(f"{name}={value:.4g}" for name, value in info.headline_metrics.items())
-                or "-",
+                _metrics_cell(info),
             ]
             for info in versions
         ]

@@ -15,8 +15,15 @@ from pathlib import Path
 from typing import Any
 
 from vlmrl.publish.errors import MissingInputError, PublishError
+from vlmrl.publish.schema import (
+    GROUPS,
+    MANIFEST_SCHEMA,
+    SAFE_VERSION_CHARS,
+    Manifest,
+    parse_manifest,
+    version_problem,
+)
 
-GROUPS = ("adapter", "merged", "gguf", "metrics")
 PRODUCING_STAGES = {
     "adapter": "train_gspo",
     "merged": "export",
@@ -29,10 +36,7 @@ TRAIN_LOG_NAME = "train_log.jsonl"
 UPLOAD_METRICS_NAME = "upload.json"
 MANIFEST_NAME = "manifest.json"
 LATEST_NAME = "latest.json"
-RESERVED_VERSIONS = frozenset({"latest"})
-MANIFEST_SCHEMA = 1
 HASH_CHUNK = 8 * 1024 * 1024
-SAFE_VERSION_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-+")
 
 
 # --------------------------------------------------------------------------- local artifacts
@@ -138,12 +142,12 @@ def _sanitize_version(raw: str) -> str:
     return "".join(char if char in SAFE_VERSION_CHARS else "-" for char in raw).strip("-.")
 
 
-def validate_version(version: str) -> str:
-    if not version or version in RESERVED_VERSIONS or _sanitize_version(version) != version:
-        raise PublishError(
-            f"invalid upload version {version!r}: use letters, digits and . _ - + only, "
-            f"and not {', '.join(sorted(RESERVED_VERSIONS))}"
-        )
+def validate_version(version: str, what: str = "upload version") -> str:
+    """The one rule for version names: upload names versions by it, pull checks `--version` and
+    `latest.json` by it (through the schema's VersionName)."""
+    problem = version_problem(version)
+    if problem:
+        raise PublishError(f"invalid {what} {version!r}: {problem}")
     return version
 
 
@@ -176,7 +180,8 @@ def build_manifest(
     return {
         "schema": MANIFEST_SCHEMA,
         "version": version,
-        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        # Microseconds, so that two uploads in one second still order `latest`.
+        "created_at": datetime.now(UTC).isoformat(timespec="microseconds"),
         "git_revision": git_rev,
         "params_hash": params_digest,
         "metrics": dict(metrics),
@@ -187,3 +192,7 @@ def build_manifest(
 def manifest_bytes(manifest: Mapping[str, Any]) -> bytes:
     return (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
 
+
+def check_publishable(manifest: Mapping[str, Any]) -> Manifest:
+    """Upload publishes only what pull accepts (pull refuses, say, a file name with a backslash)."""
+    return parse_manifest(manifest_bytes(manifest), "the manifest to publish")

@@ -1,35 +1,34 @@
 """Fetch a published release back from S3, verified, and list the published versions.
 
 DVC's remote shares every stage's outputs with people who have the git repo; this is for
-consumers who only have a bucket.
+consumers who only have a bucket, which pull trusts for nothing: the version name, `latest.json`
+and the manifest are validated (vlmrl.publish.schema) before any byte is written, every path is
+joined under the staging folder only after checking it stays inside, every object is streamed
+never past its manifest size and checked against its sha256, and only a complete, verified
+download replaces `--to`. On any failure `--to` is left as it was, the staging folder is removed,
+and so are the parent folders the pull created.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from vlmrl.outputs import atomic_dir
-from vlmrl.publish.errors import IntegrityError, PublishError
-from vlmrl.publish.manifest import (
-    LATEST_NAME,
-    MANIFEST_METRIC_SECTIONS,
-    MANIFEST_NAME,
-    manifest_bytes,
-    sha256_of_file,
-    validate_version,
-)
+from vlmrl.publish.errors import PublishError
+from vlmrl.publish.manifest import LATEST_NAME, MANIFEST_METRIC_SECTIONS, MANIFEST_NAME
 from vlmrl.publish.s3 import (
-    NOT_FOUND_CODES,
     S3Location,
-    error_code,
+    download_verified,
     progress_bar,
-    read_json_object,
+    read_latest,
+    read_manifest,
     s3_errors,
-    transfer_config,
 )
+from vlmrl.publish.schema import LATEST, Manifest, ManifestEntry, safe_join, version_problem
 
 HEADLINE_METRIC_KEYS = ("accuracy", "exact_match", "pass_rate", "mean_reward", "reward")
 
@@ -47,31 +46,63 @@ class PullResult:
     files: list[PulledFile] = field(default_factory=list)
 
 
+def check_requested_version(version: str) -> str:
+    """`--version`: `latest`, or a name by the rule upload names versions with."""
+    problem = None if version == LATEST else version_problem(version)
+    if problem:
+        raise PublishError(f"invalid version {version!r}: {problem}")
+    return version
+
+
 def resolve_version(client: Any, location: S3Location, version: str) -> str:
-    if version != "latest":
-        return validate_version(version)
-    latest = read_json_object(client, location.bucket, location.key(LATEST_NAME))
+    if check_requested_version(version) != LATEST:
+        return version
+    latest = read_latest(client, location)
     if latest is None:
         raise PublishError(f"nothing is published under {location.url()}/ (no {LATEST_NAME})")
-    return latest["version"]
+    return latest.version
 
 
-def read_manifest(client: Any, location: S3Location, version: str) -> dict[str, Any]:
-    manifest = read_json_object(client, location.bucket, location.key(version, MANIFEST_NAME))
-    if manifest is None:
+def fetch_manifest(client: Any, location: S3Location, version: str) -> tuple[Manifest, bytes]:
+    stored = read_manifest(client, location, version)
+    if stored is None:
         raise PublishError(
             f"version '{version}' is not published: no {location.url(version, MANIFEST_NAME)} "
             "(see `vlmrl versions`)"
         )
-    return manifest
+    return stored
 
 
-def _select_entries(manifest: Mapping[str, Any], groups: Sequence[str]) -> list[dict[str, Any]]:
-    selected = [entry for entry in manifest["files"] if entry["group"] in groups]
-    empty = [group for group in groups if not any(e["group"] == group for e in selected)]
-    if len(groups) == 1 and empty:
-        raise PublishError(f"version '{manifest['version']}' has no {groups[0]} files")
-    return selected
+def _matches(entry: ManifestEntry, wanted: str) -> bool:
+    """A file name or path, or a quant name: the last `-` part of the file's stem (Q4_K_M)."""
+    path = PurePosixPath(entry.path)
+    quant = path.stem.rsplit("-", 1)[-1]
+    return wanted in (entry.path, path.name) or quant.lower() == wanted.lower()
+
+
+def select_entries(
+    manifest: Manifest, groups: Sequence[str], wanted: Sequence[str] = ()
+) -> list[ManifestEntry]:
+    """The entries of `groups`; with `wanted` (one group only) just the files it names."""
+    selected = [entry for entry in manifest.files if entry.group in groups]
+    if len(groups) == 1 and not selected:
+        raise PublishError(f"version '{manifest.version}' has no {groups[0]} files")
+    if not wanted:
+        return selected
+    if len(groups) != 1:
+        raise PublishError("--file picks files of one group: pass --what GROUP too")
+    chosen: list[ManifestEntry] = []
+    for name in wanted:
+        matches = [entry for entry in selected if _matches(entry, name)]
+        if len(matches) != 1:
+            found = "no" if not matches else f"{len(matches)}"
+            listed = ", ".join(entry.path for entry in selected)
+            raise PublishError(
+                f"version '{manifest.version}' has {found} {groups[0]} files matching {name!r}; "
+                f"pass one of: {listed}"
+            )
+        chosen += [entry for entry in matches if entry not in chosen]
+    return chosen
 
 
 def _check_destination(destination: Path, force: bool) -> None:
@@ -81,34 +112,21 @@ def _check_destination(destination: Path, force: bool) -> None:
         raise PublishError(f"{destination} exists and is not empty; pass --force to replace it")
 
 
-def _download_verified(
-    client: Any,
-    location: S3Location,
-    key: str,
-    entry: Mapping[str, Any],
-    target: Path,
-    config: Any,
-    progress: Any,
-) -> None:
-    from botocore.exceptions import ClientError
-
-    target.parent.mkdir(parents=True, exist_ok=True)
+@contextlib.contextmanager
+def _removing_created_parents(directory: Path) -> Iterator[None]:
+    """On failure, remove the (then empty) parent folders that did not exist before."""
+    missing = [parent for parent in directory.parents if not parent.exists()]
     try:
-        client.download_file(
-            location.bucket, key, str(target), Config=config, Callback=progress.update
-        )
-    except ClientError as exc:
-        if error_code(exc) in NOT_FOUND_CODES:
-            raise IntegrityError(
-                f"missing object s3://{location.bucket}/{key} (listed in the manifest)"
-            ) from None
+        yield
+    except BaseException:
+        for parent in missing:  # deepest first
+            with contextlib.suppress(OSError):
+                parent.rmdir()
         raise
-    size, digest = target.stat().st_size, sha256_of_file(target)
-    if size != entry["size"] or digest != entry["sha256"]:
-        raise IntegrityError(
-            f"checksum mismatch for s3://{location.bucket}/{key}: manifest says "
-            f"{entry['size']} bytes sha256 {entry['sha256']}, got {size} bytes sha256 {digest}"
-        )
+
+
+def _layout(entries: Sequence[ManifestEntry], flat: bool) -> list[tuple[ManifestEntry, str]]:
+    return [(entry, entry.path if flat else entry.name) for entry in entries]
 
 
 def pull(
@@ -119,20 +137,25 @@ def pull(
     destination: Path,
     *,
     force: bool = False,
-    multipart_threshold_mb: float = 64,
+    files: Sequence[str] = (),
+    max_attempts: int = 5,
 ) -> PullResult:
-    """Download the selected groups of a version, verify every sha256, then rename into place.
-    One group lands flat in DESTINATION; several land in DESTINATION/GROUP/ with manifest.json."""
+    """Download the selected groups (or `files` of one group) of a version, verify every sha256,
+    then rename into place. One group lands flat in DESTINATION; several land in
+    DESTINATION/GROUP/ with manifest.json."""
     destination = destination.absolute()
+    check_requested_version(version)
     _check_destination(destination, force)
     with s3_errors(location):
         version = resolve_version(client, location, version)
-        manifest = read_manifest(client, location, version)
-        entries = _select_entries(manifest, groups)
-        with atomic_dir(destination) as staging:
-            result = _download_entries(
-                client, location, manifest, entries, groups, staging, multipart_threshold_mb
-            )
+        manifest, body = fetch_manifest(client, location, version)
+        layout = _layout(select_entries(manifest, groups, files), flat=len(groups) == 1)
+        for _entry, relative in layout:  # every path checked before the first byte is written
+            safe_join(destination, relative)
+        with _removing_created_parents(destination), atomic_dir(destination) as staging:
+            result = _download_entries(client, location, manifest, layout, staging, max_attempts)
+            if len(groups) > 1:
+                (staging / MANIFEST_NAME).write_bytes(body)
     result.destination = destination
     return result
 
@@ -140,23 +163,22 @@ def pull(
 def _download_entries(
     client: Any,
     location: S3Location,
-    manifest: Mapping[str, Any],
-    entries: Sequence[Mapping[str, Any]],
-    groups: Sequence[str],
+    manifest: Manifest,
+    layout: Sequence[tuple[ManifestEntry, str]],
     staging: Path,
-    multipart_threshold_mb: float,
+    max_attempts: int,
 ) -> PullResult:
-    flat = len(groups) == 1
-    result = PullResult(manifest["version"], staging)
-    config = transfer_config(multipart_threshold_mb)
-    with progress_bar(sum(e["size"] for e in entries), f"pull {manifest['version']}") as progress:
-        for entry in entries:
-            relative = entry["path"] if flat else f"{entry['group']}/{entry['path']}"
-            key = location.key(manifest["version"], entry["group"], entry["path"])
-            _download_verified(client, location, key, entry, staging / relative, config, progress)
-            result.files.append(PulledFile(relative, entry["size"]))
-    if not flat:
-        (staging / MANIFEST_NAME).write_bytes(manifest_bytes(manifest))
+    result = PullResult(manifest.version, staging)
+    total = sum(entry.size for entry, _ in layout)
+    with progress_bar(total, f"pull {manifest.version}") as progress:
+        for entry, relative in layout:
+            target = safe_join(staging, relative)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            key = location.key(manifest.version, entry.group, entry.path)
+            download_verified(
+                client, location.bucket, key, entry, target, progress, attempts=max_attempts
+            )
+            result.files.append(PulledFile(relative, entry.size))
     return result
 
 
@@ -170,6 +192,7 @@ class VersionInfo:
     git_revision: str | None
     headline_metrics: dict[str, float]
     is_latest: bool = False
+    problem: str | None = None  # why this folder of the bucket is not a valid release
 
 
 def headline_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
@@ -201,22 +224,38 @@ def _version_prefixes(client: Any, location: S3Location) -> list[str]:
     return found
 
 
+def _version_info(client: Any, location: S3Location, name: str) -> VersionInfo | None:
+    """The version stored under folder `name`; None for a folder with no manifest (an upload in
+    progress or interrupted); a VersionInfo with `problem` set for an invalid one."""
+    problem = version_problem(name)
+    if problem:
+        return VersionInfo(name, "", None, {}, problem=f"invalid version name: {problem}")
+    try:
+        stored = read_manifest(client, location, name)
+    except PublishError as invalid:
+        return VersionInfo(name, "", None, {}, problem=str(invalid))
+    if stored is None:
+        return None
+    manifest = stored[0]
+    return VersionInfo(
+        version=name,
+        created_at=manifest.created_at.isoformat(),
+        git_revision=manifest.git_revision,
+        headline_metrics=headline_metrics(manifest.metrics),
+    )
+
+
 def list_versions(client: Any, location: S3Location) -> list[VersionInfo]:
-    """Published versions (those with a manifest.json), oldest first."""
+    """Published versions (those with a manifest.json), oldest first; invalid ones are listed
+    with their problem."""
     with s3_errors(location):
-        latest = read_json_object(client, location.bucket, location.key(LATEST_NAME)) or {}
-        versions = []
-        for name in _version_prefixes(client, location):
-            manifest = read_json_object(client, location.bucket, location.key(name, MANIFEST_NAME))
-            if manifest is None:
-                continue
-            versions.append(
-                VersionInfo(
-                    version=name,
-                    created_at=manifest.get("created_at", ""),
-                    git_revision=manifest.get("git_revision"),
-                    headline_metrics=headline_metrics(manifest.get("metrics", {})),
-                    is_latest=name == latest.get("version"),
-                )
-            )
+        try:
+            latest = read_latest(client, location)
+        except PublishError:
+            latest = None
+        names = _version_prefixes(client, location)
+        found = [_version_info(client, location, name) for name in names]
+    versions = [info for info in found if info is not None]
+    for info in versions:
+        info.is_latest = latest is not None and info.version == latest.version
     return sorted(versions, key=lambda info: (info.created_at, info.version))

@@ -1,19 +1,33 @@
 """The S3 side of publishing and pulling: where a release lives, the boto3 client, and botocore's
-exceptions turned into PublishErrors that name the bucket and what to fix. boto3 is imported
-only when a store is actually used.
+exceptions turned into PublishErrors that name the bucket and what to fix, and reads that trust
+nothing: JSON objects are read up to a bound and parsed by the schema, files are streamed never
+past their manifest size and checked against its sha256. boto3 is imported only when a store is
+actually used.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-from collections.abc import Iterator, Mapping
+import functools
+import hashlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, BinaryIO
 
-from vlmrl.publish.errors import CredentialsError, PublishError
+from vlmrl.publish.errors import CredentialsError, IntegrityError, PublishError
+from vlmrl.publish.manifest import LATEST_NAME, MANIFEST_NAME
+from vlmrl.publish.schema import (
+    MAX_JSON_BYTES,
+    Latest,
+    Manifest,
+    ManifestEntry,
+    parse_latest,
+    parse_manifest,
+)
 
 MIB = 1024 * 1024
+STREAM_CHUNK = MIB
 MIN_PART_SIZE = 5 * MIB  # S3 rejects multipart parts smaller than this (except the last).
 AUTH_ERROR_CODES = frozenset(
     {
@@ -135,16 +149,133 @@ def head_object(client: Any, bucket: str, key: str) -> dict[str, Any] | None:
         raise
 
 
-def read_json_object(client: Any, bucket: str, key: str) -> dict[str, Any] | None:
+def get_object(client: Any, bucket: str, key: str) -> dict[str, Any] | None:
+    """The GetObject response (its body still unread), or None when there is no such object."""
     from botocore.exceptions import ClientError
 
     try:
-        body = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+        return client.get_object(Bucket=bucket, Key=key)
     except ClientError as exc:
         if error_code(exc) in NOT_FOUND_CODES:
             return None
         raise
-    return json.loads(body)
+
+
+def copy_bounded(
+    chunks: Iterable[bytes], limit: int, write: Callable[[bytes], Any], source: str
+) -> tuple[int, str]:
+    """Pass `chunks` to `write` and return (bytes, sha256); stop at the first chunk that takes the
+    total past `limit`, before writing it."""
+    digest = hashlib.sha256()
+    received = 0
+    for chunk in chunks:
+        received += len(chunk)
+        if received > limit:
+            raise IntegrityError(
+                f"{source} is larger than {limit} bytes; stopped after reading {received}"
+            )
+        digest.update(chunk)
+        write(chunk)
+    return received, digest.hexdigest()
+
+
+def read_small_object(
+    client: Any, location: S3Location, key: str, limit: int = MAX_JSON_BYTES
+) -> bytes | None:
+    response = get_object(client, location.bucket, key)
+    if response is None:
+        return None
+    parts: list[bytes] = []
+    source = f"s3://{location.bucket}/{key}"
+    with contextlib.closing(response["Body"]) as body:
+        copy_bounded(body.iter_chunks(STREAM_CHUNK), limit, parts.append, source)
+    return b"".join(parts)
+
+
+def read_latest(client: Any, location: S3Location) -> Latest | None:
+    body = read_small_object(client, location, location.key(LATEST_NAME))
+    return None if body is None else parse_latest(body, location.url(LATEST_NAME))
+
+
+def read_manifest(
+    client: Any, location: S3Location, version: str
+) -> tuple[Manifest, bytes] | None:
+    """The version's manifest, validated and checked to name the version it is stored under, with
+    the bytes it was parsed from; None when the version has no manifest."""
+    key = location.key(version, MANIFEST_NAME)
+    body = read_small_object(client, location, key)
+    if body is None:
+        return None
+    manifest = parse_manifest(body, location.url(version, MANIFEST_NAME))
+    if manifest.version != version:
+        raise IntegrityError(
+            f"{location.url(version, MANIFEST_NAME)}: version = {manifest.version!r}: the manifest "
+            f"is stored under version {version!r}"
+        )
+    return manifest, body
+
+
+def _stream_errors() -> tuple[type[Exception], ...]:
+    from botocore.exceptions import (
+        ConnectionClosedError,
+        IncompleteReadError,
+        ReadTimeoutError,
+        ResponseStreamingError,
+    )
+
+    return ResponseStreamingError, IncompleteReadError, ReadTimeoutError, ConnectionClosedError
+
+
+def download_verified(
+    client: Any,
+    bucket: str,
+    key: str,
+    entry: ManifestEntry,
+    target: Path,
+    progress: Any,
+    attempts: int = 5,
+) -> None:
+    """Stream the object into `target` (which must not exist), never past the manifest's size,
+    and check its size and sha256; a dropped connection restarts the file, `attempts` times."""
+    failure: Exception | None = None
+    for _attempt in range(attempts):
+        try:
+            _download_once(client, bucket, key, entry, target, progress)
+            return
+        except _stream_errors() as exc:
+            target.unlink(missing_ok=True)
+            failure = exc
+    raise PublishError(f"download of s3://{bucket}/{key} failed {attempts} times: {failure}")
+
+
+def _download_once(
+    client: Any, bucket: str, key: str, entry: ManifestEntry, target: Path, progress: Any
+) -> None:
+    url = f"s3://{bucket}/{key}"
+    response = get_object(client, bucket, key)
+    if response is None:
+        raise IntegrityError(f"missing object {url} (listed in the manifest)")
+    with contextlib.closing(response["Body"]) as body:
+        announced = response.get("ContentLength")
+        if isinstance(announced, int) and announced > entry.size:
+            raise IntegrityError(
+                f"{url} is larger than its manifest size: the store has {announced} bytes, the "
+                f"manifest says {entry.size}"
+            )
+        with target.open("xb") as handle:
+            write = functools.partial(_write_counted, handle, progress)
+            source = f"{url} (manifest size {entry.size})"
+            size, digest = copy_bounded(body.iter_chunks(STREAM_CHUNK), entry.size, write, source)
+    if (size, digest) != (entry.size, entry.sha256):
+        raise IntegrityError(
+            f"checksum mismatch for {url}: manifest says {entry.size} bytes sha256 "
+            f"{entry.sha256}, got {size} bytes sha256 {digest}"
+        )
+
+
+def _write_counted(handle: BinaryIO, progress: Any, chunk: bytes) -> None:
+    handle.write(chunk)
+    progress.update(len(chunk))
 
 
 def object_matches(head: Mapping[str, Any] | None, size: int, sha256: str) -> bool:

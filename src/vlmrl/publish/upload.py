@@ -4,24 +4,32 @@ It puts the LoRA adapter, the merged model, the GGUF files and the metrics under
 `s3://BUCKET/PREFIX/VERSION/` next to a `manifest.json` of sha256 sums. A version is advertised
 through `PREFIX/latest.json` only after every object of it (manifest included) has been verified,
 so a reader never sees a half-uploaded release; a rerun skips what is already there and finishes
-an interrupted upload; a published version is never silently replaced.
+an interrupted upload; a published version is never silently replaced. Objects go up with
+`ChecksumAlgorithm=SHA256`, so the store itself refuses a body corrupted on the way (param
+`upload.checksum` turns it off for stores that do not support it), and `latest` only moves
+forward, to a manifest created later than the one it names, unless `upload.promote` asks.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import ConfigDict, Field, ValidationError
+from pydantic.dataclasses import dataclass as validated_dataclass
 
 from vlmrl.config import ParamsError
-from vlmrl.publish.errors import IntegrityError, VersionConflictError
+from vlmrl.publish.errors import IntegrityError, PublishError, VersionConflictError
 from vlmrl.publish.manifest import (
     LATEST_NAME,
     MANIFEST_NAME,
     ArtifactFile,
     build_manifest,
+    check_publishable,
     collect_artifacts,
     derive_version,
     git_revision,
@@ -39,15 +47,17 @@ from vlmrl.publish.s3 import (
     make_s3_client,
     object_matches,
     progress_bar,
-    read_json_object,
+    read_latest,
+    read_manifest,
     s3_errors,
     transfer_config,
 )
+from vlmrl.publish.schema import manifest_created_at
 
 MODEL_CARD_NAME = "README.md"  # in the merged group, where the Hugging Face tools look for it
 
 
-@dataclass(frozen=True)
+@validated_dataclass(frozen=True, config=ConfigDict(extra="forbid", strict=True))
 class UploadParams:
     """The `upload` section of params.yaml."""
 
@@ -57,30 +67,32 @@ class UploadParams:
     endpoint_url: str = ""
     region: str = "us-east-1"
     overwrite: bool = False
-    multipart_threshold_mb: float = 64
-    max_attempts: int = 5
+    multipart_threshold_mb: Annotated[float, Field(ge=MIN_PART_SIZE / MIB)] = 64
+    max_attempts: Annotated[int, Field(ge=1)] = 5
+    checksum: bool = True
+    promote: bool = False
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any] | None) -> UploadParams:
-        values = dict(values or {})
-        unknown = sorted(set(values) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise ParamsError(f"params.yaml `upload` has unknown keys {unknown}; known: "
-                              f"{sorted(cls.__dataclass_fields__)}")
-        clean = {name: value for name, value in values.items() if value is not None}
-        params = cls(**clean)
-        if params.multipart_threshold_mb * MIB < MIN_PART_SIZE:
-            raise ParamsError(
-                "params.yaml `upload.multipart_threshold_mb` must be at least 5 (S3's part minimum)"
-            )
-        if params.max_attempts < 1:
-            raise ParamsError("params.yaml `upload.max_attempts` must be at least 1")
-        return params
+        clean = {name: value for name, value in dict(values or {}).items() if value is not None}
+        try:
+            return cls(**clean)
+        except ValidationError as error:
+            raise ParamsError(_params_problem(error)) from None
 
     def location(self) -> S3Location | None:
         if not self.bucket:
             return None
         return S3Location(self.bucket, self.prefix, self.endpoint_url or None, self.region)
+
+
+def _params_problem(error: ValidationError) -> str:
+    first = error.errors(include_url=False)[0]
+    key = ".".join(str(part) for part in first["loc"])
+    if first["type"] == "unexpected_keyword_argument":
+        known = sorted(UploadParams.__dataclass_fields__)
+        return f"params.yaml `upload` has an unknown key `{key}`; known: {known}"
+    return f"params.yaml `upload.{key}` is {first['input']!r}: {first['msg']}"
 
 
 @dataclass
@@ -91,6 +103,7 @@ class UploadResult:
     uploaded_files: int = 0
     skipped_files: int = 0
     uploaded_bytes: int = 0
+    latest: str | None = None  # the version `latest` names after the upload
 
     @property
     def uploaded(self) -> bool:
@@ -112,6 +125,7 @@ class UploadResult:
             "uploaded_bytes": self.uploaded_bytes,
             "total_bytes": self.total_bytes,
             "files": len(self.manifest["files"]),
+            "latest": self.latest,
         }
 
 
@@ -146,9 +160,19 @@ def _claim_version(
     version, the new one otherwise; refuse to replace a different published version."""
     version = manifest["version"]
     manifest_key = location.key(version, MANIFEST_NAME)
-    published = read_json_object(client, location.bucket, manifest_key)
-    if published is None:
+    try:
+        stored = read_manifest(client, location, version)
+    except PublishError as invalid:
+        if not overwrite:
+            raise VersionConflictError(
+                f"version '{version}' is already published with an invalid manifest ({invalid}). "
+                "Choose another upload.version, or set upload.overwrite: true."
+            ) from None
+        client.delete_object(Bucket=location.bucket, Key=manifest_key)
         return manifest
+    if stored is None:
+        return manifest
+    published = json.loads(stored[1])
     changed = differing_files(published, manifest)
     if not changed:
         return published
@@ -196,7 +220,7 @@ def _upload_files(
                 str(file.local_path),
                 location.bucket,
                 key,
-                ExtraArgs={"Metadata": {"sha256": file.sha256}},
+                ExtraArgs={"Metadata": {"sha256": file.sha256}, **_checksum_args(params)},
                 Config=config,
                 Callback=progress.update,
             )
@@ -205,8 +229,13 @@ def _upload_files(
             result.uploaded_bytes += file.size
 
 
+def _checksum_args(params: UploadParams) -> dict[str, str]:
+    """Asks boto3 to send the body's SHA256, so that the store refuses a corrupted body."""
+    return {"ChecksumAlgorithm": "SHA256"} if params.checksum else {}
+
+
 def _put_verified_json(
-    client: Any, location: S3Location, key: str, data: Mapping[str, Any]
+    client: Any, location: S3Location, key: str, data: Mapping[str, Any], params: UploadParams
 ) -> bool:
     """Put a small JSON object unless an identical one is there; return whether it was put."""
     body = manifest_bytes(data)
@@ -219,9 +248,34 @@ def _put_verified_json(
         Body=body,
         ContentType="application/json",
         Metadata={"sha256": digest},
+        **_checksum_args(params),
     )
     _verify_uploaded(client, location, key, len(body), digest)
     return True
+
+
+def latest_after(
+    client: Any, location: S3Location, manifest: Mapping[str, Any], promote: bool
+) -> str:
+    """The version `latest` should name once this manifest is published: this one, unless
+    `latest` names a version whose manifest was created later (and `promote` is off)."""
+    if promote:
+        return manifest["version"]
+    try:
+        current = read_latest(client, location)
+    except PublishError as invalid:
+        raise PublishError(
+            f"{invalid}; set upload.promote: true (or pass --promote) to replace it"
+        ) from None
+    if current is None or current.version == manifest["version"]:
+        return manifest["version"]
+    try:
+        stored = read_manifest(client, location, current.version)
+    except PublishError:  # latest names a release nobody can pull: move it to this one
+        return manifest["version"]
+    if stored is None or manifest_created_at(manifest) >= stored[0].created_at:
+        return manifest["version"]
+    return current.version
 
 
 def upload_release(
@@ -235,23 +289,25 @@ def upload_release(
     with s3_errors(location):
         check_bucket(client, location)
         manifest = _claim_version(client, location, manifest, params.overwrite)
-        result = UploadResult(version, location, manifest)
+        latest = latest_after(client, location, manifest, params.promote)
+        result = UploadResult(version, location, manifest, latest=latest)
         _upload_files(client, location, version, files, params, result)
         manifest_key = location.key(version, MANIFEST_NAME)
         if params.overwrite:
             keep = {_object_key(location, version, file) for file in files} | {manifest_key}
             _delete_stale_objects(client, location, version, keep)
-        if _put_verified_json(client, location, manifest_key, manifest):
+        if _put_verified_json(client, location, manifest_key, manifest, params):
             result.uploaded_files += 1
         else:
             result.skipped_files += 1
-        # Only now, with every object of the version verified, does `latest` move.
-        latest = {
-            "version": version,
-            "created_at": manifest["created_at"],
-            "manifest": manifest_key,
-        }
-        _put_verified_json(client, location, location.key(LATEST_NAME), latest)
+        if latest == version:
+            # Only now, with every object of the version verified, does `latest` move.
+            pointer = {
+                "version": version,
+                "created_at": manifest["created_at"],
+                "manifest": manifest_key,
+            }
+            _put_verified_json(client, location, location.key(LATEST_NAME), pointer, params)
     return result
 
 
@@ -272,6 +328,7 @@ def publish(
         files = replace_file(files, local_artifact("merged", MODEL_CARD_NAME, model_card))
     metrics = read_manifest_metrics(inputs.get("metrics"))
     manifest = build_manifest(files, version, git_revision(repo_dir), params_digest, metrics)
+    check_publishable(manifest)
     location = params.location()
     if location is None:
         return UploadResult(version, None, manifest)
