@@ -14,7 +14,7 @@ import time
 def main() -> None:
     with tempfile.TemporaryDirectory(prefix="vlmrl-cache-") as cache:
         os.environ["VLMRL_CACHE"] = cache
-        from vlmrl.embedded import ensure_embedded_model
+        from vlmrl.models.embedded import ensure_embedded_model
 
         started = time.perf_counter()
         path = ensure_embedded_model("embedded:tiny-qwen3-vl", seed=0)

@@ -18,8 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from vlmrl.config import load_params, section
 from vlmrl.evaluation import run_evaluation
+from vlmrl.params import EvalParams, load_params
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,15 +47,15 @@ def main() -> None:
     args = parser.parse_args()
 
     params = load_params(args.params)
-    eval_params = section(params, "eval")
+    eval_params = params.eval
     if args.batch_size:
-        eval_params["batch_size"] = args.batch_size
+        eval_params = EvalParams.from_params({**params.section("eval"),
+                                              "batch_size": args.batch_size})
     eval_set = eval_set_or_prepare(args.eval_set, args.params)
-    print(f"model {params['model']['name']}, eval {eval_params}")
+    print(f"model {params.model.name}, eval {eval_params}")
     for attempt in range(1, args.repeat + 1):
         start = time.perf_counter()
-        _records, metrics = run_evaluation(eval_set, section(params, "model"), eval_params,
-                                           section(params, "rewards"))
+        _records, metrics = run_evaluation(eval_set, params.model, eval_params, params.rewards)
         wall = time.perf_counter() - start
         print(f"run {attempt}: {metrics['n']} samples, {metrics['generated_tokens']} tokens in "
               f"{metrics['seconds']:.2f} s of generation ({wall:.2f} s wall): "

@@ -18,8 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from vlmrl.config import load_params, section
 from vlmrl.export import run_export
+from vlmrl.params import Params, load_params
 
 
 def cpu_seconds() -> float:
@@ -28,17 +28,17 @@ def cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
-def random_adapter(params: dict, out: Path) -> Path:
+def random_adapter(params: Params, out: Path) -> Path:
     import peft
     import torch
 
-    from vlmrl.modeling import ModelSettings, load_transformers_model, resolve_model_path
+    from vlmrl.models.embedded import resolve_model_path
+    from vlmrl.models.loading import load_transformers_model
 
-    settings = ModelSettings.from_params(section(params, "model"))
-    lora = section(params, "train.lora")
+    settings, lora = params.model, params.train.lora
     model = load_transformers_model(resolve_model_path(settings), settings)
-    config = peft.LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
-                             target_modules=list(lora["target_modules"]),
+    config = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                             target_modules=list(lora.target_modules),
                              exclude_modules=r".*\.visual\..*", task_type="CAUSAL_LM")
     model = peft.get_peft_model(model, config)
     generator = torch.Generator().manual_seed(0)
@@ -50,10 +50,10 @@ def random_adapter(params: dict, out: Path) -> Path:
     return out
 
 
-def prepared_eval_set(params: dict, out: Path) -> Path:
-    from vlmrl.data import DataSettings, load_raw_records, prepare, to_dataset
+def prepared_eval_set(params: Params, out: Path) -> Path:
+    from vlmrl.data import load_raw_records, prepare, to_dataset
 
-    settings = DataSettings.from_params(section(params, "data"))
+    settings = params.data
     to_dataset(prepare(load_raw_records(settings), settings).eval).save_to_disk(str(out))
     return out
 
@@ -77,8 +77,7 @@ def main() -> None:
                              show_progress=False)
         wall, cpu = time.perf_counter() - wall, cpu_seconds() - cpu
 
-    print(f"model {section(params, 'model')['name']}, export dtype "
-          f"{section(params, 'export')['dtype']}")
+    print(f"model {params.model.name}, export dtype {params.export.dtype}")
     print(f"{'step':<40} {'seconds':>9}")
     for name, seconds in metrics["timings_s"].items():
         print(f"{name:<40} {seconds:>9.2f}")

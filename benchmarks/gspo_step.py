@@ -130,12 +130,13 @@ KV_DROPPED_MESSAGE = "Caching is incompatible with gradient checkpointing"
 
 def prepare_train_set(out_dir: Path, size: int, image_size: int = 512) -> Path:
     """The project's synthetic set through prepare_data's own functions, saved like the stage."""
-    from vlmrl.data import DataSettings, load_raw_records, prepare, to_dataset
+    from vlmrl.data import load_raw_records, prepare, to_dataset
+    from vlmrl.params import DataParams
 
     target = out_dir / f"train-{size}-{image_size}"
     if (target / "dataset_info.json").is_file():
         return target
-    settings = DataSettings(synthetic_size=size, eval_size=4, image_size=image_size)
+    settings = DataParams(synthetic_size=size, eval_size=4, image_size=image_size)
     prepared = prepare(load_raw_records(settings), settings)
     to_dataset(prepared.train).save_to_disk(str(target))
     return target
@@ -275,10 +276,10 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
     from datasets import load_from_disk
     from transformers import TrainerCallback
 
-    from vlmrl.config import load_params
-    from vlmrl.modeling import ModelSettings
-    from vlmrl.rewards import build_rewards_from_params
-    from vlmrl.training import build_grpo_config, load_policy, make_trainer
+    from vlmrl.models.loading import load_policy
+    from vlmrl.params import LoraParams, ModelParams, load_params
+    from vlmrl.rewards import build_rewards
+    from vlmrl.training import build_grpo_config, make_trainer
     from vlmrl.trl_compat import install_cpu_fallback
 
     install_cpu_fallback()  # no-op where Triton exists (every GPU machine)
@@ -287,16 +288,16 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
     logging.getLogger("transformers").addHandler(detector)
 
     params = load_params(ROOT / "params.yaml")
-    settings = ModelSettings.from_params({**params["model"], "name": model_name,
-                                          "backend": knobs["backend"],
-                                          "load_in_4bit": knobs["load_in_4bit"], "dtype": "auto",
-                                          "seed": seed})
-    grpo = dict(params["train"]["grpo"])
+    settings = ModelParams.from_params({**params.section("model"), "name": model_name,
+                                        "backend": knobs["backend"],
+                                        "load_in_4bit": knobs["load_in_4bit"], "dtype": "auto",
+                                        "seed": seed})
+    grpo = dict(params.train.grpo)
     batch = {key: knobs[key] for key in REFERENCE_BATCH}
     grpo.update(max_steps=warmup + steps, **batch, num_generations=NUM_GENERATIONS, max_completion_length=length,
                 gradient_checkpointing=True, log_completions=False, logging_steps=1,
                 report_to="none", seed=seed, **(VLLM_SETTINGS if knobs.get("vllm") else {}))
-    reward_funcs, reward_weights = build_rewards_from_params(params["rewards"])
+    reward_funcs, reward_weights = build_rewards(params.rewards.weights, params.rewards.options)
     out_dir = Path(tempfile.mkdtemp(prefix="gspo-bench-"))
     config = build_grpo_config(grpo, output_dir=out_dir, save_steps=10**6,
                                reward_weights=reward_weights, model_settings=settings)
@@ -304,7 +305,7 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
 
     _reset_peak()
     load_started = time.perf_counter()
-    model, processor, backend = load_policy(settings, LORA, config.seed)
+    model, processor, backend = load_policy(settings, LoraParams(**LORA), config.seed)
     load_seconds = time.perf_counter() - load_started
     prompt_tokens = max_prompt_tokens(dataset, processor)
     # The train_gspo stage's own switches: train.grpo.cache_implementation and generation_kwargs
@@ -512,7 +513,7 @@ def main() -> int:
         return 0
 
     started = time.perf_counter()
-    from vlmrl.embedded import ensure_embedded_model
+    from vlmrl.models.embedded import ensure_embedded_model
 
     os.environ.setdefault("VLMRL_CACHE", str(args.work / "cache"))
     import torch

@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from vlmrl.config import ParamsError, load_params, section
 from vlmrl.eval_report import comparison_metrics, find_flips, read_records, write_report
 from vlmrl.evaluation import EvalError, run_evaluation
 from vlmrl.outputs import atomic_dir, remove_outputs, write_json_atomic, write_jsonl_atomic
+from vlmrl.params import ParamsError, load_params
 
 POST_ONLY = ("adapter", "baseline", "baseline_metrics", "report")
 
@@ -77,8 +77,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     params = load_params(args.params)
     if args.mode == "post":
         check_baseline_inputs(args)
-    records, metrics = run_evaluation(args.eval_set, section(params, "model"),
-                                      section(params, "eval"), section(params, "rewards"),
+    records, metrics = run_evaluation(args.eval_set, params.model, params.eval, params.rewards,
                                       adapter=args.adapter)
     if args.mode == "post":
         metrics = write_post_report(args, records, metrics)

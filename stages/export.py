@@ -12,19 +12,19 @@ import argparse
 import sys
 from pathlib import Path
 
-from vlmrl.config import ParamsError, load_params
 from vlmrl.export import ExportError, run_export
 from vlmrl.gguf_tools import GGUFError
 from vlmrl.outputs import remove_outputs, write_json_atomic
+from vlmrl.params import ParamsError, load_params
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--adapter", type=Path, default=Path("data/models/adapter"))
-    parser.add_argument("--eval-set", type=Path, default=Path("data/prepared/eval"))
-    parser.add_argument("--merged", type=Path, default=Path("data/models/merged"))
-    parser.add_argument("--gguf", type=Path, default=Path("data/models/gguf"))
-    parser.add_argument("--metrics", type=Path, default=Path("data/metrics/export.json"))
+    parser.add_argument("--adapter", type=Path, required=True)
+    parser.add_argument("--eval-set", type=Path, required=True)
+    parser.add_argument("--merged", type=Path, required=True)
+    parser.add_argument("--gguf", type=Path, required=True)
+    parser.add_argument("--metrics", type=Path, required=True)
     parser.add_argument("--params", type=Path, default=Path("params.yaml"))
     return parser.parse_args(argv)
 

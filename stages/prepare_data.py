@@ -5,9 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from vlmrl.config import load_params, section
 from vlmrl.data import (
-    DataSettings,
     data_summary,
     load_raw_records,
     prepare,
@@ -15,16 +13,18 @@ from vlmrl.data import (
     to_dataset,
 )
 from vlmrl.outputs import atomic_dir, remove_outputs, write_json_atomic, write_text_atomic
+from vlmrl.params import load_params
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", type=Path, default=Path("data/prepared"))
-    parser.add_argument("--report", type=Path, default=Path("data/reports/data_report.md"))
-    parser.add_argument("--metrics", type=Path, default=Path("data/metrics/prepare_data.json"))
+    parser.add_argument("--out", type=Path, required=True, help="directory for train/ and eval/")
+    parser.add_argument("--report", type=Path, required=True)
+    parser.add_argument("--metrics", type=Path, required=True)
+    parser.add_argument("--params", type=Path, default=Path("params.yaml"))
     args = parser.parse_args()
 
-    settings = DataSettings.from_params(section(load_params(), "data"))
+    settings = load_params(args.params).data
     outputs = (args.out / "train", args.out / "eval", args.report, args.metrics)
     remove_outputs(*outputs)
     prepared = prepare(load_raw_records(settings), settings)

@@ -6,27 +6,28 @@ import argparse
 import shutil
 from pathlib import Path
 
-from vlmrl.config import load_params
 from vlmrl.outputs import atomic_dir, remove_outputs, write_json_atomic, write_jsonl_atomic
+from vlmrl.params import load_params
 from vlmrl.training import plot_training_curves, train
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--train-set", type=Path, default=Path("data/prepared/train"))
-    parser.add_argument("--out", type=Path, default=Path("data/models/adapter"))
-    parser.add_argument("--checkpoints", type=Path, default=Path("data/checkpoints/train_gspo"))
-    parser.add_argument("--metrics", type=Path, default=Path("data/metrics/train.json"))
-    parser.add_argument("--log", type=Path, default=Path("data/metrics/train_log.jsonl"))
-    parser.add_argument("--completions", type=Path, default=Path("data/reports/train_completions"))
-    parser.add_argument("--curves", type=Path, default=Path("data/reports/train_curves.png"))
+    parser.add_argument("--train-set", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True, help="adapter directory")
+    parser.add_argument("--checkpoints", type=Path, required=True)
+    parser.add_argument("--metrics", type=Path, required=True)
+    parser.add_argument("--log", type=Path, required=True, help="per-step log (JSON lines)")
+    parser.add_argument("--completions", type=Path, required=True)
+    parser.add_argument("--curves", type=Path, required=True, help="PNG of the training curves")
+    parser.add_argument("--params", type=Path, default=Path("params.yaml"))
     args = parser.parse_args()
 
     outputs = (args.out, args.metrics, args.log, args.completions, args.curves)
     remove_outputs(*outputs)
     try:
-        result = train(train_set=args.train_set, params=load_params(), adapter_out=args.out,
-                       checkpoints=args.checkpoints)
+        result = train(train_set=args.train_set, params=load_params(args.params),
+                       adapter_out=args.out, checkpoints=args.checkpoints)
         with atomic_dir(args.completions) as staging:
             for parquet in sorted(result.completions_dir.glob("*.parquet")):
                 shutil.copy2(parquet, staging / parquet.name)

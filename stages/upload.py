@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from vlmrl.config import ParamsError, load_params, section
+
 from vlmrl.outputs import remove_outputs, write_json_atomic, write_text_atomic
 from vlmrl.publish import PublishError, UploadParams, params_hash, publish
 from vlmrl.publish.model_card import build_model_card

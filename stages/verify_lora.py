@@ -11,22 +11,16 @@ import argparse
 import sys
 from pathlib import Path
 
-from vlmrl.config import ParamsError, load_params, section
-from vlmrl.modeling import ModelSettings
 from vlmrl.outputs import remove_outputs, write_json_atomic
-from vlmrl.verify import (
-    logit_tolerance_from_params,
-    lora_spec_from_params,
-    report_summary,
-    verify_adapter,
-)
+from vlmrl.params import ParamsError, load_params
+from vlmrl.verify import report_summary, verify_adapter
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--adapter", type=Path, default=Path("data/models/adapter"))
-    parser.add_argument("--eval-set", type=Path, default=Path("data/prepared/eval"))
-    parser.add_argument("--metrics", type=Path, default=Path("data/metrics/verify_lora.json"))
+    parser.add_argument("--adapter", type=Path, required=True)
+    parser.add_argument("--eval-set", type=Path, required=True)
+    parser.add_argument("--metrics", type=Path, required=True)
     parser.add_argument("--params", type=Path, default=Path("params.yaml"))
     return parser.parse_args(argv)
 
@@ -36,10 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     remove_outputs(args.metrics)
     try:
         params = load_params(args.params)
-        settings = ModelSettings.from_params(section(params, "model"))
-        spec = lora_spec_from_params(params)
-        tolerance = logit_tolerance_from_params(params)
-        report = verify_adapter(settings, args.adapter, args.eval_set, spec, tolerance)
+        report = verify_adapter(params.model, args.adapter, args.eval_set, params.train.lora,
+                                params.verify.logit_tolerance)
     except (ParamsError, FileNotFoundError) as error:
         print(f"verify_lora failed: {error}", file=sys.stderr)
         return 1

@@ -42,3 +42,20 @@ def pipeline_repo(tmp_path_factory) -> Path:
 @pytest.fixture
 def fresh_repo(tmp_path) -> Path:
     return make_project_repo(tmp_path / "repo")
+
+
+def stage_command(name: str, root: Path = ROOT) -> list[str]:
+    """dvc.yaml's command for stage `name` with `${paths.*}` filled in, as argv (`python` first):
+    the stages' paths live only in dvc.yaml."""
+    import re
+    import shlex
+
+    import yaml
+
+    dvc = yaml.safe_load((root / "dvc.yaml").read_text())
+    variables = {f"{group}.{key}": str(value)
+                 for entry in dvc.get("vars", []) if isinstance(entry, dict)
+                 for group, values in entry.items() for key, value in (values or {}).items()}
+    command = re.sub(r"\$\{([\w.]+)\}", lambda match: variables[match.group(1)],
+                     dvc["stages"][name]["cmd"])
+    return shlex.split(command)

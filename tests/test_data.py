@@ -7,11 +7,11 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import TESTMINI, dvc_repro, run, update_params
+from conftest import TESTMINI, dvc_repro, run, stage_command, update_params
 from PIL import Image
 
-from vlmrl.config import ParamsError
-from vlmrl.data import DataError, DataSettings, load_local_records, prepare, split_by_pid
+from vlmrl.data import DataError, load_local_records, prepare, split_by_pid
+from vlmrl.params import DataParams, ParamsError
 
 needs_testmini = pytest.mark.skipif(not TESTMINI.is_file(), reason=f"{TESTMINI} not present")
 
@@ -33,7 +33,7 @@ def make_testmini_dir(tmp_path: Path, limit: int | None = None) -> Path:
 
 @needs_testmini
 def test_real_testmini_records(tmp_path: Path) -> None:
-    settings = DataSettings(source=str(make_testmini_dir(tmp_path)), eval_size=100,
+    settings = DataParams(source=str(make_testmini_dir(tmp_path)), eval_size=100,
                             question_types=("free_form", "multi_choice"),
                             answer_types=("integer", "float", "text"), image_size=64)
     prepared = prepare(load_local_records(Path(settings.source)), settings)
@@ -52,7 +52,7 @@ def test_real_testmini_records(tmp_path: Path) -> None:
 
 @needs_testmini
 def test_default_filter_keeps_numeric_free_form(tmp_path: Path) -> None:
-    settings = DataSettings(source=str(make_testmini_dir(tmp_path)), eval_size=50, image_size=32)
+    settings = DataParams(source=str(make_testmini_dir(tmp_path)), eval_size=50, image_size=32)
     prepared = prepare(load_local_records(Path(settings.source)), settings)
     kept = prepared.train + prepared.eval
     assert len(kept) + len(prepared.skipped) == 418 + 40
@@ -91,7 +91,7 @@ def bad_records(tmp_path: Path) -> list[dict]:
 
 
 def test_bad_records_are_skipped_with_reasons(tmp_path: Path) -> None:
-    settings = DataSettings(source="x", eval_size=1, image_size=32)
+    settings = DataParams(source="x", eval_size=1, image_size=32)
     prepared = prepare(bad_records(tmp_path), settings)
     reasons = {s.pid: s.reason for s in prepared.skipped}
     assert set(reasons) == {"unreadable", "missing-file", "no-answer", "not-a-number",
@@ -104,22 +104,22 @@ def test_bad_records_are_skipped_with_reasons(tmp_path: Path) -> None:
 
 
 def test_strict_mode_names_the_record(tmp_path: Path) -> None:
-    settings = DataSettings(source="x", eval_size=1, image_size=32, strict=True)
+    settings = DataParams(source="x", eval_size=1, image_size=32, strict=True)
     with pytest.raises(DataError, match="pid=unreadable"):
         prepare(bad_records(tmp_path), settings)
 
 
 def test_empty_after_filtering_names_the_filter(tmp_path: Path) -> None:
-    settings = DataSettings(source="x", eval_size=1, answer_types=("float",))
+    settings = DataParams(source="x", eval_size=1, answer_types=("float",))
     with pytest.raises(DataError, match="data.answer_types"):
         prepare(bad_records(tmp_path), settings)
 
 
 def test_unknown_data_param() -> None:
     with pytest.raises(ParamsError, match="imagesize"):
-        DataSettings.from_params({"imagesize": 3})
+        DataParams.from_params({"imagesize": 3})
     with pytest.raises(ParamsError, match="data.answer_types"):
-        DataSettings.from_params({"answer_types": ["number"]})
+        DataParams.from_params({"answer_types": ["number"]})
 
 
 @pytest.mark.slow
@@ -144,7 +144,7 @@ def test_prepare_data_stage_through_dvc(pipeline_repo: Path) -> None:
 
 def test_failed_prepare_leaves_no_outputs(fresh_repo: Path) -> None:
     update_params(fresh_repo, {"data.answer_types": ["list"]})
-    result = run(["python", "stages/prepare_data.py"], fresh_repo, check=False)
+    result = run(stage_command("prepare_data"), fresh_repo, check=False)
     assert result.returncode != 0 and "data.answer_types" in result.stderr
     assert not (fresh_repo / "data/prepared/train").exists()
     assert not (fresh_repo / "data/prepared/eval").exists()

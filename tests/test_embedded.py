@@ -9,8 +9,15 @@ import pytest
 import torch
 from PIL import Image
 
-from vlmrl.embedded import SHAPES, build_config, embedded_model_dir, ensure_embedded_model
-from vlmrl.modeling import ModelSettings, load_model, suppressed_generation_kwargs, vision_token_ids
+from vlmrl.models.embedded import (
+    SHAPES,
+    build_config,
+    embedded_model_dir,
+    ensure_embedded_model,
+)
+from vlmrl.models.loading import load_model
+from vlmrl.models.processor import suppressed_generation_kwargs, vision_token_ids
+from vlmrl.params import ModelParams
 from vlmrl.prompts import build_prompt
 
 NAME = "embedded:tiny-qwen3-vl"
@@ -18,7 +25,7 @@ NAME = "embedded:tiny-qwen3-vl"
 
 @pytest.fixture(scope="module")
 def tiny():
-    return load_model(ModelSettings(name=NAME))
+    return load_model(ModelParams(name=NAME))
 
 
 def test_config_points_at_qwen_special_tokens(tiny) -> None:
@@ -119,7 +126,7 @@ def test_8b_shape_is_qwen3_vl_8b() -> None:
 
 
 def test_fields_added_later_keep_existing_cache_dirs() -> None:
-    from vlmrl.embedded import _identity
+    from vlmrl.models.embedded import _identity
 
     for name in ("tiny-qwen3-vl", "qwen3-vl-2b-shape"):
         assert set(_identity(SHAPES[name])) == {"text", "vision", "max_pixels", "min_pixels",
@@ -133,7 +140,7 @@ def test_untied_shape_saved_in_bf16(tmp_path) -> None:
 
     from safetensors import safe_open
 
-    from vlmrl.embedded import build_model
+    from vlmrl.models.embedded import build_model
 
     shape = replace(SHAPES["tiny-qwen3-vl"], tie_word_embeddings=False, saved_dtype="bfloat16")
     build_model(shape, seed=0, out_dir=tmp_path)

@@ -14,7 +14,6 @@ import yaml
 from conftest import ROOT, dvc_repro, run
 from PIL import Image
 
-from vlmrl.config import ParamsError
 from vlmrl.eval_report import (
     PLOT_BEFORE_AFTER,
     PLOT_BY_CATEGORY,
@@ -26,7 +25,6 @@ from vlmrl.eval_report import (
 from vlmrl.evaluation import (
     IMAGE_PLACEHOLDER,
     EvalError,
-    EvalSettings,
     Generation,
     aggregate,
     count_generated_tokens,
@@ -36,8 +34,10 @@ from vlmrl.evaluation import (
     run_evaluation,
     score_records,
 )
+from vlmrl.params import DataParams, EvalParams, Params, ParamsError, RewardsParams
 
 PARAMS = yaml.safe_load((ROOT / "params.yaml").read_text())
+TYPED = Params(PARAMS)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 REWARDS = {"weights": {"format_reward": 0.5, "correctness_reward": 1.0, "length_penalty": 1.0},
            "length_penalty": {"min_chars": 10, "max_chars": 100}}
@@ -68,15 +68,15 @@ def record(pid: str, correct: bool, **extra) -> dict:
 
 
 def test_eval_settings_from_params_and_unknown_key_named():
-    settings = EvalSettings.from_params(PARAMS["eval"])
+    settings = EvalParams.from_params(PARAMS["eval"])
     assert settings.max_new_tokens == PARAMS["eval"]["max_new_tokens"]
     assert settings.batch_size == PARAMS["eval"]["batch_size"]
     with pytest.raises(ParamsError, match="max_new_tokns"):
-        EvalSettings.from_params({**PARAMS["eval"], "max_new_tokns": 3})
+        EvalParams.from_params({**PARAMS["eval"], "max_new_tokns": 3})
     with pytest.raises(ParamsError, match="eval.batch_size"):
-        EvalSettings.from_params({**PARAMS["eval"], "batch_size": 0})
+        EvalParams.from_params({**PARAMS["eval"], "batch_size": 0})
     with pytest.raises(ParamsError, match="eval.top_p"):
-        EvalSettings.from_params({**PARAMS["eval"], "top_p": 1.5})
+        EvalParams.from_params({**PARAMS["eval"], "top_p": 1.5})
 
 
 # ---------------------------------------------------------------- aggregation
@@ -132,7 +132,7 @@ def test_score_records_uses_the_training_rewards_and_weights():
     rows = [row("good"), row("short"), row("wrong", answer="8")]
     texts = [GOOD, "7", GOOD]
     generations = [Generation(r["pid"], t, 5) for r, t in zip(rows, texts)]
-    good, short, wrong = score_records(rows, generations, REWARDS)
+    good, short, wrong = score_records(rows, generations, RewardsParams.from_params(REWARDS))
 
     assert good["correct"] and good["format_ok"] and good["extracted"] == "7"
     assert (good["reward_format_reward"], good["reward_correctness_reward"],
@@ -169,7 +169,7 @@ def test_scorer_breaking_responses_are_scored_wrong_not_crashed(monkeypatch):
     monkeypatch.setattr(evaluation, "score_completion", score_completion)
     rows = [row(pid) for pid in responses]
     generations = [Generation(pid, text, 48) for pid, text in responses.items()]
-    records = {r["pid"]: r for r in score_records(rows, generations, PARAMS["rewards"])}
+    records = {r["pid"]: r for r in score_records(rows, generations, TYPED.rewards)}
 
     broken = ("huge", "garbage", "no-tags", "huge-answer", "scorer-bug")
     assert not any(records[pid]["correct"] for pid in broken)
@@ -185,7 +185,8 @@ def test_scorer_breaking_responses_are_scored_wrong_not_crashed(monkeypatch):
 
 def test_score_records_refuses_misaligned_generations():
     with pytest.raises(EvalError, match="pid=b"):
-        score_records([row("a")], [Generation("b", GOOD, 1)], REWARDS)
+        score_records([row("a")], [Generation("b", GOOD, 1)],
+                      RewardsParams.from_params(REWARDS))
 
 
 # ---------------------------------------------------------------------- flips
@@ -241,23 +242,23 @@ def test_write_report_lists_flips_with_responses_plots_and_thumbnails(tmp_path):
 
 
 def test_missing_eval_set_names_path_and_stage_before_loading_the_model(tmp_path, monkeypatch):
-    import vlmrl.modeling
+    from vlmrl import evaluation
 
-    monkeypatch.setattr(vlmrl.modeling, "load_model", _must_not_load)
+    monkeypatch.setattr(evaluation, "load_model", _must_not_load)
     missing = tmp_path / "prepared" / "eval"
     with pytest.raises(FileNotFoundError) as error:
-        run_evaluation(missing, PARAMS["model"], PARAMS["eval"], PARAMS["rewards"])
+        run_evaluation(missing, TYPED.model, TYPED.eval, TYPED.rewards)
     assert str(missing) in str(error.value) and "prepare_data" in str(error.value)
 
 
 def test_missing_adapter_names_path_and_stage_before_loading_the_model(eval_set, tmp_path,
                                                                       monkeypatch):
-    import vlmrl.modeling
+    from vlmrl import evaluation
 
-    monkeypatch.setattr(vlmrl.modeling, "load_model", _must_not_load)
+    monkeypatch.setattr(evaluation, "load_model", _must_not_load)
     missing = tmp_path / "models" / "adapter"
     with pytest.raises(FileNotFoundError) as error:
-        run_evaluation(eval_set, PARAMS["model"], PARAMS["eval"], PARAMS["rewards"], adapter=missing)
+        run_evaluation(eval_set, TYPED.model, TYPED.eval, TYPED.rewards, adapter=missing)
     assert str(missing) in str(error.value) and "train_gspo" in str(error.value)
 
 
@@ -299,9 +300,9 @@ def test_stage_post_requires_its_inputs():
 @pytest.fixture(scope="module")
 def eval_set(tmp_path_factory) -> Path:
     """A small prepared eval set (small images keep generation cheap)."""
-    from vlmrl.data import DataSettings, load_raw_records, prepare, to_dataset
+    from vlmrl.data import load_raw_records, prepare, to_dataset
 
-    settings = DataSettings(synthetic_size=30, eval_size=4, image_size=96, seed=3)
+    settings = DataParams(synthetic_size=30, eval_size=4, image_size=96, seed=3)
     prepared = prepare(load_raw_records(settings), settings)
     path = tmp_path_factory.mktemp("eval_set") / "eval"
     to_dataset(prepared.eval).save_to_disk(str(path))
@@ -310,9 +311,9 @@ def eval_set(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    from vlmrl.modeling import ModelSettings, load_model
+    from vlmrl.models.loading import load_model
 
-    model, processor, _backend = load_model(ModelSettings.from_params(PARAMS["model"]))
+    model, processor, _backend = load_model(TYPED.model)
     return model, processor
 
 
@@ -337,11 +338,11 @@ def test_batched_generation_matches_one_by_one(eval_set, tiny_model):
 
     model, processor = tiny_model
     rows = load_from_disk(str(eval_set)).select(range(3))
-    batched = generate_responses(model, processor, rows, EvalSettings(max_new_tokens=6, batch_size=3))
-    single = generate_responses(model, processor, rows, EvalSettings(max_new_tokens=6, batch_size=1))
+    batched = generate_responses(model, processor, rows, EvalParams(max_new_tokens=6, batch_size=3))
+    single = generate_responses(model, processor, rows, EvalParams(max_new_tokens=6, batch_size=1))
     assert processor.tokenizer.padding_side == "left"
     assert batched == single
-    suppressed = generation_kwargs(processor, EvalSettings())["suppress_tokens"]
+    suppressed = generation_kwargs(processor, EvalParams())["suppress_tokens"]
     assert processor.tokenizer.convert_tokens_to_ids("<|image_pad|>") in suppressed
     assert [g.pid for g in batched] == rows["pid"]
     assert all(1 <= g.generated_tokens <= 6 for g in batched)
@@ -352,7 +353,7 @@ def test_sampling_is_reproducible_with_its_seed(eval_set, tiny_model):
 
     model, processor = tiny_model
     rows = load_from_disk(str(eval_set)).select(range(2))
-    settings = EvalSettings(max_new_tokens=5, batch_size=2, do_sample=True, temperature=1.0, seed=7)
+    settings = EvalParams(max_new_tokens=5, batch_size=2, do_sample=True, temperature=1.0, seed=7)
     first = generate_responses(model, processor, rows, settings)
     assert generate_responses(model, processor, rows, settings) == first
 
@@ -406,9 +407,9 @@ def make_adapter(target: Path) -> Path:
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from vlmrl.modeling import ModelSettings, load_model
+    from vlmrl.models.loading import load_model
 
-    model, _processor, _backend = load_model(ModelSettings.from_params(PARAMS["model"]))
+    model, _processor, _backend = load_model(TYPED.model)
     peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8,
                                                   target_modules=["q_proj", "v_proj"]))
     generator = torch.Generator().manual_seed(0)

@@ -15,15 +15,7 @@ import pytest
 from conftest import ROOT, dvc_repro, run
 from test_verify import make_adapter, prepare_workdir
 
-from vlmrl.config import ParamsError
-from vlmrl.export import (
-    ExportSettings,
-    gguf_file_names,
-    gguf_tolerance,
-    hf_last_logits,
-    load_merged,
-    text_prompt,
-)
+from vlmrl.export import check_quantize_types, gguf_file_names, gguf_tolerance
 from vlmrl.gguf_tools import (
     GGUFError,
     converter_env,
@@ -36,7 +28,15 @@ from vlmrl.gguf_tools import (
     open_gguf,
     read_gguf_info,
 )
-from vlmrl.verify import first_eval_row, forward_logits, image_question_inputs
+from vlmrl.models.forward import (
+    first_eval_row,
+    forward_logits,
+    hf_last_logits,
+    image_question_inputs,
+    text_prompt,
+)
+from vlmrl.models.loading import load_merged
+from vlmrl.params import ExportParams, ParamsError
 
 GGUF_NAMES = {"model-f16.gguf", "model-q8_0.gguf", "model-Q4_K_M.gguf", "mmproj-f16.gguf"}
 MERGED_FILES = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
@@ -112,19 +112,16 @@ def test_merged_model_reloads_alone_and_matches_the_adapter_model(exported: Expo
     import torch
     from transformers import AutoModelForImageTextToText
 
-    from vlmrl.modeling import (
-        ModelSettings,
-        attach_adapter,
-        load_processor,
-        load_transformers_model,
-        resolve_model_path,
-    )
+    from vlmrl.models.embedded import resolve_model_path
+    from vlmrl.models.loading import attach_adapter, load_transformers_model
+    from vlmrl.models.processor import load_processor
+    from vlmrl.params import ModelParams
 
     row = exported.row
     merged = AutoModelForImageTextToText.from_pretrained(exported.merged, dtype=torch.bfloat16)
     merged_logits = forward_logits(merged, image_question_inputs(load_processor(exported.merged),
                                                                  row))
-    settings = ModelSettings(name="embedded:tiny-qwen3-vl", dtype="bfloat16")
+    settings = ModelParams(name="embedded:tiny-qwen3-vl", dtype="bfloat16")
     base_path = resolve_model_path(settings)
     with_adapter = attach_adapter(load_transformers_model(base_path, settings), exported.adapter)
     inputs = image_question_inputs(load_processor(base_path), row)
@@ -132,7 +129,7 @@ def test_merged_model_reloads_alone_and_matches_the_adapter_model(exported: Expo
     with with_adapter.disable_adapter():
         base_logits = forward_logits(with_adapter, inputs)
 
-    atol = ExportSettings().logit_atol
+    atol = ExportParams().logit_atol
     assert float((merged_logits - adapter_logits).abs().max()) <= atol
     assert float((merged_logits - base_logits).abs().max()) > 10 * atol  # the adapter is in it
 
@@ -146,7 +143,7 @@ def test_every_gguf_file_loads_and_generates(exported: Exported) -> None:
 
 
 def load_merged_processor(exported: Exported):
-    from vlmrl.modeling import load_processor
+    from vlmrl.models.processor import load_processor
 
     return load_processor(exported.merged)
 
@@ -276,8 +273,9 @@ def test_damaged_projector_gives_an_error_naming_it(exported: Exported, tmp_path
 
 
 def test_export_settings_follow_params() -> None:
-    settings = ExportSettings.from_params({"dtype": "float16", "gguf_outtypes": ["f16"],
-                                           "quantize": ["Q4_K_M", "Q5_K_S"], "logit_atol": 0.1})
+    settings = ExportParams.from_params({"dtype": "float16", "gguf_outtypes": ["f16"],
+                                         "quantize": ["Q4_K_M", "Q5_K_S"], "logit_atol": 0.1})
+    check_quantize_types(settings)
     assert gguf_file_names(settings) == {"f16": "model-f16.gguf", "Q4_K_M": "model-Q4_K_M.gguf",
                                          "Q5_K_S": "model-Q5_K_S.gguf",
                                          "mmproj": "mmproj-f16.gguf"}
@@ -288,7 +286,7 @@ def test_export_settings_follow_params() -> None:
                          ({"logit_atol": 0}, "logit_atol"),
                          ({"threads": 2}, "unknown keys")):
         with pytest.raises(ParamsError, match=message):
-            ExportSettings.from_params(bad)
+            check_quantize_types(ExportParams.from_params(bad))
 
 
 def test_expected_tensor_types() -> None:
@@ -297,7 +295,7 @@ def test_expected_tensor_types() -> None:
 
 
 def test_converter_is_extracted_from_the_cached_sdist(tmp_path: Path, monkeypatch) -> None:
-    from vlmrl.embedded import cache_root
+    from vlmrl.cache import cache_root
     from vlmrl.gguf_tools import installed_llama_cpp_version
 
     version = installed_llama_cpp_version()

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from vlmrl.params import RewardsParams
 from vlmrl.rewards import (
     REWARD_FUNCS,
     build_rewards,
-    build_rewards_from_params,
     completion_text,
     correctness_reward,
     format_reward,
@@ -220,7 +220,8 @@ def test_build_rewards_from_params_section() -> None:
         "weights": {"format_reward": 0.3, "correctness_reward": 1.0},
         "length_penalty": {"min_chars": 50, "max_chars": 2000},
     }
-    funcs, weights = build_rewards_from_params(section)
+    rewards = RewardsParams.from_params(section)
+    funcs, weights = build_rewards(rewards.weights, rewards.options)
     assert [f.__name__ for f in funcs] == ["format_reward", "correctness_reward"]
     assert weights == [0.3, 1.0]
 

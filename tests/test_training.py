@@ -12,16 +12,11 @@ import warnings
 from pathlib import Path
 
 import pytest
-from conftest import dvc_env, dvc_repro, make_project_repo, run, update_params
+from conftest import dvc_env, dvc_repro, make_project_repo, run, stage_command, update_params
 
-from vlmrl.config import ParamsError
-from vlmrl.modeling import ModelSettings
-from vlmrl.training import (
-    build_grpo_config,
-    language_model_targets,
-    step_log_rows,
-    vllm_installed,
-)
+from vlmrl.models.loading import language_model_targets
+from vlmrl.params import ModelParams, Params, ParamsError, TrainParams
+from vlmrl.training import build_grpo_config, step_log_rows, vllm_installed
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -86,13 +81,13 @@ def test_interrupted_training_resumes(tmp_path: Path) -> None:
 def test_unknown_grpo_key_names_it() -> None:
     with pytest.raises(ParamsError, match=r"train\.grpo\.max_prompt_length"):
         build_grpo_config({"max_prompt_length": 512}, output_dir=Path("/tmp/x"), save_steps=2,
-                          reward_weights=[1.0], model_settings=ModelSettings(name="x"))
+                          reward_weights=[1.0], model_settings=ModelParams(name="x"))
 
 
 def test_pipeline_managed_key_is_refused() -> None:
     with pytest.raises(ParamsError, match=r"train\.grpo\.output_dir"):
         build_grpo_config({"output_dir": "elsewhere"}, output_dir=Path("/tmp/x"), save_steps=2,
-                          reward_weights=[1.0], model_settings=ModelSettings(name="x"))
+                          reward_weights=[1.0], model_settings=ModelParams(name="x"))
 
 
 def test_on_policy_gspo_warns() -> None:
@@ -102,7 +97,7 @@ def test_on_policy_gspo_warns() -> None:
                            "steps_per_generation": 1, "gradient_accumulation_steps": 1,
                            "per_device_train_batch_size": 4, "num_generations": 4},
                           output_dir=Path("/tmp/x"), save_steps=2, reward_weights=[1.0],
-                          model_settings=ModelSettings(name="x"))
+                          model_settings=ModelParams(name="x"))
     assert any("GSPO has no effect" in str(w.message) for w in caught)
 
 
@@ -120,7 +115,7 @@ def test_gspo_defaults_move_the_ratio() -> None:
 def test_bad_reward_name_fails_the_stage(fresh_repo: Path) -> None:
     update_params(fresh_repo, {"rewards.weights": {"format_reward": 0.3, "no_such_reward": 1.0}})
     dvc_repro(fresh_repo, "prepare_data")
-    result = run(["python", "stages/train_gspo.py"], fresh_repo, check=False)
+    result = run(stage_command("train_gspo"), fresh_repo, check=False)
     assert result.returncode != 0
     assert "no_such_reward" in result.stderr and "correctness_reward" in result.stderr
     assert not (fresh_repo / "data/models/adapter").exists()
@@ -130,7 +125,7 @@ def test_bad_reward_name_fails_the_stage(fresh_repo: Path) -> None:
 def test_unknown_grpo_key_fails_the_stage(fresh_repo: Path) -> None:
     update_params(fresh_repo, {"train.grpo.warmup_ratio": 0.1})
     dvc_repro(fresh_repo, "prepare_data")
-    result = run(["python", "stages/train_gspo.py"], fresh_repo, check=False)
+    result = run(stage_command("train_gspo"), fresh_repo, check=False)
     assert result.returncode != 0 and "train.grpo.warmup_ratio" in result.stderr
 
 
@@ -163,19 +158,21 @@ def test_generation_rows_must_divide_the_generation_batch() -> None:
 
     config = build_grpo_config({"per_device_train_batch_size": 4, "steps_per_generation": 2,
                                 "num_generations": 4}, output_dir=Path("/tmp/x"), save_steps=2,
-                               reward_weights=[1.0], model_settings=ModelSettings(name="x"))
-    assert generation_rows({"max_generation_rows": None}, config) is None
-    assert generation_rows({"max_generation_rows": 4}, config) == 4
+                               reward_weights=[1.0], model_settings=ModelParams(name="x"))
+    assert generation_rows(None, config) is None
+    assert generation_rows(4, config) == 4
     with pytest.raises(ParamsError, match=r"max_generation_rows.*\(3\) must divide.*= 8"):
-        generation_rows({"max_generation_rows": 3}, config)
+        generation_rows(3, config)
+    lora = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["q_proj"]}
     with pytest.raises(ParamsError, match="positive integer"):
-        generation_rows({"max_generation_rows": 0}, config)
+        TrainParams.from_params({"save_steps": 2, "lora": lora, "max_generation_rows": 0})
 
 
 def tiny_processor():
-    from vlmrl.modeling import load_processor, resolve_model_path
+    from vlmrl.models.embedded import resolve_model_path
+    from vlmrl.models.processor import load_processor
 
-    return load_processor(resolve_model_path(ModelSettings(name="embedded:tiny-qwen3-vl")))
+    return load_processor(resolve_model_path(ModelParams(name="embedded:tiny-qwen3-vl")))
 
 
 def test_generation_chunks_hold_exactly_their_prompts_images() -> None:
@@ -252,7 +249,7 @@ def test_generation_in_chunks_keeps_the_row_order() -> None:
 def test_train_gspo_generates_in_chunks(fresh_repo: Path) -> None:
     update_params(fresh_repo, {"train.grpo.max_steps": 2, "train.max_generation_rows": 4})
     dvc_repro(fresh_repo, "prepare_data")
-    result = run(["python", "stages/train_gspo.py"], fresh_repo)
+    result = run(stage_command("train_gspo"), fresh_repo)
     assert "generating 8 rows per generation batch in chunks of 4" in result.stdout
     summary = json.loads((fresh_repo / "data/metrics/train.json").read_text())
     assert summary["steps"] == 2
@@ -327,9 +324,10 @@ def test_readme_gpu_profile_is_the_benchmarked_one_and_valid(gspo_step) -> None:
         for part in parents:
             node = node.setdefault(part, {})
         node[leaf] = value
-    config = build_grpo_config(params["train"]["grpo"], output_dir=Path("/tmp/x"), save_steps=50,
-                               reward_weights=[1.0], model_settings=ModelSettings(name="x"))
-    assert generation_rows(params["train"], config) == 16
+    train = Params(params).train
+    config = build_grpo_config(train.grpo, output_dir=Path("/tmp/x"), save_steps=50,
+                               reward_weights=[1.0], model_settings=ModelParams(name="x"))
+    assert generation_rows(train.max_generation_rows, config) == 16
     assert config.generation_batch_size == 2 * 16  # one generation for two optimizer steps
 
 
@@ -357,7 +355,7 @@ def test_use_vllm_without_vllm_names_the_param() -> None:
     with pytest.raises(ParamsError, match=r"train\.grpo\.use_vllm.*vllm is not installed"):
         build_grpo_config({"use_vllm": True, "vllm_mode": "colocate"}, output_dir=Path("/tmp/x"),
                           save_steps=50, reward_weights=[1.0],
-                          model_settings=ModelSettings(name="x"))
+                          model_settings=ModelParams(name="x"))
 
 
 def test_benchmark_vllm_profile_is_skipped_without_vllm(gspo_step, tmp_path) -> None:

@@ -9,11 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, run, update_params
+from conftest import ROOT, run, stage_command, update_params
 
-from vlmrl.config import ParamsError
+from vlmrl.params import LoraParams, ModelParams, ParamsError
 from vlmrl.verify import (
-    LoraSpec,
     check_language_model_only,
     check_target_modules,
     delta_w_squared_norm,
@@ -24,9 +23,10 @@ LANGUAGE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_pro
 
 
 def tiny_base_model():
-    from vlmrl.modeling import ModelSettings, load_transformers_model, resolve_model_path
+    from vlmrl.models.embedded import resolve_model_path
+    from vlmrl.models.loading import load_transformers_model
 
-    settings = ModelSettings(name="embedded:tiny-qwen3-vl")
+    settings = ModelParams(name="embedded:tiny-qwen3-vl")
     return load_transformers_model(resolve_model_path(settings), settings)
 
 
@@ -57,7 +57,8 @@ def prepare_workdir(root: Path) -> Path:
     """params.yaml and the prepared eval set, as the stages find them in a repository."""
     root.mkdir(parents=True, exist_ok=True)
     shutil.copy2(ROOT / "params.yaml", root / "params.yaml")
-    run([sys.executable, str(ROOT / "stages/prepare_data.py")], root)
+    _python, script, *args = stage_command("prepare_data")
+    run([sys.executable, str(ROOT / script), *args], root)
     return root
 
 
@@ -136,7 +137,7 @@ def test_missing_adapter_is_a_clear_error(workdir: Path) -> None:
 def test_vision_tower_adapter_is_caught() -> None:
     model = peft_model(targets=LANGUAGE_TARGETS + ["qkv"], b_scale=0.01)
     modules = lora_modules(model)
-    spec = LoraSpec(r=8, alpha=16, dropout=0.0, target_modules=tuple(LANGUAGE_TARGETS))
+    spec = LoraParams(r=8, alpha=16, dropout=0.0, target_modules=tuple(LANGUAGE_TARGETS))
 
     check = check_language_model_only(modules)
     assert not check.passed
@@ -155,6 +156,7 @@ def test_delta_w_norm_matches_the_explicit_product() -> None:
 
 def test_lora_spec_rejects_incomplete_params() -> None:
     with pytest.raises(ParamsError, match="train.lora.alpha"):
-        LoraSpec.from_params({"r": 8, "dropout": 0.0, "target_modules": ["q_proj"]})
+        LoraParams.from_params({"r": 8, "dropout": 0.0, "target_modules": ["q_proj"]})
     with pytest.raises(ParamsError, match="non-empty list"):
-        LoraSpec.from_params({"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "q_proj"})
+        LoraParams.from_params({"r": 8, "alpha": 16, "dropout": 0.0,
+                                "target_modules": "q_proj"})

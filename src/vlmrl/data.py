@@ -15,55 +15,15 @@ from typing import Any
 
 from PIL import Image
 
-from vlmrl.config import ParamsError
-from vlmrl.prompts import SYSTEM_PROMPT, build_prompt
+from vlmrl.params import EMBEDDED_SOURCE, DataParams, ParamsError
+from vlmrl.prompts import build_prompt
 
-EMBEDDED_SOURCE = "embedded:synthetic"
-QUESTION_TYPES = ("free_form", "multi_choice")
-ANSWER_TYPES = ("integer", "float", "text", "list")
 COLUMNS = ("pid", "prompt", "image", "answer", "question_type", "answer_type", "choices",
            "precision", "unit", "source", "category")
 
 
 class DataError(ValueError):
     """A record or the data set cannot be used; the message names the record or the param."""
-
-
-@dataclass(frozen=True)
-class DataSettings:
-    source: str = EMBEDDED_SOURCE
-    split: str = "testmini"
-    synthetic_size: int = 160
-    seed: int = 42
-    eval_size: int = 100
-    question_types: tuple[str, ...] = ("free_form",)
-    answer_types: tuple[str, ...] = ("integer", "float")
-    image_size: int = 512
-    strict: bool = False
-    system_prompt: str = SYSTEM_PROMPT
-
-    @classmethod
-    def from_params(cls, data: Mapping[str, Any]) -> DataSettings:
-        unknown = sorted(set(data) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise ParamsError(f"params.yaml `data` has unknown keys {unknown}")
-        values = dict(data)
-        for key in ("question_types", "answer_types"):
-            if key in values:
-                values[key] = tuple(values[key])
-        settings = cls(**values)
-        settings.validate()
-        return settings
-
-    def validate(self) -> None:
-        for key, allowed in (("question_types", QUESTION_TYPES), ("answer_types", ANSWER_TYPES)):
-            bad = [v for v in getattr(self, key) if v not in allowed]
-            if bad:
-                raise ParamsError(f"params.yaml `data.{key}` has {bad}; allowed: {list(allowed)}")
-        if self.eval_size < 1:
-            raise ParamsError("params.yaml `data.eval_size` must be at least 1")
-        if self.image_size < 28:
-            raise ParamsError("params.yaml `data.image_size` must be at least 28")
 
 
 @dataclass
@@ -83,7 +43,7 @@ class PreparedData:
 
 # ---------------------------------------------------------------- sources
 
-def load_raw_records(settings: DataSettings) -> Iterator[dict[str, Any]]:
+def load_raw_records(settings: DataParams) -> Iterator[dict[str, Any]]:
     """Raw MathVista rows; `image` is a PIL image, a path, or None."""
     if settings.source == EMBEDDED_SOURCE:
         from vlmrl.synth import generate
@@ -253,12 +213,12 @@ def resize_longest(image: Image.Image, size: int) -> Image.Image:
 
 # ---------------------------------------------------------------- pipeline
 
-def passes_filters(raw: Mapping[str, Any], settings: DataSettings) -> bool:
+def passes_filters(raw: Mapping[str, Any], settings: DataParams) -> bool:
     return (raw.get("question_type") in settings.question_types
             and raw.get("answer_type") in settings.answer_types)
 
 
-def prepare(raw_records: Iterable[Mapping[str, Any]], settings: DataSettings) -> PreparedData:
+def prepare(raw_records: Iterable[Mapping[str, Any]], settings: DataParams) -> PreparedData:
     rows, skipped, filtered_out, total = [], [], 0, 0
     for raw in raw_records:
         total += 1
@@ -343,7 +303,7 @@ def data_summary(prepared: PreparedData) -> dict[str, Any]:
             "train": counts(prepared.train), "eval": counts(prepared.eval)}
 
 
-def render_report(prepared: PreparedData, settings: DataSettings) -> str:
+def render_report(prepared: PreparedData, settings: DataParams) -> str:
     summary = data_summary(prepared)
     lines = ["# Data report", "",
              f"Source: `{settings.source}`; filters: question_types={list(settings.question_types)},"

@@ -24,8 +24,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vlmrl.config import ParamsError
-from vlmrl.rewards import build_rewards_from_params, score_completion
+import torch
+from datasets import load_from_disk
+from tqdm.auto import tqdm
+
+from vlmrl.models.backend import model_device
+from vlmrl.models.loading import load_model
+from vlmrl.models.processor import suppressed_generation_kwargs
+from vlmrl.params import EvalParams, ModelParams, RewardsParams
+from vlmrl.rewards import build_rewards, score_completion
 
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 REQUIRED_COLUMNS = ("pid", "prompt", "image", "answer", "question_type", "answer_type")
@@ -35,44 +42,6 @@ GROUP_COLUMNS = {"answer_type": "accuracy_by_answer_type", "category": "accuracy
 
 class EvalError(ValueError):
     """The eval set or a prompt cannot be evaluated; the message names the record or path."""
-
-
-@dataclass(frozen=True)
-class EvalSettings:
-    max_new_tokens: int = 512
-    batch_size: int = 8
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int = 0
-
-    @classmethod
-    def from_params(cls, eval_params: Mapping[str, Any]) -> EvalSettings:
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(eval_params) - known)
-        if unknown:
-            raise ParamsError(f"params.yaml `eval` has unknown keys {unknown}; known: {sorted(known)}")
-        settings = cls(**eval_params)
-        settings.validate()
-        return settings
-
-    def validate(self) -> None:
-        for key in ("max_new_tokens", "batch_size"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ParamsError(f"params.yaml `eval.{key}` must be a positive integer, got {value!r}")
-        if not isinstance(self.do_sample, bool):
-            raise ParamsError(f"params.yaml `eval.do_sample` must be true or false, got {self.do_sample!r}")
-        if not (is_number(self.temperature) and self.temperature > 0):
-            raise ParamsError(f"params.yaml `eval.temperature` must be > 0, got {self.temperature!r}")
-        if not (is_number(self.top_p) and 0 < self.top_p <= 1):
-            raise ParamsError(f"params.yaml `eval.top_p` must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ParamsError(f"params.yaml `eval.seed` must be an integer, got {self.seed!r}")
-
-
-def is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True)
@@ -96,9 +65,7 @@ def render_prompt(processor, row: Mapping[str, Any]) -> str:
     return text
 
 
-def generation_kwargs(processor, settings: EvalSettings) -> dict[str, Any]:
-    from vlmrl.modeling import suppressed_generation_kwargs
-
+def generation_kwargs(processor, settings: EvalParams) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"max_new_tokens": settings.max_new_tokens,
                               "do_sample": settings.do_sample,
                               "pad_token_id": processor.tokenizer.pad_token_id,
@@ -133,10 +100,6 @@ def batches(rows: Sequence[Mapping[str, Any]], size: int) -> Iterator[list[Mappi
 
 def generate_batch(model, processor, batch: list[Mapping[str, Any]], kwargs: dict[str, Any],
                    eos_ids: set[int]) -> list[Generation]:
-    import torch
-
-    from vlmrl.modeling import model_device
-
     texts = [render_prompt(processor, row) for row in batch]
     inputs = processor(text=texts, images=[[row["image"]] for row in batch],
                        return_tensors="pt", padding=True).to(model_device(model))
@@ -150,11 +113,8 @@ def generate_batch(model, processor, batch: list[Mapping[str, Any]], kwargs: dic
 
 
 def generate_responses(model, processor, rows: Sequence[Mapping[str, Any]],
-                       settings: EvalSettings) -> list[Generation]:
+                       settings: EvalParams) -> list[Generation]:
     """One response per row, batched with left padding (generation appends on the right)."""
-    import torch
-    from tqdm.auto import tqdm
-
     processor.tokenizer.padding_side = "left"
     kwargs = generation_kwargs(processor, settings)
     eos_ids = eos_token_ids(model, processor)
@@ -169,17 +129,6 @@ def generate_responses(model, processor, rows: Sequence[Mapping[str, Any]],
 
 
 # --------------------------------------------------------------------- scoring
-
-
-def reward_spec(rewards_params: Mapping[str, Any]) -> tuple[Mapping[str, Any], dict[str, Any]]:
-    """(weights, per-reward options) split as `build_rewards_from_params` splits them."""
-    options = {name: value for name, value in rewards_params.items() if name != "weights"}
-    return rewards_params.get("weights", {}), options
-
-
-def reward_names(rewards_params: Mapping[str, Any]) -> list[str]:
-    funcs, _weights = build_rewards_from_params(rewards_params)
-    return [func.__name__ for func in funcs]
 
 
 def score_record(row: Mapping[str, Any], generation: Generation, weights: Mapping[str, Any],
@@ -205,12 +154,11 @@ def score_record(row: Mapping[str, Any], generation: Generation, weights: Mappin
 
 
 def score_records(rows: Sequence[Mapping[str, Any]], generations: Sequence[Generation],
-                  rewards_params: Mapping[str, Any]) -> list[dict[str, Any]]:
+                  rewards: RewardsParams) -> list[dict[str, Any]]:
     """Per-sample records, scored with the rewards (and weights) that training uses."""
     if len(rows) != len(generations):
         raise EvalError(f"{len(generations)} generations for {len(rows)} rows")
-    names = reward_names(rewards_params)
-    weights, options = reward_spec(rewards_params)
+    names, weights, options = list(rewards.weights), rewards.weights, rewards.options
     records = []
     for row, generation in zip(rows, generations, strict=True):
         if str(row["pid"]) != generation.pid:
@@ -283,8 +231,6 @@ def check_adapter(path: Path) -> None:
 
 
 def load_eval_set(path: Path):
-    from datasets import load_from_disk
-
     dataset = load_from_disk(str(path))
     missing = [column for column in REQUIRED_COLUMNS if column not in dataset.column_names]
     if missing:
@@ -294,25 +240,21 @@ def load_eval_set(path: Path):
     return dataset
 
 
-def run_evaluation(eval_set_path: Path | str, model_params: Mapping[str, Any],
-                   eval_params: Mapping[str, Any], rewards_params: Mapping[str, Any],
-                   adapter: Path | str | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def run_evaluation(eval_set_path: Path | str, model_params: ModelParams, settings: EvalParams,
+                   rewards: RewardsParams, adapter: Path | str | None = None,
+                   ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Generates on every eval row with the (optionally adapted) model and scores the responses."""
-    from vlmrl.modeling import ModelSettings, load_model
-
     eval_set_path = Path(eval_set_path)
     check_eval_set(eval_set_path)
     if adapter is not None:
         check_adapter(Path(adapter))
-    model_settings = ModelSettings.from_params(model_params)
-    settings = EvalSettings.from_params(eval_params)
-    reward_names(rewards_params)  # a bad rewards section fails here, before the model loads
+    build_rewards(rewards.weights, rewards.options)  # a bad reward fails here, before the model
     dataset = load_eval_set(eval_set_path)
-    model, processor, _backend = load_model(model_settings, adapter=adapter)
+    model, processor, _backend = load_model(model_params, adapter=adapter)
     start = time.perf_counter()
     generations = generate_responses(model, processor, dataset, settings)
     seconds = time.perf_counter() - start
-    records = score_records(dataset.remove_columns(["image"]), generations, rewards_params)
+    records = score_records(dataset.remove_columns(["image"]), generations, rewards)
     metrics = aggregate(records, seconds=seconds,
                         generated_tokens=sum(g.generated_tokens for g in generations))
     return records, metrics

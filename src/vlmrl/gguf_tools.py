@@ -22,12 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vlmrl.embedded import cache_root
+from vlmrl.cache import cache_root
 from vlmrl.outputs import atomic_dir
+from vlmrl.params import CONVERTER_OUTTYPES
 
 SOURCE_ENV = "VLMRL_LLAMA_CPP_SRC"
 CONVERTER = "convert_hf_to_gguf.py"
-CONVERTER_OUTTYPES = ("f32", "f16", "bf16", "q8_0", "tq1_0", "tq2_0")
 # What the converter needs from llama.cpp's tree; the rest (C++ sources, test models) is 200 MB.
 CONVERTER_PARTS = (CONVERTER, "conversion/", "gguf-py/", "models/templates/", "LICENSE")
 GGUF_MAGIC = b"GGUF"

@@ -4,7 +4,8 @@ Each reward is `f(completions, **columns) -> list[float | None]`, the form TRL's
 trainers call with one completion and one value per dataset column. The
 correctness reward goes through `vlmrl.scoring.score`, and `score_completion`
 runs the same functions on a single text, so training, evaluation and the web
-UI agree on every number.
+UI agree on every number. params.yaml's `rewards` section is split into the
+weights and per-reward options `build_rewards` takes by `vlmrl.params.RewardsParams`.
 
 Deliberate choices:
 - `format_reward` returns -2.0 in total for degenerate text (the tag points are
@@ -30,7 +31,6 @@ from vlmrl import scoring
 __all__ = [
     "REWARD_FUNCS",
     "build_rewards",
-    "build_rewards_from_params",
     "completion_text",
     "correctness_reward",
     "format_reward",
@@ -210,12 +210,6 @@ def build_rewards(
     table = _weights(weights)
     funcs = [bound.get(name) or _lookup(name) for name in table]
     return funcs, list(table.values())
-
-
-def build_rewards_from_params(section: Mapping[str, Any]) -> tuple[list[RewardFunc], list[float]]:
-    """`build_rewards` from params.yaml's `rewards:` section (`weights` plus per-reward options)."""
-    options = {name: value for name, value in section.items() if name != "weights"}
-    return build_rewards(section.get("weights", {}), options)
 
 
 # --------------------------------------------------------------------- single

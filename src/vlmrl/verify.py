@@ -14,37 +14,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vlmrl.config import ParamsError, require, section
+import torch
+from peft.tuners.lora import LoraLayer
 
-LORA_KEYS = ("r", "alpha", "dropout", "target_modules")
+from vlmrl.checks import Check
+from vlmrl.models.forward import adapter_and_base_logits, first_eval_row, image_question_inputs
+from vlmrl.models.loading import load_model
+from vlmrl.params import LoraParams, ModelParams
+
 MODULE_GROUPS = ("q", "k", "v", "o", "gate", "up", "down")
 LANGUAGE_MODEL_MARK = ".language_model."
-
-
-@dataclass(frozen=True)
-class LoraSpec:
-    """`train.lora` of params.yaml: what the adapter must have been trained with."""
-
-    r: int
-    alpha: float
-    dropout: float
-    target_modules: tuple[str, ...]
-
-    @classmethod
-    def from_params(cls, lora: Mapping[str, Any]) -> LoraSpec:
-        values = {key: require(lora, key, "train.lora") for key in LORA_KEYS}
-        if isinstance(values["target_modules"], str) or not values["target_modules"]:
-            raise ParamsError("params.yaml `train.lora.target_modules` must be a non-empty list")
-        return cls(r=int(values["r"]), alpha=float(values["alpha"]),
-                   dropout=float(values["dropout"]),
-                   target_modules=tuple(values["target_modules"]))
-
-
-@dataclass(frozen=True)
-class Check:
-    name: str
-    passed: bool
-    detail: str
 
 
 @dataclass(frozen=True)
@@ -100,54 +79,10 @@ class VerifyReport:
         return "\n".join(lines)
 
 
-# ------------------------------------------------------------------ fixed input
-
-
-def first_eval_row(eval_set: Path | str) -> dict[str, Any]:
-    from datasets import load_from_disk
-
-    eval_set = Path(eval_set)
-    if not (eval_set / "dataset_info.json").is_file():
-        raise FileNotFoundError(f"{eval_set}: no prepared eval set there; the prepare_data stage "
-                                "makes it (dvc repro prepare_data)")
-    dataset = load_from_disk(str(eval_set))
-    if len(dataset) == 0:
-        raise ValueError(f"{eval_set}: the eval set is empty")
-    return dataset[0]
-
-
-def image_question_inputs(processor, row: Mapping[str, Any]):
-    """Model inputs (batch of one) for the row's image and question, as evaluation builds them."""
-    text = processor.apply_chat_template(row["prompt"], add_generation_prompt=True,
-                                         tokenize=False)
-    return processor(text=[text], images=[row["image"]], return_tensors="pt")
-
-
-def adapter_and_base_logits(model, inputs) -> tuple[Any, Any]:
-    """Float32 logits of the PEFT model with its adapter, and with the adapter switched off."""
-    adapter_logits = forward_logits(model, inputs)
-    with model.disable_adapter():
-        base_logits = forward_logits(model, inputs)
-    return adapter_logits, base_logits
-
-
-def forward_logits(model, inputs):
-    """Float32 logits of every position, on the CPU."""
-    import torch
-
-    from vlmrl.modeling import model_device
-
-    with torch.no_grad():
-        output = model(**inputs.to(model_device(model)))
-    return output.logits.float().cpu()
-
-
 # ---------------------------------------------------------------------- checks
 
 
 def lora_modules(model) -> list[LoraModule]:
-    from peft.tuners.lora import LoraLayer
-
     found = []
     for name, module in model.named_modules():
         if not isinstance(module, LoraLayer):
@@ -165,8 +100,6 @@ def lora_modules(model) -> list[LoraModule]:
 
 
 def check_lora_b_nonzero(modules: list[LoraModule]) -> Check:
-    import torch
-
     if not modules:
         return Check("lora_b_nonzero", False, "the adapter adapted no module at all")
     zero = [m.name + ".lora_B" for m in modules if int(torch.count_nonzero(m.lora_b)) == 0]
@@ -177,7 +110,7 @@ def check_lora_b_nonzero(modules: list[LoraModule]) -> Check:
     return Check("lora_b_nonzero", True, f"all {len(modules)} lora_B matrices are non-zero")
 
 
-def check_rank(config: Mapping[str, Any], modules: list[LoraModule], spec: LoraSpec) -> Check:
+def check_rank(config: Mapping[str, Any], modules: list[LoraModule], spec: LoraParams) -> Check:
     problems = []
     if config.get("r") != spec.r:
         problems.append(f"adapter_config r={config.get('r')}, params train.lora.r={spec.r}")
@@ -189,17 +122,18 @@ def check_rank(config: Mapping[str, Any], modules: list[LoraModule], spec: LoraS
     return _check("rank", problems, f"r={spec.r}")
 
 
-def check_alpha(config: Mapping[str, Any], spec: LoraSpec) -> Check:
+def check_alpha(config: Mapping[str, Any], spec: LoraParams) -> Check:
     problems = []
     alpha = config.get("lora_alpha")
     if alpha is None or not math.isclose(float(alpha), spec.alpha):
-        problems.append(f"adapter_config lora_alpha={alpha}, params train.lora.alpha={spec.alpha}")
+        problems.append(f"adapter_config lora_alpha={alpha}, "
+                        f"params train.lora.alpha={float(spec.alpha)}")
     if config.get("alpha_pattern"):
         problems.append(f"adapter_config has an alpha_pattern {config['alpha_pattern']}")
     return _check("alpha", problems, f"alpha={spec.alpha:g}")
 
 
-def check_dropout(config: Mapping[str, Any], spec: LoraSpec) -> Check:
+def check_dropout(config: Mapping[str, Any], spec: LoraParams) -> Check:
     dropout = config.get("lora_dropout")
     if dropout is None or not math.isclose(float(dropout), spec.dropout):
         return Check("dropout", False, f"adapter_config lora_dropout={dropout}, "
@@ -208,7 +142,7 @@ def check_dropout(config: Mapping[str, Any], spec: LoraSpec) -> Check:
 
 
 def check_target_modules(config: Mapping[str, Any], modules: list[LoraModule],
-                         spec: LoraSpec) -> Check:
+                         spec: LoraParams) -> Check:
     """What was adapted must be what params name. A regex in adapter_config (Unsloth writes one)
     is judged by the modules it matched."""
     wanted = set(spec.target_modules)
@@ -255,8 +189,6 @@ def _check(name: str, problems: list[str], ok_detail: str) -> Check:
 
 
 def tensor_counts(modules: list[LoraModule]) -> dict[str, int]:
-    import torch
-
     return {
         "adapted_modules": len(modules),
         "lora_A": len(modules),
@@ -306,12 +238,10 @@ def read_adapter_config(adapter: Path) -> dict[str, Any]:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
-def verify_adapter(model_settings, adapter: Path | str, eval_set: Path | str, spec: LoraSpec,
-                   logit_tolerance: float) -> VerifyReport:
+def verify_adapter(model_settings: ModelParams, adapter: Path | str, eval_set: Path | str,
+                   spec: LoraParams, logit_tolerance: float) -> VerifyReport:
     """Loads the base model with the adapter and runs every check; raises only when something
     cannot be loaded at all, failed checks are in the report."""
-    from vlmrl.modeling import load_model
-
     adapter = Path(adapter)
     config = read_adapter_config(adapter)
     row = first_eval_row(eval_set)
@@ -335,17 +265,6 @@ def verify_adapter(model_settings, adapter: Path | str, eval_set: Path | str, sp
         adapter_config={key: config.get(key) for key in (
             "r", "lora_alpha", "lora_dropout", "target_modules", "use_rslora", "peft_version")},
     )
-
-
-def lora_spec_from_params(params: Mapping[str, Any]) -> LoraSpec:
-    return LoraSpec.from_params(section(params, "train.lora"))
-
-
-def logit_tolerance_from_params(params: Mapping[str, Any]) -> float:
-    tolerance = float(require(section(params, "verify"), "logit_tolerance", "verify"))
-    if not (tolerance >= 0 and math.isfinite(tolerance)):
-        raise ParamsError(f"params.yaml `verify.logit_tolerance` must be >= 0, got {tolerance}")
-    return tolerance
 
 
 def report_summary(report: VerifyReport) -> str:

@@ -5,7 +5,7 @@ No DVC and no hub: each configuration gets a temporary copy of the project (stag
 dvc.yaml, params.yaml with the overrides below), and every stage runs as `dvc repro` would run
 it: the `cmd` of dvc.yaml with its `${paths.*}` filled in, `python stages/<stage>.py ...` in the
 copy's root. The model (`embedded:qwen3-vl-2b-shape`, built once on the GPU through
-vlmrl.embedded, the same builder as the tiny default) is shared through $VLMRL_CACHE.
+vlmrl.models.embedded, the same builder as the tiny default) is shared through $VLMRL_CACHE.
 
 Order matters and is kept by pytest's file order: `test_train_gspo` runs for every configuration
 first (the priority), then `test_downstream` runs baseline_eval, post_eval, verify_lora, export and
@@ -174,7 +174,7 @@ def gpu_cache(tmp_path_factory) -> Path:
     of random init on the CPU)."""
     import torch
 
-    from vlmrl.embedded import ensure_embedded_model
+    from vlmrl.models.embedded import ensure_embedded_model
 
     cache = Path(os.environ.get("VLMRL_CACHE") or tmp_path_factory.mktemp("vlmrl-cache"))
     os.environ["VLMRL_CACHE"] = str(cache)
@@ -207,7 +207,7 @@ def copies(tmp_path_factory, gpu_cache) -> dict[str, Path]:
 def test_model_has_qwen3_vl_2b_shapes(gpu_cache):
     from transformers import AutoConfig
 
-    from vlmrl.embedded import ensure_embedded_model
+    from vlmrl.models.embedded import ensure_embedded_model
 
     config = AutoConfig.from_pretrained(ensure_embedded_model(MODEL, seed=0))
     if MODEL != "embedded:qwen3-vl-2b-shape":

