@@ -13,11 +13,16 @@ import os
 import platform
 import re
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from vlmrl.project_copy import dvc_env, make_project_repo, update_params
+from vlmrl.dvc_env import dvc_env
+
+# The tests' copy of the project (tests/project_repo.py), so the benchmark times the repo they use.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from project_repo import make_project_repo, update_params
 
 STAGE_LINE = re.compile(r"Running stage '([^']+)'")
 SKIP_LINE = re.compile(r"Stage '([^']+)' didn't change, skipping")

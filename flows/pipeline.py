@@ -3,14 +3,18 @@
 Prefect schedules the pipeline and shows it (per-stage logs, metrics artifacts, retries); DVC
 decides what is stale, so each task runs its stage through `dvc repro` and Prefect's own caching is
 off. Param overrides become one DVC experiment (`dvc exp run -S`) instead of edits to params.yaml.
-Run once with `vlmrl run`, on a schedule with `vlmrl schedule --cron "0 3 * * *"`.
+Run once with `vlmrl run`, on a schedule with `vlmrl schedule --cron "0 3 * * *"`; those commands
+set the project's offline defaults for Prefect (`vlmrl.orchestration.set_offline_defaults`) before
+Prefect is imported. Importing this file from Python imports Prefect with the environment as it is.
 """
 
-# vlmrl.orchestration is imported before prefect: it sets the offline defaults Prefect reads.
-# ruff: noqa: I001
 from __future__ import annotations
 
 from typing import Any
+
+from prefect import Task, flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
 
 from vlmrl.orchestration import (
     PipelineReport,
@@ -22,10 +26,6 @@ from vlmrl.orchestration import (
     stage_artifacts,
     stage_table,
 )
-
-from prefect import Task, flow, get_run_logger, task
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
-from prefect.cache_policies import NO_CACHE
 
 
 def publish_artifacts(stage: str, repo: str) -> None:

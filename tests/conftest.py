@@ -6,8 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from vlmrl.project_copy import dvc_env, make_project_repo, run, update_params  # noqa: F401
+from project_repo import dvc_env, make_project_repo, run, update_params  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"

@@ -24,8 +24,9 @@ import pytest
 import yaml
 from conftest import ROOT, dvc_env, make_project_repo, run
 
+from vlmrl.dvc_records import DvcRecords, Outcome, stage_outcomes, stage_seconds
 from vlmrl.orchestration import (
-    Outcome,
+    OFFLINE_DEFAULTS,
     StageFailed,
     register_deployment,
     run_stage,
@@ -40,6 +41,16 @@ METRICS_ARTIFACTS = ("eval-before-after", "lora-verification", "published-versio
 # The embedded default with fewer eval items, tokens and steps: this module tests the orchestration,
 # the stages' own tests cover their results; it keeps the one full pipeline run short.
 QUICK_PARAMS = {"data.eval_size": 4, "eval.max_new_tokens": 16, "train.grpo.max_steps": 2}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def offline_prefect() -> Iterator[None]:
+    """What `vlmrl run` sets before importing Prefect, set before this module first imports it."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in OFFLINE_DEFAULTS.items():
+            if name not in os.environ:
+                patch.setenv(name, value)
+        yield
 
 
 def load_flow_module() -> ModuleType:
@@ -96,7 +107,54 @@ def drain_logs() -> None:
     APILogWorker.drain_all()
 
 
-# --- unit: DVC's own output, no Prefect -----------------------------------------------------------
+# --- unit: what DVC did, from its records ---------------------------------------------------------
+
+LOCK_1 = {"cmd": "python toy.py", "params": {"params.yaml": {"toy": {"value": 1}}},
+          "outs": [{"path": "out.txt", "hash": "md5", "md5": "9dd4e461268c8034f5c8564e155c67a6",
+                    "size": 1}]}
+LOCK_2 = {**LOCK_1, "params": {"params.yaml": {"toy": {"value": 2}}}}
+
+
+def run_cache_entry(directory: Path, name: str, entry: dict) -> Path:
+    path = directory / "runs" / name[:2] / name / "entry"
+    path.parent.mkdir(parents=True)
+    path.write_text(yaml.safe_dump(entry))
+    return path
+
+
+def records(locks: dict, stale: tuple[str, ...] = (), run_cache: tuple[Path, ...] = ()
+            ) -> DvcRecords:
+    return DvcRecords(frozenset(stale), locks, frozenset(run_cache))
+
+
+def test_unchanged_lock_of_a_stage_dvc_called_fresh_is_cached():
+    before = records({"toy": LOCK_1})
+    assert stage_outcomes(before, records({"toy": LOCK_1}), ["toy"]) == {"toy": Outcome.CACHED}
+
+
+def test_new_lock_entry_is_ran_unless_the_run_cache_held_it(tmp_path: Path):
+    held = run_cache_entry(tmp_path, "aa11", LOCK_1)
+    written = run_cache_entry(tmp_path, "bb22", LOCK_2)
+    before = records({"toy": LOCK_1}, stale=("toy",), run_cache=(held,))
+    after = records({"toy": LOCK_2}, run_cache=(held, written))
+    assert stage_outcomes(before, after, ["toy"]) == {"toy": Outcome.RAN}
+    back = records({"toy": LOCK_1}, run_cache=(held, written))
+    assert stage_outcomes(after, back, ["toy"]) == {"toy": Outcome.RESTORED}
+
+
+def test_stale_stage_with_an_unchanged_lock_was_reproduced():
+    before = records({"toy": LOCK_1}, stale=("toy",))  # e.g. its outputs were deleted
+    assert stage_outcomes(before, records({"toy": LOCK_1}), ["toy"]) == {"toy": Outcome.RAN}
+    first = records({}, stale=("toy",))
+    assert stage_outcomes(first, records({"toy": LOCK_1}), ["toy"]) == {"toy": Outcome.RAN}
+
+
+def test_stage_seconds_run_from_one_lock_write_to_the_next():
+    seconds = stage_seconds(["a", "b", "c", "d"], 10.0, {"c": 19.0, "a": 12.5})
+    assert seconds == {"a": 2.5, "b": 0.0, "c": 6.5, "d": 0.0}
+
+
+# --- DVC on a toy repo, no Prefect ----------------------------------------------------------------
 
 TOY_DVC_YAML = {"stages": {
     "toy": {"cmd": "python -c \"import yaml; print('toy says', yaml.safe_load(open('params.yaml')))"

@@ -14,7 +14,8 @@ import yaml
 from PIL import Image
 
 from vlmrl.rewards import score_completion
-from vlmrl.ui import MAX_BODY_BYTES, MAX_COMPLETION_BYTES, cli_ui, create_app
+from vlmrl.ui.app import MAX_BODY_BYTES, cli_ui, create_app
+from vlmrl.ui.requests import MAX_COMPLETION_BYTES
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # starlette asks for httpx2; httpx works the same here

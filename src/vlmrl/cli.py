@@ -11,7 +11,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "versions": ("vlmrl.publish.cli", "cli_versions"),
     "run": ("vlmrl.orchestration", "cli_run"),
     "schedule": ("vlmrl.orchestration", "cli_schedule"),
-    "ui": ("vlmrl.ui", "cli_ui"),
+    "ui": ("vlmrl.ui.app", "cli_ui"),
 }
 
 

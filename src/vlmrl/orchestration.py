@@ -4,11 +4,14 @@ Prefect gives users schedules, a UI with per-stage logs and artifacts, and retri
 knows which stages are stale from hashes of code, data and params. Letting both decide would make
 them disagree, so every Prefect task here shells out to `dvc repro -s STAGE` (or one `dvc exp run`
 when params are overridden, so an override is recorded as an experiment instead of silently editing
-params.yaml), streams DVC's output into the task log, and reports what DVC did by reading DVC's own
-messages. Prefect's task caching stays off.
+params.yaml), streams DVC's output into the task log, and reports what DVC did from DVC's own
+records, read before and after the command (`vlmrl.dvc_records`). Prefect's task caching stays
+off.
 
 This module holds everything except the flow itself (flows/pipeline.py, one task per stage), so
 that the flow file reads like the pipeline and the logic here is testable without a flow run.
+Prefect reads its settings when first imported, so this module imports it lazily and the CLI
+entry points set the offline defaults (`set_offline_defaults`) first.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ import contextlib
 import json
 import os
 import queue
-import re
 import signal
 import subprocess
 import sys
@@ -27,23 +29,18 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from vlmrl.project_copy import dvc_env
-
-# Offline by default: the project never phones home unless the user asks for it. Set before any
-# Prefect import (Prefect reads its settings when imported); this module imports it lazily.
-for _name, _value in {
-    "DO_NOT_TRACK": "1",
-    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
-    "DVC_NO_ANALYTICS": "1",
-    # `vlmrl run` without a server starts a temporary one; 20 s is too short on 2 busy cores.
-    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
-}.items():
-    os.environ.setdefault(_name, _value)
+from vlmrl.dvc_env import dvc_env
+from vlmrl.dvc_records import (
+    LockWatcher,
+    Outcome,
+    experiment_names,
+    read_records,
+    stage_outcomes,
+    stage_seconds,
+)
 
 if TYPE_CHECKING:
     from uuid import UUID
@@ -57,19 +54,22 @@ METRICS_DIR = Path("data") / "metrics"
 STDERR_TAIL_LINES = 40
 DEFAULT_DEPLOYMENT_NAME = "scheduled"
 
-_RAN = re.compile(r"^Running stage '(?P<stage>[^']+)':")
-_UNCHANGED = re.compile(r"^Stage '(?P<stage>[^']+)' didn't change, skipping")
-_RESTORED = re.compile(r"^Stage '(?P<stage>[^']+)' is cached - skipping run, checking out outputs")
-_EXPERIMENT = re.compile(
-    r"^(?:Reproducing experiment '(?P<a>[^']+)'|Ran experiment\(s\): (?P<b>\S+))")
+# Offline by default: the project never phones home unless the user asks for it.
+OFFLINE_DEFAULTS = {
+    "DO_NOT_TRACK": "1",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
+    "DVC_NO_ANALYTICS": "1",
+    # `vlmrl run` without a server starts a temporary one; 20 s is too short on 2 busy cores.
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+}
 
 
-class Outcome(str, Enum):
-    """What DVC did with a stage."""
-
-    RAN = "ran"  # the stage's command ran
-    CACHED = "cached"  # nothing changed: DVC skipped it
-    RESTORED = "restored"  # changed, but DVC's run-cache had this exact run: outputs checked out
+def set_offline_defaults() -> None:
+    """Sets `OFFLINE_DEFAULTS` where the user has not set them; call before importing Prefect,
+    which reads its settings once, when first imported."""
+    for name, value in OFFLINE_DEFAULTS.items():
+        os.environ.setdefault(name, value)
 
 
 @dataclass(frozen=True)
@@ -102,28 +102,6 @@ class CommandResult:
     returncode: int
     stdout: list[str] = field(default_factory=list)
     stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=STDERR_TAIL_LINES))
-
-
-# --- DVC output ---------------------------------------------------------------------------------
-
-
-def parse_outcomes(lines: Iterable[str]) -> dict[str, Outcome]:
-    """Stage name -> what DVC did, from DVC's own messages (the last one per stage wins)."""
-    outcomes: dict[str, Outcome] = {}
-    for line in lines:
-        for pattern, outcome in ((_RAN, Outcome.RAN), (_UNCHANGED, Outcome.CACHED),
-                                 (_RESTORED, Outcome.RESTORED)):
-            if match := pattern.match(line.strip()):
-                outcomes[match["stage"]] = outcome
-    return outcomes
-
-
-def parse_experiment_name(lines: Iterable[str]) -> str | None:
-    name = None
-    for line in lines:
-        if match := _EXPERIMENT.match(line.strip()):
-            name = match["a"] or match["b"]
-    return name
 
 
 def format_override(key: str, value: Any) -> str:
@@ -193,15 +171,12 @@ def _failure_message(what: str, result: CommandResult) -> str:
 def run_stage(stage: str, repo: Path, log: Callable[[str], None]) -> StageReport:
     """`dvc repro --single-item STAGE` in repo, its output sent to log line by line."""
     started = time.monotonic()
-    cmd = repro_command(stage)
+    before = read_records(repo, [stage])
     log(f"$ dvc repro --single-item {stage}  (in {repo})")
-    result = stream_command(cmd, repo, lambda _stream, line: log(line))
+    result = stream_command(repro_command(stage), repo, lambda _stream, line: log(line))
     if result.returncode != 0:
         raise StageFailed(_failure_message(f"stage '{stage}'", result))
-    outcome = parse_outcomes(result.stdout).get(stage)
-    if outcome is None:
-        raise StageFailed(f"DVC exited 0 but did not say whether stage '{stage}' ran or was "
-                          f"skipped; its output:\n" + "\n".join(result.stdout[-STDERR_TAIL_LINES:]))
+    outcome = stage_outcomes(before, read_records(repo), [stage])[stage]
     return StageReport(stage, outcome, time.monotonic() - started)
 
 
@@ -209,26 +184,26 @@ def run_experiment(stages: Sequence[str], overrides: Mapping[str, Any], repo: Pa
                    log: Callable[[str], None]) -> PipelineReport:
     """One `dvc exp run -S ... --single-item STAGES`: the overrides land in a named experiment."""
     cmd = experiment_command(stages, overrides)
+    # `dvc exp run` checks the outputs out before it reproduces, so staleness before it says
+    # nothing about what it does: only dvc.lock changes count.
+    before, experiments = read_records(repo), experiment_names(repo)
+    watcher = LockWatcher(repo, before.locks)
     log("$ dvc " + " ".join(cmd[3:]) + f"  (in {repo})")
-    first_seen: dict[str, float] = {}  # a stage's first DVC line starts its time
+    started = time.monotonic()
 
     def on_line(_stream: str, line: str) -> None:
-        for stage in parse_outcomes([line]):
-            first_seen.setdefault(stage, time.monotonic())
+        watcher.poll()
         log(line)
 
     result = stream_command(cmd, repo, on_line)
     if result.returncode != 0:
         raise StageFailed(_failure_message(f"experiment over {', '.join(stages)}", result))
-    outcomes = parse_outcomes(result.stdout)
-    missing = [stage for stage in stages if stage not in outcomes]
-    if missing:
-        raise StageFailed(f"DVC exited 0 but did not report stages {missing}")
-    starts = sorted((first_seen[stage], stage) for stage in stages)
-    ends = [start for start, _ in starts[1:]] + [time.monotonic()]
-    seconds = {stage: end - start for (start, stage), end in zip(starts, ends, strict=True)}
+    watcher.poll()
+    outcomes = stage_outcomes(before, read_records(repo), stages)
+    seconds = stage_seconds(stages, started, watcher.finished)
+    new = sorted(experiment_names(repo) - experiments)
     reports = [StageReport(stage, outcomes[stage], seconds[stage]) for stage in stages]
-    return PipelineReport(reports, parse_experiment_name(result.stdout))
+    return PipelineReport(reports, new[0][0] if len(new) == 1 else None)
 
 
 def select_stages(requested: Iterable[str] | None, pipeline: Sequence[str]) -> list[str]:
@@ -410,6 +385,7 @@ def _common_options(parser: argparse.ArgumentParser) -> None:
 
 def cli_run(argv: list[str]) -> int:
     """`vlmrl run`: runs the pipeline flow once and prints what each stage did."""
+    set_offline_defaults()
     parser = argparse.ArgumentParser(prog="vlmrl run", description=cli_run.__doc__)
     _common_options(parser)
     args = parser.parse_args(argv)
@@ -430,6 +406,7 @@ def cli_run(argv: list[str]) -> int:
 def cli_schedule(argv: list[str]) -> int:
     """`vlmrl schedule --cron CRON`: registers a deployment on that schedule and serves it
     (blocks; the scheduled runs execute in this process's children until it is stopped)."""
+    set_offline_defaults()
     from prefect import serve
 
     parser = argparse.ArgumentParser(prog="vlmrl schedule", description=cli_schedule.__doc__)

@@ -1,33 +1,31 @@
 """Tests and benchmarks must run the pipeline the way users do (git + DVC, `dvc repro`) without
-touching the checkout, so they work on a fresh copy of the project's pipeline files."""
+touching the checkout, so they work on a fresh copy of the project's pipeline files.
+
+Imported by tests/conftest.py, and by benchmarks/pipeline.py with tests/ put on sys.path.
+History: `vlmrl.project_copy` until it moved out of the package; its `dvc_env` (the environment
+stages run in) moved to `vlmrl.dvc_env`.
+"""
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import yaml
+
+from vlmrl.dvc_env import dvc_env
 
 PROJECT_FILES = ("dvc.yaml", "params.yaml", "pyproject.toml", "README.md", ".gitignore")
 PROJECT_DIRS = ("stages", "src", "flows")
 
 
 def project_root() -> Path:
-    return Path(__file__).resolve().parents[2]
-
-
-def dvc_env() -> dict[str, str]:
-    """The environment stages run in: this interpreter's venv first on PATH, analytics off."""
-    env = dict(os.environ, DVC_NO_ANALYTICS="1", DO_NOT_TRACK="1", PYTHONUNBUFFERED="1")
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    return env
+    return Path(__file__).resolve().parents[1]
 
 
 def run(cmd: list[str], cwd: Path, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
-    result = subprocess.run(cmd, cwd=cwd, env=kwargs.pop("env", dvc_env()), text=True,
+    result = subprocess.run(cmd, cwd=cwd, env=kwargs.pop("env", dvc_env()), text=True, check=False,
                             capture_output=True, **kwargs)
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({result.returncode}):\n"
