@@ -13,10 +13,9 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from vlmrl.config import ParamsError, load_params, section
-
 from vlmrl.outputs import remove_outputs, write_json_atomic, write_text_atomic
-from vlmrl.publish import PublishError, UploadParams, params_hash, publish
+from vlmrl.params import ParamsError, load_params
+from vlmrl.publish import PublishError, params_hash, publish
 from vlmrl.publish.model_card import build_model_card
 
 
@@ -70,15 +69,15 @@ def main(argv: list[str] | None = None) -> int:
     }
     try:
         all_params = load_params(args.params)
-        upload_params = UploadParams.from_mapping(section(all_params, "upload"))
+        upload_params = all_params.upload
         if args.promote:
             upload_params = dataclasses.replace(upload_params, promote=True)
-        card = build_model_card(all_params, args.metrics_dir, args.gguf)
+        card = build_model_card(all_params.raw, args.metrics_dir, args.gguf)
         write_text_atomic(args.model_card, card)
         result = publish(
             inputs,
             upload_params,
-            params_digest=params_hash(all_params),
+            params_digest=params_hash(all_params.raw),
             model_card=args.model_card,
         )
     except (ParamsError, PublishError) as exc:

@@ -22,7 +22,7 @@ FLOORS: dict[str, tuple[str, ...]] = {
     "ground": ("vlmrl.params", "vlmrl.outputs", "vlmrl.cache", "vlmrl.checks",
                "vlmrl.timing", "vlmrl.prompts", "vlmrl.scoring", "vlmrl.rewards", "vlmrl.synth",
                "vlmrl.data", "vlmrl.gguf_tools", "vlmrl.merged_weights", "vlmrl.eval_report",
-               "vlmrl.trl_compat", "vlmrl.project_copy"),
+               "vlmrl.trl_compat", "vlmrl.tables", "vlmrl.dvc_env", "vlmrl.dvc_records"),
     "models": ("vlmrl.models",),
     "stages": ("vlmrl.evaluation", "vlmrl.training", "vlmrl.verify", "vlmrl.export"),
     "apps": ("vlmrl.cli", "vlmrl.ui", "vlmrl.publish", "vlmrl.orchestration"),

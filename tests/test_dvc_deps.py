@@ -16,7 +16,8 @@ PACKAGE = ROOT / "src" / "vlmrl"
 # Holds only the version string; every module imports it, so no stage lists it.
 IGNORED = {PACKAGE / "__init__.py"}
 # Package data read at run time by the modules that name it.
-ASSET_READERS = {"assets": PACKAGE / "assets"}
+ASSET_READERS = {"qwen3_vl_chat_template.jinja":
+                 PACKAGE / "assets" / "qwen3_vl_chat_template.jinja"}
 
 
 def module_file(name: str) -> Path | None:
@@ -60,7 +61,7 @@ def used_files(script: Path) -> set[Path]:
                 todo.extend(imported_modules(module_file(name)))
     files = {module_file(name) for name in seen} - IGNORED
     for marker, asset in ASSET_READERS.items():
-        if any(f'"{marker}"' in path.read_text(encoding="utf-8") for path in files):
+        if any(marker in path.read_text(encoding="utf-8") for path in files):
             files.add(asset)
     return files
 

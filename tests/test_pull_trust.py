@@ -29,10 +29,10 @@ from test_publish import (  # noqa: F401  (aws_env: the autouse fixture, for the
     upload_params,
     write_bytes,
 )
-from vlmrl.config import ParamsError
 
 from vlmrl import publish as pub
 from vlmrl.cli import main as vlmrl_main
+from vlmrl.params import ParamsError
 from vlmrl.publish.cli import printable
 from vlmrl.publish.errors import IntegrityError, PublishError
 from vlmrl.publish.s3 import copy_bounded

@@ -31,6 +31,7 @@ from pydantic import (
     ValidationError,
     field_validator,
 )
+from pydantic.dataclasses import dataclass as validated_dataclass
 
 from vlmrl.prompts import SYSTEM_PROMPT
 
@@ -307,6 +308,43 @@ def known_keys(section: type[Section], parent: tuple[Any, ...]) -> list[str]:
     return list(model.model_fields)
 
 
+# S3's smallest multipart part, 5 MiB: a lower threshold would make parts S3 refuses.
+MIN_PART_MB = 5
+
+
+@validated_dataclass(frozen=True, config=ConfigDict(extra="forbid", strict=True))
+class UploadParams:
+    """The `upload` section of params.yaml."""
+
+    bucket: str = ""
+    prefix: str = "vlmrl/qwen3-vl"
+    version: str = ""
+    endpoint_url: str = ""
+    region: str = "us-east-1"
+    overwrite: bool = False
+    multipart_threshold_mb: Annotated[float, Field(ge=MIN_PART_MB)] = 64
+    max_attempts: Annotated[int, Field(ge=1)] = 5
+    checksum: bool = True
+    promote: bool = False
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any] | None) -> UploadParams:
+        clean = {name: value for name, value in dict(values or {}).items() if value is not None}
+        try:
+            return cls(**clean)
+        except ValidationError as error:
+            raise ParamsError(_params_problem(error)) from None
+
+
+def _params_problem(error: ValidationError) -> str:
+    first = error.errors(include_url=False)[0]
+    key = ".".join(str(part) for part in first["loc"])
+    if first["type"] == "unexpected_keyword_argument":
+        known = sorted(UploadParams.__dataclass_fields__)
+        return f"params.yaml `upload` has an unknown key `{key}`; known: {known}"
+    return f"params.yaml `upload.{key}` is {first['input']!r}: {first['msg']}"
+
+
 # -------------------------------------------------------------------------- root
 
 
@@ -360,8 +398,8 @@ class Params:
         return self._typed(ExportParams)
 
     @cached_property
-    def upload(self) -> dict[str, Any]:
-        return self.section("upload")
+    def upload(self) -> UploadParams:
+        return UploadParams.from_mapping(self.section("upload"))
 
 
 def read_params_file(path: Path | str = PARAMS_FILE) -> dict[str, Any]:

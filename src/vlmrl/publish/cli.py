@@ -11,12 +11,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from vlmrl.config import ParamsError, load_params, section
+from vlmrl.params import ParamsError, UploadParams, load_params
 from vlmrl.publish.errors import PublishError
 from vlmrl.publish.manifest import GROUPS
 from vlmrl.publish.pull import VersionInfo, list_versions, pull
-from vlmrl.publish.s3 import S3Location, make_s3_client
-from vlmrl.publish.upload import UploadParams
+from vlmrl.publish.s3 import S3Location, make_s3_client, s3_location
 
 
 def format_size(size: float) -> str:
@@ -47,7 +46,7 @@ def _params_upload_section(params_path: Path) -> dict[str, Any]:
     if not params_path.is_file():
         return {}
     try:
-        return section(load_params(params_path), "upload")
+        return load_params(params_path).section("upload")
     except ParamsError:
         return {}
 
@@ -77,7 +76,7 @@ def _location_from_args(
         params = UploadParams.from_mapping(section)
     except ParamsError as exc:
         parser.error(str(exc))
-    location = params.location()
+    location = s3_location(params)
     if location is None:
         parser.error(f"--bucket is required (no upload.bucket in {args.params})")
     return location, params

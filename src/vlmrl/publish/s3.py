@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from vlmrl.params import UploadParams
 from vlmrl.publish.errors import CredentialsError, IntegrityError, PublishError
 from vlmrl.publish.manifest import LATEST_NAME, MANIFEST_NAME
 from vlmrl.publish.schema import (
@@ -306,3 +307,11 @@ def progress_bar(total: int, description: str) -> Any:
 
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=description)
 
+
+
+def s3_location(params: UploadParams) -> S3Location | None:
+    """Where `params` publish to; None without a bucket (the stage then writes the manifest
+    locally and uploads nothing)."""
+    if not params.bucket:
+        return None
+    return S3Location(params.bucket, params.prefix, params.endpoint_url or None, params.region)

@@ -17,12 +17,9 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
-from pydantic import ConfigDict, Field, ValidationError
-from pydantic.dataclasses import dataclass as validated_dataclass
-
-from vlmrl.config import ParamsError
+from vlmrl.params import UploadParams
 from vlmrl.publish.errors import IntegrityError, PublishError, VersionConflictError
 from vlmrl.publish.manifest import (
     LATEST_NAME,
@@ -39,8 +36,6 @@ from vlmrl.publish.manifest import (
     replace_file,
 )
 from vlmrl.publish.s3 import (
-    MIB,
-    MIN_PART_SIZE,
     S3Location,
     check_bucket,
     head_object,
@@ -50,49 +45,12 @@ from vlmrl.publish.s3 import (
     read_latest,
     read_manifest,
     s3_errors,
+    s3_location,
     transfer_config,
 )
 from vlmrl.publish.schema import manifest_created_at
 
 MODEL_CARD_NAME = "README.md"  # in the merged group, where the Hugging Face tools look for it
-
-
-@validated_dataclass(frozen=True, config=ConfigDict(extra="forbid", strict=True))
-class UploadParams:
-    """The `upload` section of params.yaml."""
-
-    bucket: str = ""
-    prefix: str = "vlmrl/qwen3-vl"
-    version: str = ""
-    endpoint_url: str = ""
-    region: str = "us-east-1"
-    overwrite: bool = False
-    multipart_threshold_mb: Annotated[float, Field(ge=MIN_PART_SIZE / MIB)] = 64
-    max_attempts: Annotated[int, Field(ge=1)] = 5
-    checksum: bool = True
-    promote: bool = False
-
-    @classmethod
-    def from_mapping(cls, values: Mapping[str, Any] | None) -> UploadParams:
-        clean = {name: value for name, value in dict(values or {}).items() if value is not None}
-        try:
-            return cls(**clean)
-        except ValidationError as error:
-            raise ParamsError(_params_problem(error)) from None
-
-    def location(self) -> S3Location | None:
-        if not self.bucket:
-            return None
-        return S3Location(self.bucket, self.prefix, self.endpoint_url or None, self.region)
-
-
-def _params_problem(error: ValidationError) -> str:
-    first = error.errors(include_url=False)[0]
-    key = ".".join(str(part) for part in first["loc"])
-    if first["type"] == "unexpected_keyword_argument":
-        known = sorted(UploadParams.__dataclass_fields__)
-        return f"params.yaml `upload` has an unknown key `{key}`; known: {known}"
-    return f"params.yaml `upload.{key}` is {first['input']!r}: {first['msg']}"
 
 
 @dataclass
@@ -329,7 +287,7 @@ def publish(
     metrics = read_manifest_metrics(inputs.get("metrics"))
     manifest = build_manifest(files, version, git_revision(repo_dir), params_digest, metrics)
     check_publishable(manifest)
-    location = params.location()
+    location = s3_location(params)
     if location is None:
         return UploadResult(version, None, manifest)
     client = client or make_s3_client(location, params.max_attempts)

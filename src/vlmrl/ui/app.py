@@ -42,8 +42,8 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from vlmrl.config import ParamsError, load_params, section
-from vlmrl.rewards import build_rewards_from_params, score_completion
+from vlmrl.params import ParamsError, load_params
+from vlmrl.rewards import build_rewards, score_completion
 from vlmrl.ui.browser import EVAL_SET_DIR, EvalSet, eval_view
 from vlmrl.ui.errors import ApiError
 from vlmrl.ui.requests import (
@@ -107,12 +107,11 @@ def body_too_large(size: int, limit: int) -> ApiError:
 def reward_config(repo: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(weights, per-reward options) from params.yaml, checked as training checks them."""
     try:
-        rewards = section(load_params(repo / PARAMS_FILE), "rewards")
-        build_rewards_from_params(rewards)
+        rewards = load_params(repo / PARAMS_FILE).rewards
+        build_rewards(rewards.weights, rewards.options)
     except (ParamsError, ValueError, TypeError) as error:
         raise ApiError(503, f"{PARAMS_FILE}: {error}", field="params.yaml") from None
-    options = {name: value for name, value in rewards.items() if name != "weights"}
-    return dict(rewards.get("weights") or {}), options
+    return dict(rewards.weights), dict(rewards.options)
 
 
 # --------------------------------------------------------------------- app
