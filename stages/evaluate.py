@@ -16,6 +16,7 @@ from vlmrl.eval_report import comparison_metrics, find_flips, read_records, writ
 from vlmrl.evaluation import EvalError, run_evaluation
 from vlmrl.outputs import atomic_dir, remove_outputs, write_json_atomic, write_jsonl_atomic
 from vlmrl.params import ParamsError, load_params
+from vlmrl.timing import split_wall_clock
 
 POST_ONLY = ("adapter", "baseline", "baseline_metrics", "report")
 
@@ -26,6 +27,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--eval-set", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True, help="directory for records.jsonl")
     parser.add_argument("--metrics", type=Path, required=True)
+    parser.add_argument("--timings", type=Path, required=True,
+                        help="wall-clock figures, apart from the metrics later stages depend on")
     parser.add_argument("--adapter", type=Path)
     parser.add_argument("--baseline", type=Path, help="baseline records.jsonl")
     parser.add_argument("--baseline-metrics", type=Path)
@@ -82,13 +85,15 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     if args.mode == "post":
         metrics = write_post_report(args, records, metrics)
     write_jsonl_atomic(args.out / "records.jsonl", records)
-    write_json_atomic(args.metrics, metrics)
+    kept, timings = split_wall_clock(metrics)
+    write_json_atomic(args.metrics, kept)
+    write_json_atomic(args.timings, timings)
     return metrics
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    outputs = [args.out / "records.jsonl", args.metrics, *([args.report] if args.report else [])]
+    outputs = [args.out / "records.jsonl", args.metrics, args.timings, *([args.report] if args.report else [])]
     remove_outputs(*outputs)
     try:
         metrics = evaluate(args)

@@ -16,6 +16,7 @@ from vlmrl.export import ExportError, run_export
 from vlmrl.gguf_tools import GGUFError
 from vlmrl.outputs import remove_outputs, write_json_atomic
 from vlmrl.params import ParamsError, load_params
+from vlmrl.timing import split_wall_clock
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -25,18 +26,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--merged", type=Path, required=True)
     parser.add_argument("--gguf", type=Path, required=True)
     parser.add_argument("--metrics", type=Path, required=True)
+    parser.add_argument("--timings", type=Path, required=True,
+                        help="wall-clock figures, apart from the metrics later stages depend on")
     parser.add_argument("--params", type=Path, default=Path("params.yaml"))
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    outputs = (args.merged, args.gguf, args.metrics)
+    outputs = (args.merged, args.gguf, args.metrics, args.timings)
     remove_outputs(*outputs)
     try:
         metrics = run_export(params=load_params(args.params), adapter=args.adapter,
                              eval_set=args.eval_set, merged_out=args.merged, gguf_out=args.gguf)
-        write_json_atomic(args.metrics, metrics)
+        kept, timings = split_wall_clock(metrics)
+        write_json_atomic(args.metrics, kept)
+        write_json_atomic(args.timings, timings)
     except (ParamsError, FileNotFoundError, ExportError, GGUFError) as error:
         remove_outputs(*outputs)
         print(f"export failed: {error}", file=sys.stderr)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from vlmrl.outputs import atomic_dir, remove_outputs, write_json_atomic, write_jsonl_atomic
 from vlmrl.params import load_params
+from vlmrl.timing import split_wall_clock
 from vlmrl.training import plot_training_curves, train
 
 
@@ -20,10 +21,12 @@ def main() -> None:
     parser.add_argument("--log", type=Path, required=True, help="per-step log (JSON lines)")
     parser.add_argument("--completions", type=Path, required=True)
     parser.add_argument("--curves", type=Path, required=True, help="PNG of the training curves")
+    parser.add_argument("--timings", type=Path, required=True,
+                        help="wall-clock figures, apart from the metrics later stages depend on")
     parser.add_argument("--params", type=Path, default=Path("params.yaml"))
     args = parser.parse_args()
 
-    outputs = (args.out, args.metrics, args.log, args.completions, args.curves)
+    outputs = (args.out, args.metrics, args.log, args.completions, args.curves, args.timings)
     remove_outputs(*outputs)
     try:
         result = train(train_set=args.train_set, params=load_params(args.params),
@@ -32,7 +35,9 @@ def main() -> None:
             for parquet in sorted(result.completions_dir.glob("*.parquet")):
                 shutil.copy2(parquet, staging / parquet.name)
         write_jsonl_atomic(args.log, result.log_rows)
-        write_json_atomic(args.metrics, result.summary)
+        summary, timings = split_wall_clock(result.summary)
+        write_json_atomic(args.metrics, summary)
+        write_json_atomic(args.timings, timings)
         plot_training_curves(result.log_rows, args.curves)
     except BaseException:
         remove_outputs(*outputs)

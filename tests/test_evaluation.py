@@ -277,6 +277,7 @@ def test_stage_failure_removes_stale_outputs_and_names_the_stage(eval_set, tmp_p
     baseline.write_text("")
     rc = stage.main(["post", "--eval-set", str(eval_set), "--adapter", str(tmp_path / "no-adapter"),
                      "--out", str(out), "--metrics", str(metrics), "--baseline", str(baseline),
+                     "--timings", str(tmp_path / "timings.json"),
                      "--baseline-metrics", str(tmp_path / "no-baseline.json"), "--report",
                      str(report), "--params", str(ROOT / "params.yaml")])
     assert rc == 1
@@ -288,9 +289,11 @@ def test_stage_failure_removes_stale_outputs_and_names_the_stage(eval_set, tmp_p
 def test_stage_post_requires_its_inputs():
     stage = load_stage_module()
     with pytest.raises(SystemExit):
-        stage.parse_args(["post", "--eval-set", "e", "--out", "o", "--metrics", "m.json"])
+        stage.parse_args(["post", "--eval-set", "e", "--out", "o", "--metrics", "m.json",
+                          "--timings", "t.json"])
     with pytest.raises(SystemExit):
         stage.parse_args(["baseline", "--eval-set", "e", "--out", "o", "--metrics", "m.json",
+                          "--timings", "t.json",
                           "--adapter", "a"])
 
 
@@ -458,6 +461,7 @@ def test_post_stage_on_a_peft_adapter(pipeline_repo, tmp_path):
     run(["python", "stages/evaluate.py", "post", "--eval-set", "data/prepared/eval",
          "--adapter", str(make_adapter(tmp_path / "adapter")), "--out", str(out),
          "--metrics", str(metrics_path), "--baseline", str(baseline_path),
+         "--timings", str(tmp_path / "timings.json"),
          "--baseline-metrics", "data/metrics/baseline_eval.json", "--report", str(report)],
         pipeline_repo)
 

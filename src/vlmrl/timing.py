@@ -67,3 +67,16 @@ class StepTimer:
                     self.bar.update(1)
         self.seconds[phase] = time.perf_counter() - start
         return results
+
+
+# Keys of stage metrics that hold wall-clock figures. DVC hashes a metrics file that a later
+# stage depends on, so a time in it would rerun that stage whenever the machine was busier.
+WALL_CLOCK_KEYS = frozenset({"seconds", "samples_per_second", "generated_tokens_per_second",
+                             "runtime_seconds", "timings_s"})
+
+
+def split_wall_clock(metrics: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the metrics without wall-clock figures, the wall-clock figures) of a stage's results."""
+    kept = {key: value for key, value in metrics.items() if key not in WALL_CLOCK_KEYS}
+    times = {key: value for key, value in metrics.items() if key in WALL_CLOCK_KEYS}
+    return kept, times

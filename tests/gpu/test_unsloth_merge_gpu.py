@@ -138,6 +138,7 @@ def test_export_stage_on_the_unsloth_path(model_dir, known_adapter, tmp_path):
         [sys.executable, "stages/export.py", "--adapter", str(known_adapter),
          "--eval-set", str(eval_set), "--merged", str(tmp_path / "merged"),
          "--gguf", str(tmp_path / "gguf"), "--metrics", str(metrics_file),
+         "--timings", str(tmp_path / "timings.json"),
          "--params", str(tmp_path / "params.yaml")],
         cwd=root, text=True, capture_output=True, check=False,
         env=dict(os.environ, PYTHONPATH=os.pathsep.join(
