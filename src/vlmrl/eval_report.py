@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmrl.outputs import write_json_atomic, write_text_atomic
+from vlmrl.tables import markdown_table
 
 HEADLINE = (("accuracy", "Accuracy"), ("format_compliance", "Format compliance"),
             ("mean_reward", "Mean reward"))
@@ -139,13 +140,6 @@ def truncate(text: Any, limit: int = MAX_RESPONSE_CHARS) -> str:
     return text if len(text) <= limit else text[:limit] + f"… [{len(text) - limit} more chars]"
 
 
-def markdown_cell(text: Any) -> str:
-    """One table cell: HTML-escaped (so `<SOLUTION>` tags stay visible), pipes escaped,
-    newlines as <br>."""
-    escaped = html.escape(truncate(text), quote=False).replace("|", "\\|")
-    return escaped.replace("\r\n", "\n").replace("\r", "\n").replace("\n", "<br>")
-
-
 def html_cell(text: Any) -> str:
     return html.escape(truncate(text)).replace("\n", "<br>")
 
@@ -153,32 +147,26 @@ def html_cell(text: Any) -> str:
 # -------------------------------------------------------------------- markdown
 
 
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(f" {a} " for a in align) + "|"]
-    return lines + ["| " + " | ".join(row) + " |" for row in rows]
-
-
 def headline_markdown(report: Report) -> list[str]:
     rows = [[r.label, number(r.before), number(r.after), signed(r.delta)] for r in report.headline]
-    return markdown_table(["metric", "baseline", "post", "delta"], rows, ["---", "---:", "---:", "---:"])
+    return markdown_table(["metric", "baseline", "post", "delta"], rows,
+                          ["left", "right", "right", "right"]).splitlines()
 
 
 def category_markdown(report: Report) -> list[str]:
-    rows = [[markdown_cell(r.category), str(r.n), number(r.before), number(r.after), signed(r.delta)]
+    rows = [[r.category, str(r.n), number(r.before), number(r.after), signed(r.delta)]
             for r in report.categories]
     return markdown_table(["category", "n", "baseline", "post", "delta"], rows,
-                          ["---", "---:", "---:", "---:", "---:"])
+                          ["left", "right", "right", "right", "right"]).splitlines()
 
 
 def flip_markdown(report: Report, kind: str) -> list[str]:
     pids = report.flips[kind]
     if not pids:
         return ["None."]
-    rows = [[markdown_cell(pid), markdown_cell(report.baseline[pid].get("gold")),
-             markdown_cell(report.baseline[pid].get("response")),
-             markdown_cell(report.post[pid].get("response"))] for pid in pids]
-    return markdown_table(["pid", "gold", "baseline response", "post response"], rows,
-                          ["---", "---", "---", "---"])
+    rows = [[pid, report.baseline[pid].get("gold"), truncate(report.baseline[pid].get("response")),
+             truncate(report.post[pid].get("response"))] for pid in pids]
+    return markdown_table(["pid", "gold", "baseline response", "post response"], rows).splitlines()
 
 
 def unmatched_lines(report: Report) -> list[str]:

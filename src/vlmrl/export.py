@@ -45,6 +45,7 @@ from vlmrl.models.forward import (
 from vlmrl.models.loading import load_merged, merge_adapter
 from vlmrl.outputs import atomic_dir
 from vlmrl.params import ExportParams, ModelParams, Params, ParamsError
+from vlmrl.prompts import prompt_question
 from vlmrl.timing import StepTimer
 
 # The f16 GGUF and the float32 reference hold the same weights (every bf16 value of the merged
@@ -73,11 +74,6 @@ def check_quantize_types(settings: ExportParams) -> None:
             llama_ftype(kind)
         except GGUFError as error:
             raise ParamsError(f"params.yaml export.quantize: {error}") from None
-
-
-def question_text(row: Mapping) -> str:
-    return "\n".join(part["text"] for message in row["prompt"] if message["role"] == "user"
-                     for part in message["content"] if part["type"] == "text")
 
 
 # ------------------------------------------------------------------------- GGUF
@@ -188,7 +184,7 @@ class _Exporter:
             gguf_report = self.check_gguf_files(files, token_ids, text, reference)
         with self.step("image prompt"):
             image_reply = image_chat(files["f16"], files["mmproj"], row["image"],
-                                     question_text(row))
+                                     prompt_question(row["prompt"]))
         with self.step("base GGUF control"):
             self.check_base_control(base_file, token_ids, text, reference)
         self.raise_on_failures()

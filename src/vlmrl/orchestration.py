@@ -41,6 +41,7 @@ from vlmrl.dvc_records import (
     stage_outcomes,
     stage_seconds,
 )
+from vlmrl.tables import markdown_table
 
 if TYPE_CHECKING:
     from uuid import UUID
@@ -229,7 +230,7 @@ def resolve_repo(repo: str | Path | None) -> Path:
 # --- artifacts ----------------------------------------------------------------------------------
 
 
-def read_metrics(repo: Path, name: str) -> dict[str, Any]:
+def stage_metrics(repo: Path, name: str) -> dict[str, Any]:
     return json.loads((repo / METRICS_DIR / f"{name}.json").read_text(encoding="utf-8"))
 
 
@@ -243,22 +244,6 @@ def _flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def _cell(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    if isinstance(value, list | tuple):
-        if len(value) > 8:
-            return f"{len(value)} items"
-        return ", ".join(_cell(item) for item in value)
-    return str(value).replace("|", "\\|").replace("\n", " ")
-
-
-def _table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-    lines += ["| " + " | ".join(_cell(value) for value in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
 def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
@@ -268,7 +253,7 @@ def before_after_markdown(baseline: Mapping[str, Any], post: Mapping[str, Any]) 
     keys = [key for key, value in post.items()
             if _is_number(value) and _is_number(baseline.get(key))]
     rows = [(key, baseline[key], post[key], post[key] - baseline[key]) for key in keys]
-    return "# Evaluation before and after GSPO\n\n" + _table(
+    return "# Evaluation before and after GSPO\n\n" + markdown_table(
         ("metric", "baseline", "post", "change"), rows)
 
 
@@ -281,9 +266,9 @@ def verification_markdown(result: Mapping[str, Any]) -> str:
     if isinstance(checks, Mapping):
         rows = [(name, check.get("passed"), check.get("detail", "")) if isinstance(check, Mapping)
                 else (name, check, "") for name, check in checks.items()]
-        parts.append(_table(("check", "passed", "detail"), rows))
+        parts.append(markdown_table(("check", "passed", "detail"), rows))
     rest = {key: value for key, value in result.items() if key not in {"passed", "checks"}}
-    parts.append(_table(("field", "value"), _flatten(rest).items()))
+    parts.append(markdown_table(("field", "value"), _flatten(rest).items()))
     return "\n\n".join(parts)
 
 
@@ -294,27 +279,27 @@ def published_markdown(upload: Mapping[str, Any]) -> str:
         where = "nowhere: `upload.bucket` is empty, so only the manifest was written locally"
     rows = [(key, value) for key, value in upload.items()]
     return (f"# Published version `{upload.get('version')}`\n\nLocation: {where}\n\n"
-            + _table(("field", "value"), rows))
+            + markdown_table(("field", "value"), rows))
 
 
 def stage_artifacts(stage: str, repo: Path) -> list[tuple[str, str, str]]:
     """(key, markdown, description) for the artifacts a finished stage publishes to Prefect."""
     if stage == "post_eval":
         return [("eval-before-after",
-                 before_after_markdown(read_metrics(repo, "baseline_eval"),
-                                       read_metrics(repo, "post_eval")),
+                 before_after_markdown(stage_metrics(repo, "baseline_eval"),
+                                       stage_metrics(repo, "post_eval")),
                  "Evaluation metrics of the base model and of base + adapter")]
     if stage == "verify_lora":
-        return [("lora-verification", verification_markdown(read_metrics(repo, "verify_lora")),
+        return [("lora-verification", verification_markdown(stage_metrics(repo, "verify_lora")),
                  "Checks that the LoRA adapter is trained and loads")]
     if stage == "upload":
-        upload = read_metrics(repo, "upload")
+        upload = stage_metrics(repo, "upload")
         return [("published-version", published_markdown(upload),
                  f"Release {upload.get('version')} and its S3 location")]
     return []
 
 
-def stage_table(reports: Sequence[StageReport]) -> list[dict[str, Any]]:
+def stagemarkdown_table(reports: Sequence[StageReport]) -> list[dict[str, Any]]:
     return [{"stage": report.stage, "outcome": report.outcome.value,
              "seconds": round(report.seconds, 1)} for report in reports]
 

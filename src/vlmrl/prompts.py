@@ -50,6 +50,16 @@ def question_text(record: Mapping[str, Any]) -> str:
     return "\n".join(part for part in parts if part)
 
 
+def prompt_question(prompt: Any) -> str | None:
+    """The text of the user message of a conversational prompt (what `build_prompt` put there)."""
+    for message in prompt or []:
+        if isinstance(message, Mapping) and message.get("role") == "user":
+            parts = message.get("content") or []
+            return "\n".join(p.get("text") or "" for p in parts
+                             if isinstance(p, Mapping) and p.get("type") == "text") or None
+    return None
+
+
 def build_prompt(record: Mapping[str, Any], system_prompt: str = SYSTEM_PROMPT) -> list[dict]:
     """Conversational prompt with an image placeholder, as GRPOTrainer and the chat template
     expect; the image itself travels in the row's `image` column."""

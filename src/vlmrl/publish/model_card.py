@@ -11,11 +11,12 @@ metrics, so any eval rerun reran the merge and the GGUF conversion.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from vlmrl.publish.errors import MissingInputError, PublishError
+from vlmrl.tables import markdown_table
 
 EXPORT_METRICS_NAME = "export.json"
 EVAL_METRICS_NAMES = ("baseline_eval.json", "post_eval.json")
@@ -73,20 +74,6 @@ def gguf_roles(gguf_sizes: Mapping[str, int], where: str = "the GGUF folder") ->
             f"has {sorted(gguf_sizes)}; they are made by export"
         )
     return min(models, key=lambda name: (gguf_sizes[name], name)), projectors[0]
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def _cell(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    if value is None:
-        return "–"
-    return str(value).replace("|", "\\|")
 
 
 def _size(num_bytes: int) -> str:
@@ -149,11 +136,11 @@ def _training_section(params: Mapping[str, Any]) -> list[str]:
         "",
         "Rewards and weights:",
         "",
-        _table(["reward", "weight"], list(weights.items())),
+        markdown_table(["reward", "weight"], list(weights.items())),
         "",
         "LoRA (language model only; the vision tower is not adapted):",
         "",
-        _table(
+        markdown_table(
             ["r", "alpha", "dropout", "target modules"],
             [
                 (
@@ -167,7 +154,7 @@ def _training_section(params: Mapping[str, Any]) -> list[str]:
         "",
         "GRPO / GSPO (TRL `GRPOConfig`):",
         "",
-        _table(["setting", "value"], list(grpo.items())),
+        markdown_table(["setting", "value"], list(grpo.items())),
         "",
     ]
 
@@ -176,7 +163,7 @@ def _results_section(baseline: Mapping | None, post: Mapping | None) -> list[str
     before, after = card_metrics(baseline), card_metrics(post)
     rows = [(key, before.get(key), after.get(key)) for key in dict.fromkeys([*before, *after])]
     table = (
-        _table(["metric", "before (base)", "after (adapter)"], rows)
+        markdown_table(["metric", "before (base)", "after (adapter)"], rows)
         if rows
         else "No evaluation metrics were found (data/metrics/baseline_eval.json, post_eval.json)."
     )
@@ -187,9 +174,9 @@ def _files_section(gguf_sizes: Mapping[str, int], diffs: Mapping[str, float]) ->
     return [
         "## Files and checks",
         "",
-        _table(["GGUF file", "size"], [(name, _size(size)) for name, size in gguf_sizes.items()]),
+        markdown_table(["GGUF file", "size"], [(name, _size(size)) for name, size in gguf_sizes.items()]),
         "",
-        _table(["check (max abs logit difference)", "value"], list(diffs.items())),
+        markdown_table(["check (max abs logit difference)", "value"], list(diffs.items())),
         "",
     ]
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmrl.eval_report import find_flips, headline_rows
+from vlmrl.prompts import prompt_question
 from vlmrl.rewards import RECORD_COLUMNS
 from vlmrl.ui.errors import ApiError
 
@@ -226,18 +227,8 @@ def png_bytes(image) -> bytes:
     return buffer.getvalue()
 
 
-def question_text(prompt: Any) -> str | None:
-    """The text part of the user message of a conversational prompt."""
-    for message in prompt or []:
-        if isinstance(message, Mapping) and message.get("role") == "user":
-            parts = message.get("content") or []
-            return "\n".join(p.get("text") or "" for p in parts
-                             if isinstance(p, Mapping) and p.get("type") == "text") or None
-    return None
-
-
 def gold_record(row: Mapping[str, Any]) -> dict[str, Any]:
     record = {key: row.get(key) for key in RECORD_FIELDS if key != "question"}
     record["pid"] = str(row.get("pid"))
-    record["question"] = question_text(row.get("prompt"))
+    record["question"] = prompt_question(row.get("prompt"))
     return record
