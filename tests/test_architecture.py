@@ -213,3 +213,12 @@ def test_light_modules_never_reach_torch_bound_modules(unit: str) -> None:
                             if (unit_of(target) or ("",))[0] in TORCH_FLOORS)
              for module in modules}
     assert not {m: t for m, t in heavy.items() if t}, f"{unit} imports (transitively) {heavy}"
+
+
+MAX_MODULE_LINES = 470  # "no module over ~450 lines": a module that grows past it is split by job
+
+
+def test_no_module_is_too_long_to_read() -> None:
+    lengths = {module: len(path.read_text(encoding="utf-8").splitlines())
+               for module, path in module_files().items()}
+    assert not {m: n for m, n in lengths.items() if n > MAX_MODULE_LINES}
