@@ -16,7 +16,7 @@ import yaml
 
 from vlmrl.dvc_env import dvc_env
 
-PROJECT_FILES = ("dvc.yaml", "params.yaml", "pyproject.toml", "README.md", ".gitignore")
+PROJECT_FILES = ("dvc.yaml", "params.yaml", "pyproject.toml", "README.md", ".gitignore", ".dvcignore")
 PROJECT_DIRS = ("stages", "src", "flows")
 
 
