@@ -18,8 +18,8 @@ from vlmrl.eval_report import (
     PLOT_BEFORE_AFTER,
     PLOT_BY_CATEGORY,
     find_flips,
-    markdown_cell,
     read_records,
+    truncate,
     write_report,
 )
 from vlmrl.evaluation import (
@@ -35,6 +35,7 @@ from vlmrl.evaluation import (
     score_records,
 )
 from vlmrl.params import DataParams, EvalParams, Params, ParamsError, RewardsParams
+from vlmrl.tables import markdown_cell
 
 PARAMS = yaml.safe_load((ROOT / "params.yaml").read_text())
 TYPED = Params(PARAMS)
@@ -204,7 +205,7 @@ def test_find_flips_by_pid_and_reports_unmatched():
 
 
 def test_markdown_cell_escapes_pipes_newlines_tags_and_truncates():
-    cell = markdown_cell("a | b\n<SOLUTION>7</SOLUTION>\r\n" + "x" * 1000)
+    cell = markdown_cell(truncate("a | b\n<SOLUTION>7</SOLUTION>\r\n" + "x" * 1000))
     assert "\n" not in cell and "\r" not in cell
     assert "a \\| b<br>&lt;SOLUTION&gt;7&lt;/SOLUTION&gt;<br>" in cell
     assert len(cell) < 400 and "more chars" in cell
