@@ -373,7 +373,7 @@ def recompute_from_records(records: list[dict]) -> dict:
             "generated_tokens": sum(r["generated_tokens"] for r in records)}
 
 
-def assert_metrics_match_records(metrics: dict, records: list[dict]) -> None:
+def assert_metrics_match_records(metrics: dict, records: list[dict], timings_path: Path) -> None:
     for key, value in recompute_from_records(records).items():
         assert math.isclose(metrics[key], value), key
     for name in PARAMS["rewards"]["weights"]:
@@ -381,8 +381,10 @@ def assert_metrics_match_records(metrics: dict, records: list[dict]) -> None:
         assert math.isclose(metrics["rewards"][name], sum(values) / len(values)), name
     categories = {r["category"] for r in records}
     assert set(metrics["accuracy_by_category"]) == categories
-    assert math.isclose(metrics["generated_tokens_per_second"],
-                        metrics["generated_tokens"] / metrics["seconds"])
+    assert not {"seconds", "samples_per_second", "generated_tokens_per_second"} & set(metrics)
+    timings = json.loads(timings_path.read_text())
+    assert math.isclose(timings["generated_tokens_per_second"],
+                        metrics["generated_tokens"] / timings["seconds"])
     assert max(r["generated_tokens"] for r in records) <= PARAMS["eval"]["max_new_tokens"]
 
 
@@ -401,7 +403,8 @@ def test_baseline_eval_through_dvc(pipeline_repo):
                      "reward_total", "generated_tokens", "score_error",
                      *(f"reward_{name}" for name in PARAMS["rewards"]["weights"])}
     assert all(expected_keys <= set(r) for r in records)
-    assert_metrics_match_records(metrics, records)
+    assert_metrics_match_records(metrics, records,
+                                 pipeline_repo / "data/reports/timings/baseline_eval.json")
     status = run(["dvc", "status", "baseline_eval"], pipeline_repo).stdout
     assert "changed" not in status
 
@@ -471,7 +474,7 @@ def test_post_stage_on_a_peft_adapter(pipeline_repo, tmp_path):
     assert [r["pid"] for r in post] == [r["pid"] for r in baseline]
     assert any(p["response"] != b["response"] for p, b in zip(post, baseline)), \
         "the adapter did not change a single response"
-    assert_metrics_match_records(metrics, post)
+    assert_metrics_match_records(metrics, post, tmp_path / "timings.json")
     assert_report_shows_flips(report, baseline, post)
     assert len(expected_flips(baseline, post)["right_to_wrong"]) >= 1
     assert metrics["vs_baseline"]["right_to_wrong"] == len(expected_flips(baseline, post)["right_to_wrong"])
@@ -485,7 +488,8 @@ def test_post_eval_through_dvc(pipeline_repo):
     baseline = read_records(pipeline_repo / "data/eval/baseline/records.jsonl")
     post = read_records(pipeline_repo / "data/eval/post/records.jsonl")
     metrics = json.loads((pipeline_repo / "data/metrics/post_eval.json").read_text())
-    assert_metrics_match_records(metrics, post)
+    assert_metrics_match_records(metrics, post,
+                                 pipeline_repo / "data/reports/timings/post_eval.json")
     assert_report_shows_flips(pipeline_repo / "data/reports/eval", baseline, post)
     diff = json.loads(run(["dvc", "metrics", "diff", "--json"], pipeline_repo).stdout)
     assert "data/metrics/post_eval.json" in diff

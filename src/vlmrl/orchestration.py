@@ -299,7 +299,7 @@ def stage_artifacts(stage: str, repo: Path) -> list[tuple[str, str, str]]:
     return []
 
 
-def stagemarkdown_table(reports: Sequence[StageReport]) -> list[dict[str, Any]]:
+def stage_table(reports: Sequence[StageReport]) -> list[dict[str, Any]]:
     return [{"stage": report.stage, "outcome": report.outcome.value,
              "seconds": round(report.seconds, 1)} for report in reports]
 
