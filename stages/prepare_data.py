@@ -13,7 +13,7 @@ from vlmrl.data import (
     to_dataset,
 )
 from vlmrl.outputs import atomic_dir, remove_outputs, write_json_atomic, write_text_atomic
-from vlmrl.params import load_params
+from vlmrl.params import ParamsError, load_params
 
 
 def main() -> None:
@@ -24,7 +24,10 @@ def main() -> None:
     parser.add_argument("--params", type=Path, default=Path("params.yaml"))
     args = parser.parse_args()
 
-    settings = load_params(args.params).data
+    try:
+        settings = load_params(args.params).data
+    except ParamsError as error:
+        raise SystemExit(f"prepare_data failed: {error}") from None
     outputs = (args.out / "train", args.out / "eval", args.report, args.metrics)
     remove_outputs(*outputs)
     prepared = prepare(load_raw_records(settings), settings)

@@ -290,14 +290,14 @@ def test_failing_stage_fails_the_run_and_stops_the_pipeline(harness_api, flow_mo
     repo = make_project_repo(tmp_path / "repo", {"data.eval_size": 0})
     state = flow_module.pipeline(repo=str(repo), return_state=True)
     assert state.is_failed()
-    assert "data.eval_size` must be at least 1" in state.message  # the tail of stderr
+    assert "data.eval_size: input should be greater than or equal to 1" in state.message  # the tail of stderr
     drain_logs()
     flow_run_id = str(state.state_details.flow_run_id)
     task_runs = harness_api.task_runs(flow_run_id)
     assert [(run_["task_key"].split("-")[0], run_["state_type"]) for run_ in task_runs] == [
         ("prepare_data", "FAILED")]
     logs = harness_api.logs(flow_run_id)
-    assert any("data.eval_size` must be at least 1" in line for line in logs)
+    assert any("data.eval_size: input should be greater than or equal to 1" in line for line in logs)
 
 
 @pytest.mark.slow
