@@ -174,7 +174,7 @@ def test_scorer_breaking_responses_are_scored_wrong_not_crashed(monkeypatch):
 
     broken = ("huge", "garbage", "no-tags", "huge-answer", "scorer-bug")
     assert not any(records[pid]["correct"] for pid in broken)
-    assert records["degenerate"]["reward_format_reward"] == -2.0
+    assert records["degenerate"]["reward_format_reward"] == 0.0  # 2 tag points - 2
     assert records["scorer-bug"]["score_error"] == "RecursionError: scorer bug"
     assert records["scorer-bug"]["reward_total"] == 0.0
     assert all(records[p]["score_error"] is None for p in responses if p != "scorer-bug")
