@@ -152,6 +152,8 @@ class DataParams(Section):
     source: str = EMBEDDED_SOURCE
     split: str = "testmini"
     synthetic_size: PositiveInteger = 160
+    # embedded:synthetic only: items of the easiest tier, "read", after the regular ones
+    synthetic_read_size: Annotated[int, BeforeValidator(_integer), Field(ge=0)] = 0
     seed: Integer = 42
     eval_size: Annotated[int, BeforeValidator(_integer), Field(ge=1)] = 100
     question_types: Annotated[tuple[QuestionType, ...], BeforeValidator(_list)] = ("free_form",)
