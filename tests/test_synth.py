@@ -106,8 +106,7 @@ def test_keys_match_mathvista_plus_query(records: list[dict], testmini: list[dic
     assert len(mathvista_keys) == len(mathvista_metadata_keys) == 1
     for record in records:
         assert set(record) == set(next(iter(mathvista_keys))) | {"query"}
-        assert set(record["metadata"]) == (set(next(iter(mathvista_metadata_keys)))
-                                           | {"synth", "tier"})
+        assert set(record["metadata"]) == set(next(iter(mathvista_metadata_keys))) | {"synth"}
 
 
 def test_field_types_and_values(records: list[dict]) -> None:
@@ -374,7 +373,8 @@ def test_save_writes_pngs_and_matching_jsonl(tmp_path: Path) -> None:
 def test_every_regular_kind_names_its_tier(records: list[dict]) -> None:
     expected_tiers = {"bar": "chart", "line": "chart", "table": "chart", "geometry": "geometry"}
     for record in records:
-        assert record["metadata"]["tier"] == expected_tiers[record["metadata"]["synth"]["kind"]]
+        synth_data = record["metadata"]["synth"]
+        assert synth_data["tier"] == expected_tiers[synth_data["kind"]]
 
 
 def test_read_tier_states_its_digit_and_draws_it() -> None:
@@ -385,7 +385,7 @@ def test_read_tier_states_its_digit_and_draws_it() -> None:
         assert record["answer"] == str(value) and 1 <= value <= 9
         assert str(value) in record["question"] and record["question"] in record["query"]
         assert (record["question_type"], record["answer_type"]) == ("free_form", "integer")
-        assert record["metadata"]["tier"] == "read"
+        assert record["metadata"]["synth"]["tier"] == "read"
         assert record["metadata"]["source"] == "vlmrl-synth-read"
         assert score(f"<SOLUTION>{value}</SOLUTION>", record).correct
         redrawn = synth.render(record["metadata"]["synth"], 96)

@@ -147,7 +147,7 @@ def validate_record(raw: Mapping[str, Any], image_size: int) -> dict[str, Any]:
     metadata = clean_optional(raw.get("metadata")) or {}
     record["source"] = str(metadata.get("source") or "unknown")
     record["category"] = str(metadata.get("context") or metadata.get("category") or "unknown")
-    record["tier"] = str(metadata.get("tier") or "unknown")
+    record["tier"] = str((metadata.get("synth") or {}).get("tier") or "unknown")
     record["image"] = load_image(raw.get("image"), image_size)
     return record
 

@@ -111,8 +111,8 @@ def assemble_record(
             "context": context,
             "grade": grade,
             "skills": list(problem.skills),
-            "tier": kind.tier,
-            "synth": problem.synth,
+            # the tier sits in `synth`: the metadata keys stay exactly MathVista's plus `synth`
+            "synth": {**problem.synth, "tier": kind.tier},
         },
     }
 
