@@ -387,7 +387,12 @@ def test_same_params_same_train_log(fresh_repo: Path) -> None:
     """Issue 19: two runs of train_gspo with the same params on the same CPU, in separate
     processes, write the same train log and metrics. The LoRA init is seeded before PEFT draws
     lora_A, and wall-clock figures live in the timings file, not in the log."""
-    update_params(fresh_repo, {"train.grpo.max_steps": 2, "train.resume": False})
+    # A fresh LoRA on the random model with a reward its samples differ in, so the gradient is
+    # not zero and lora_A's init matters (the SFT is a pass-through here).
+    update_params(fresh_repo, {"sft.enabled": False, "train.grpo.max_steps": 2,
+                               "train.resume": False,
+                               "rewards.weights": {"format_reward": 0.3, "correctness_reward": 1.0,
+                                                   "length_penalty": 1.0}})
     dvc_repro(fresh_repo, "sft_cold_start")
     outputs = []
     for _ in range(2):
@@ -396,5 +401,6 @@ def test_same_params_same_train_log(fresh_repo: Path) -> None:
                         json.loads((fresh_repo / "data/metrics/train.json").read_text())))
     (first_log, first_summary), (second_log, second_summary) = outputs
     assert [row["step"] for row in first_log] == [1, 2]
+    assert all(row["grad_norm"] > 0 for row in first_log), first_log
     assert first_log == second_log
     assert first_summary == second_summary

@@ -21,7 +21,6 @@ from typing import Any
 import trl
 from datasets import load_from_disk
 from matplotlib.figure import Figure
-from transformers import TrainerCallback
 
 from vlmrl.models.backend import precision_flags
 from vlmrl.models.loading import backend_for, load_policy, starting_adapter
@@ -29,7 +28,6 @@ from vlmrl.models.processor import save_processor_files, suppressed_generation_k
 from vlmrl.outputs import atomic_dir
 from vlmrl.params import ModelParams, Params, ParamsError
 from vlmrl.rewards import build_rewards
-from vlmrl.timing import StepTimer
 from vlmrl.trl_compat import (
     enable_compiled_generation,
     install_cpu_fallback,
@@ -155,19 +153,11 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-class StepTimeCallback(TrainerCallback):
-    """Each optimizer step's wall seconds, kept apart from the trainer's log: the log must repeat
-    exactly on the same params and machine, and a wall time never does (issue 19)."""
-
-    def __init__(self) -> None:
-        self.timer = StepTimer()
-        self.step_seconds: list[float] = []
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        self.timer.start("step")
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.step_seconds.append(round(self.timer.stop("step"), 4))
+def split_step_times(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[float]]:
+    """(the log rows without TRL's `step_time`, the step times): the log must repeat exactly on
+    the same params and machine, and a wall time never does (issue 19)."""
+    times = [round(row["step_time"], 4) for row in rows if "step_time" in row]
+    return [{k: v for k, v in row.items() if k != "step_time"} for row in rows], times
 
 
 # ---------------------------------------------------------------- run
@@ -233,9 +223,8 @@ def train(*, train_set: Path, params: Params, adapter_out: Path, checkpoints: Pa
     install_cpu_fallback()
     model, processor, _backend = load_policy(model_params, train_params.lora, config.seed,
                                              init_adapter)
-    step_timer = StepTimeCallback()
     trainer = make_trainer(model, processor, config, load_from_disk(str(train_set)), reward_funcs,
-                           generation_rows=rows, callbacks=[step_timer])
+                           generation_rows=rows, callbacks=[])
     started = time.perf_counter()
     if resume_from is not None:
         print(f"resuming from {resume_from}")
@@ -245,10 +234,9 @@ def train(*, train_set: Path, params: Params, adapter_out: Path, checkpoints: Pa
     with atomic_dir(adapter_out) as staging:
         trainer.model.save_pretrained(str(staging))
         save_processor_files(staging, processor.image_processor, processor.tokenizer)
-    log_rows = step_log_rows(trainer.state.log_history)
+    log_rows, step_seconds = split_step_times(step_log_rows(trainer.state.log_history))
     summary = summarize_training(log_rows, runtime, trainer.state.global_step,
-                                 str(resume_from) if resume_from else None,
-                                 step_timer.step_seconds)
+                                 str(resume_from) if resume_from else None, step_seconds)
     return TrainResult(log_rows, summary, checkpoints / "completions")
 
 
