@@ -47,7 +47,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.mode == "post" and args.start_adapter is not None:
         parser.error("--start-adapter belongs to baseline; post evaluates --adapter")
     if args.mode == "baseline" and given:
-        parser.error("baseline evaluates the base model; "
+        parser.error("baseline evaluates the starting model (--start-adapter); "
                      + ", ".join("--" + g.replace("_", "-") for g in given) + " belong to post")
     return args
 
