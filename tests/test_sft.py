@@ -54,3 +54,22 @@ def test_unknown_sft_config_field_names_the_key(tmp_path: Path) -> None:
     settings = SftParams.from_params({"enabled": True, "args": {"max_step": 3}})
     with pytest.raises(ParamsError, match="sft.args.max_step "):
         build_sft_config(settings, tmp_path, Params({"model": {"name": "x"}}).model)
+
+
+def test_sft_rows_leave_the_prepared_set_untouched(tmp_path: Path) -> None:
+    """A datasets cache file beside the prepared train set would change prepare_data's DVC output
+    and rerun the whole pipeline on the next `dvc repro`."""
+    from datasets import load_from_disk
+
+    from vlmrl.data import load_raw_records, prepare, to_dataset
+    from vlmrl.params import DataParams
+    from vlmrl.sft import sft_dataset
+
+    settings = DataParams(synthetic_size=8, eval_size=2, image_size=64)
+    to_dataset(prepare(load_raw_records(settings), settings).train).save_to_disk(str(tmp_path))
+    files = sorted(p.name for p in tmp_path.iterdir())
+    rows = sft_dataset(load_from_disk(str(tmp_path)))
+    assert sorted(p.name for p in tmp_path.iterdir()) == files
+    assert rows.column_names == ["image", "prompt", "completion"]
+    assert rows[0]["completion"][0]["content"][0]["text"] == sft_completion(
+        load_from_disk(str(tmp_path))[0]["answer"])

@@ -59,7 +59,8 @@ def sft_dataset(train_rows, reasoning: str = DEFAULT_REASONING):
         return {"completion": [{"role": "assistant", "content": [{"type": "text", "text": text}]}]}
 
     keep = {"prompt", "image", "completion"}
-    dataset = train_rows.map(add_completion)
+    # in memory: a cache file next to the prepared set would change a DVC output of prepare_data
+    dataset = train_rows.map(add_completion, keep_in_memory=True)
     return dataset.remove_columns([c for c in dataset.column_names if c not in keep])
 
 
