@@ -46,6 +46,7 @@ def stage_task(stage: str, **options: Any) -> Task[[str], StageReport]:
 
 
 prepare_data = stage_task("prepare_data")
+sft_cold_start = stage_task("sft_cold_start")
 baseline_eval = stage_task("baseline_eval")
 train_gspo = stage_task("train_gspo")
 post_eval = stage_task("post_eval")
@@ -53,7 +54,8 @@ verify_lora = stage_task("verify_lora")
 export = stage_task("export")
 upload = stage_task("upload", retries=2, retry_delay_seconds=10)  # S3 only; never GPU stages
 
-PIPELINE = (prepare_data, baseline_eval, train_gspo, post_eval, verify_lora, export, upload)
+PIPELINE = (prepare_data, sft_cold_start, baseline_eval, train_gspo, post_eval, verify_lora,
+            export, upload)
 STAGE_NAMES = tuple(stage.name for stage in PIPELINE)
 
 

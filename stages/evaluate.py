@@ -14,6 +14,7 @@ from typing import Any
 
 from vlmrl.eval_report import comparison_metrics, find_flips, read_records, write_report
 from vlmrl.evaluation import EvalError, run_evaluation
+from vlmrl.models.loading import starting_adapter
 from vlmrl.outputs import atomic_dir, remove_outputs, write_json_atomic, write_jsonl_atomic
 from vlmrl.params import ParamsError, load_params
 from vlmrl.timing import split_wall_clock
@@ -30,6 +31,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timings", type=Path, required=True,
                         help="wall-clock figures, apart from the metrics later stages depend on")
     parser.add_argument("--adapter", type=Path)
+    parser.add_argument("--start-adapter", type=Path,
+                        help="baseline: the sft_cold_start stage's output; the baseline is the "
+                             "model GSPO starts from (base + SFT adapter, or the base model "
+                             "where that SFT was a pass-through)")
     parser.add_argument("--baseline", type=Path, help="baseline records.jsonl")
     parser.add_argument("--baseline-metrics", type=Path)
     parser.add_argument("--report", type=Path, help="report directory")
@@ -39,8 +44,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.mode == "post" and len(given) != len(POST_ONLY):
         missing = sorted(set(POST_ONLY) - set(given))
         parser.error("post needs " + ", ".join("--" + m.replace("_", "-") for m in missing))
+    if args.mode == "post" and args.start_adapter is not None:
+        parser.error("--start-adapter belongs to baseline; post evaluates --adapter")
     if args.mode == "baseline" and given:
-        parser.error("baseline evaluates the base model; "
+        parser.error("baseline evaluates the starting model (--start-adapter); "
                      + ", ".join("--" + g.replace("_", "-") for g in given) + " belong to post")
     return args
 
@@ -80,8 +87,9 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     params = load_params(args.params)
     if args.mode == "post":
         check_baseline_inputs(args)
+    adapter = args.adapter if args.mode == "post" else starting_adapter(args.start_adapter)
     records, metrics = run_evaluation(args.eval_set, params.model, params.eval, params.rewards,
-                                      adapter=args.adapter)
+                                      adapter=adapter)
     if args.mode == "post":
         metrics = write_post_report(args, records, metrics)
     write_jsonl_atomic(args.out / "records.jsonl", records)

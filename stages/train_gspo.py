@@ -23,6 +23,9 @@ def main() -> None:
     parser.add_argument("--curves", type=Path, required=True, help="PNG of the training curves")
     parser.add_argument("--timings", type=Path, required=True,
                         help="wall-clock figures, apart from the metrics later stages depend on")
+    parser.add_argument("--start-adapter", type=Path,
+                        help="the sft_cold_start stage's output: its adapter is continued "
+                             "(a fresh one if that SFT was a pass-through)")
     parser.add_argument("--params", type=Path, default=Path("params.yaml"))
     args = parser.parse_args()
 
@@ -30,7 +33,8 @@ def main() -> None:
     remove_outputs(*outputs)
     try:
         result = train(train_set=args.train_set, params=load_params(args.params),
-                       adapter_out=args.out, checkpoints=args.checkpoints)
+                       adapter_out=args.out, checkpoints=args.checkpoints,
+                       sft_out=args.start_adapter)
         with atomic_dir(args.completions) as staging:
             for parquet in sorted(result.completions_dir.glob("*.parquet")):
                 shutil.copy2(parquet, staging / parquet.name)

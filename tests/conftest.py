@@ -31,16 +31,22 @@ def dvc_repro(repo: Path, *targets: str, check: bool = True, extra: tuple[str, .
     return run(["dvc", "repro", *extra, *targets], repo, check=check)
 
 
+# The stage tests check mechanics, not learning: a 2-step cold-start SFT and 4 GSPO steps of 4
+# prompts' worth of rows keep the shared pipeline short (the default runs the full SFT and GSPO).
+TEST_PARAMS = {"sft.args.max_steps": 2, "train.grpo.max_steps": 4,
+               "train.grpo.per_device_train_batch_size": 4, "train.grpo.num_generations": 4}
+
+
 @pytest.fixture(scope="session")
 def pipeline_repo(tmp_path_factory) -> Path:
     """One project repo per test session, shared by the stage tests; each test reproduces the
     stages it needs (DVC skips what is already done) and must not change params in it."""
-    return make_project_repo(tmp_path_factory.mktemp("pipeline") / "repo")
+    return make_project_repo(tmp_path_factory.mktemp("pipeline") / "repo", TEST_PARAMS)
 
 
 @pytest.fixture
 def fresh_repo(tmp_path) -> Path:
-    return make_project_repo(tmp_path / "repo")
+    return make_project_repo(tmp_path / "repo", TEST_PARAMS)
 
 
 def stage_command(name: str, root: Path = ROOT) -> list[str]:

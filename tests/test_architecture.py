@@ -24,7 +24,8 @@ FLOORS: dict[str, tuple[str, ...]] = {
                "vlmrl.data", "vlmrl.gguf_tools", "vlmrl.merged_weights", "vlmrl.eval_report",
                "vlmrl.trl_compat", "vlmrl.tables", "vlmrl.dvc_env", "vlmrl.dvc_records"),
     "models": ("vlmrl.models",),
-    "stages": ("vlmrl.evaluation", "vlmrl.training", "vlmrl.verify", "vlmrl.export"),
+    "stages": ("vlmrl.evaluation", "vlmrl.training", "vlmrl.verify", "vlmrl.export",
+               "vlmrl.sft"),
     "apps": ("vlmrl.cli", "vlmrl.ui", "vlmrl.publish", "vlmrl.orchestration"),
 }
 # Floors whose units (the names listed) must not import one another.

@@ -10,7 +10,14 @@ import pytest
 from conftest import TESTMINI, dvc_repro, run, stage_command, update_params
 from PIL import Image
 
-from vlmrl.data import DataError, load_local_records, prepare, split_by_pid
+from vlmrl.data import (
+    DataError,
+    load_local_records,
+    load_raw_records,
+    prepare,
+    render_report,
+    split_by_pid,
+)
 from vlmrl.params import DataParams, ParamsError
 
 needs_testmini = pytest.mark.skipif(not TESTMINI.is_file(), reason=f"{TESTMINI} not present")
@@ -113,6 +120,22 @@ def test_empty_after_filtering_names_the_filter(tmp_path: Path) -> None:
     settings = DataParams(source="x", eval_size=1, answer_types=("float",))
     with pytest.raises(DataError, match="data.answer_types"):
         prepare(bad_records(tmp_path), settings)
+
+
+def test_embedded_set_carries_tiers_and_the_read_items() -> None:
+    settings = DataParams(synthetic_size=24, synthetic_read_size=4, eval_size=3, image_size=64)
+    prepared = prepare(load_raw_records(settings), settings)
+    rows = prepared.train + prepared.eval
+    tiers = {row["pid"]: row["tier"] for row in rows}
+    assert {pid for pid, tier in tiers.items() if tier == "read"} == {
+        f"synth-read-{i:05d}" for i in range(4)}
+    assert set(tiers.values()) == {"read", "chart", "geometry"}
+    report = render_report(prepared, settings)
+    train_reads = sum(row["tier"] == "read" for row in prepared.train)
+    assert "## By tier" in report
+    assert f"| read | {train_reads} | {4 - train_reads} |" in report
+    with pytest.raises(ParamsError, match="data.synthetic_read_size"):
+        DataParams.from_params({"synthetic_read_size": -1})
 
 
 def test_unknown_data_param() -> None:

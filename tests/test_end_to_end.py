@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from conftest import dvc_repro, run
 
-STAGES = ["prepare_data", "baseline_eval", "train_gspo", "post_eval", "verify_lora", "export",
-          "upload"]
-AFTER_TRAIN = STAGES[2:]
+STAGES = ["prepare_data", "sft_cold_start", "baseline_eval", "train_gspo", "post_eval",
+          "verify_lora", "export", "upload"]
+AFTER_TRAIN = STAGES[3:]
 
 
 def ran_stages(output: str) -> list[str]:

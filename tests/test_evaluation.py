@@ -86,7 +86,7 @@ def test_eval_settings_from_params_and_unknown_key_named():
 def test_aggregate_matches_hand_computation():
     records = [
         record("a", True, reward_total=3.0, reward_format_reward=2.0, reward_correctness_reward=2.0,
-               answer_type="integer", category="table", source="s1"),
+               answer_type="integer", category="table", source="s1", tier="read"),
         record("b", False, format_ok=True, reward_total=1.0, reward_format_reward=2.0,
                reward_correctness_reward=0.0, answer_type="integer", category="table", source="s2"),
         record("c", True, format_ok=False, reward_total=1.5, reward_format_reward=0.0,
@@ -105,6 +105,7 @@ def test_aggregate_matches_hand_computation():
     assert metrics["accuracy_by_answer_type"] == {"float": 0.5, "integer": 0.5}
     assert metrics["accuracy_by_category"] == {"bar chart": 1.0, "table": 1 / 3}
     assert metrics["accuracy_by_source"] == {"s1": 1.0, "s2": 0.0}
+    assert metrics["accuracy_by_tier"] == {"None": 1 / 3, "read": 1.0}
     assert metrics["score_errors"] == 1
     assert metrics["samples_per_second"] == 1.0
     assert metrics["generated_tokens_per_second"] == 25.0
@@ -174,7 +175,7 @@ def test_scorer_breaking_responses_are_scored_wrong_not_crashed(monkeypatch):
 
     broken = ("huge", "garbage", "no-tags", "huge-answer", "scorer-bug")
     assert not any(records[pid]["correct"] for pid in broken)
-    assert records["degenerate"]["reward_format_reward"] == -2.0
+    assert records["degenerate"]["reward_format_reward"] == 0.0  # 2 tag points - 2
     assert records["scorer-bug"]["score_error"] == "RecursionError: scorer bug"
     assert records["scorer-bug"]["reward_total"] == 0.0
     assert all(records[p]["score_error"] is None for p in responses if p != "scorer-bug")

@@ -35,12 +35,13 @@ from vlmrl.orchestration import (
 )
 
 CRON = "0 3 * * *"
-STAGES = ("prepare_data", "baseline_eval", "train_gspo", "post_eval", "verify_lora", "export",
-          "upload")
+STAGES = ("prepare_data", "sft_cold_start", "baseline_eval", "train_gspo", "post_eval",
+          "verify_lora", "export", "upload")
 METRICS_ARTIFACTS = ("eval-before-after", "lora-verification", "published-version")
 # The embedded default with fewer eval items, tokens and steps: this module tests the orchestration,
 # the stages' own tests cover their results; it keeps the one full pipeline run short.
-QUICK_PARAMS = {"data.eval_size": 4, "eval.max_new_tokens": 16, "train.grpo.max_steps": 2}
+QUICK_PARAMS = {"data.eval_size": 4, "eval.max_new_tokens": 16, "train.grpo.max_steps": 2,
+                "sft.args.max_steps": 2}
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -102,7 +102,9 @@ def test_completion_text_shapes() -> None:
         ("<REASONING>a</REASONING><REASONING>b</REASONING><SOLUTION>1</SOLUTION>", 1.0),
         ("</SOLUTION>12<SOLUTION>", 0.0),
         ("addCriterion\n" * 100, -2.0),
-        (GOOD + "addCriterion" * 40, -2.0),  # degenerate replaces the tag points
+        (GOOD + "addCriterion" * 40, 0.0),  # both blocks earn 2, degenerate subtracts 2
+        ("<SOLUTION>1</SOLUTION>" + "addCriterion" * 40, -1.0),  # one block earns 1
+        ("<REASONING>r</REASONING>" + "\n" * 30, -1.0),  # newlines are junk too
         ("\n" * 10 + "x" * 10, -2.0),  # exactly half
         ("\n" * 9 + "x" * 11 + "<SOLUTION>1</SOLUTION>", 1.0),  # under half
     ],

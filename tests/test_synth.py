@@ -365,3 +365,41 @@ def test_save_writes_pngs_and_matching_jsonl(tmp_path: Path) -> None:
                 saved.format == "PNG"
                 and saved.convert("RGB").tobytes() == record["image"].tobytes()
             )
+
+
+# ------------------------------------------------------------------ read tier
+
+
+def test_every_regular_kind_names_its_tier(records: list[dict]) -> None:
+    expected_tiers = {"bar": "chart", "line": "chart", "table": "chart", "geometry": "geometry"}
+    for record in records:
+        synth_data = record["metadata"]["synth"]
+        assert synth_data["tier"] == expected_tiers[synth_data["kind"]]
+
+
+def test_read_tier_states_its_digit_and_draws_it() -> None:
+    read = synth.generate_read(24, seed=42, image_size=96)
+    assert [r["pid"] for r in read] == [f"synth-read-{i:05d}" for i in range(24)]
+    for record in read:
+        value = record["metadata"]["synth"]["value"]
+        assert record["answer"] == str(value) and 1 <= value <= 9
+        assert str(value) in record["question"] and record["question"] in record["query"]
+        assert (record["question_type"], record["answer_type"]) == ("free_form", "integer")
+        assert record["metadata"]["synth"]["tier"] == "read"
+        assert record["metadata"]["source"] == "vlmrl-synth-read"
+        assert score(f"<SOLUTION>{value}</SOLUTION>", record).correct
+        redrawn = synth.render(record["metadata"]["synth"], 96)
+        assert redrawn.tobytes() == record["image"].tobytes()
+    assert len({r["answer"] for r in read}) > 3
+
+
+def test_read_tier_is_deterministic_and_apart_from_the_regular_items() -> None:
+    first = synth.generate_read(6, seed=5, image_size=64)
+    assert [r["question"] for r in first] == [
+        r["question"] for r in synth.generate_read(3, seed=5, image_size=64)
+    ] + [r["question"] for r in first[3:]]
+    assert first[0]["image"].tobytes() == synth.generate_read(1, seed=5, image_size=64)[0][
+        "image"].tobytes()
+    assert synth.generate_read(0, seed=5, image_size=64) == []
+    with pytest.raises(ValueError, match="at least 0"):
+        synth.generate_read(-1)

@@ -17,9 +17,10 @@ from PIL import Image
 
 from vlmrl.params import EMBEDDED_SOURCE, DataParams, ParamsError
 from vlmrl.prompts import build_prompt
+from vlmrl.tables import markdown_table
 
 COLUMNS = ("pid", "prompt", "image", "answer", "question_type", "answer_type", "choices",
-           "precision", "unit", "source", "category")
+           "precision", "unit", "source", "category", "tier")
 
 
 class DataError(ValueError):
@@ -46,10 +47,12 @@ class PreparedData:
 def load_raw_records(settings: DataParams) -> Iterator[dict[str, Any]]:
     """Raw MathVista rows; `image` is a PIL image, a path, or None."""
     if settings.source == EMBEDDED_SOURCE:
-        from vlmrl.synth import generate
+        from vlmrl.synth import generate, generate_read
 
         yield from generate(settings.synthetic_size, seed=settings.seed,
                             image_size=settings.image_size)
+        yield from generate_read(settings.synthetic_read_size, seed=settings.seed,
+                                 image_size=settings.image_size)
     elif Path(settings.source).exists():
         yield from load_local_records(Path(settings.source))
     elif "/" in settings.source:
@@ -144,6 +147,7 @@ def validate_record(raw: Mapping[str, Any], image_size: int) -> dict[str, Any]:
     metadata = clean_optional(raw.get("metadata")) or {}
     record["source"] = str(metadata.get("source") or "unknown")
     record["category"] = str(metadata.get("context") or metadata.get("category") or "unknown")
+    record["tier"] = str((metadata.get("synth") or {}).get("tier") or "unknown")
     record["image"] = load_image(raw.get("image"), image_size)
     return record
 
@@ -284,6 +288,7 @@ def to_dataset(rows: list[dict[str, Any]]):
         "unit": Value("string"),
         "source": Value("string"),
         "category": Value("string"),
+        "tier": Value("string"),
     })
     return Dataset.from_list(rows, features=features)
 
@@ -295,6 +300,7 @@ def data_summary(prepared: PreparedData) -> dict[str, Any]:
             "by_type": dict(Counter(f"{r['question_type']}/{r['answer_type']}" for r in rows)),
             "by_source": dict(Counter(r["source"] for r in rows)),
             "by_category": dict(Counter(r["category"] for r in rows)),
+            "by_tier": dict(Counter(r.get("tier", "unknown") for r in rows)),
         }
 
     skip_reasons = Counter(s.reason.split(" (")[0].split(":")[0] for s in prepared.skipped)
@@ -319,6 +325,11 @@ def render_report(prepared: PreparedData, settings: DataParams) -> str:
         lines += [f"| {name} | {summary['train'][key].get(name, 0)} | "
                   f"{summary['eval'][key].get(name, 0)} |" for name in names]
         lines.append("")
+    tiers = sorted(set(summary["train"]["by_tier"]) | set(summary["eval"]["by_tier"]))
+    lines += ["## By tier", "", markdown_table(
+        ("tier", "train", "eval"),
+        [(tier, summary["train"]["by_tier"].get(tier, 0), summary["eval"]["by_tier"].get(tier, 0))
+         for tier in tiers], align=("left", "right", "right")), ""]
     lines += ["## Skipped records", ""]
     if prepared.skipped:
         lines += ["| pid | reason |", "| --- | --- |"]

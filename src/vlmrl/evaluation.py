@@ -37,7 +37,7 @@ from vlmrl.rewards import build_rewards, score_completion
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 REQUIRED_COLUMNS = ("pid", "prompt", "image", "answer", "question_type", "answer_type")
 GROUP_COLUMNS = {"answer_type": "accuracy_by_answer_type", "category": "accuracy_by_category",
-                 "source": "accuracy_by_source"}
+                 "source": "accuracy_by_source", "tier": "accuracy_by_tier"}
 
 
 class EvalError(ValueError):
@@ -135,7 +135,7 @@ def score_record(row: Mapping[str, Any], generation: Generation, weights: Mappin
                  options: dict[str, Any], names: list[str]) -> dict[str, Any]:
     record = {"pid": str(row["pid"]), "question_type": row.get("question_type"),
               "answer_type": row.get("answer_type"), "category": row.get("category"),
-              "source": row.get("source"), "gold": row.get("answer"),
+              "source": row.get("source"), "tier": row.get("tier"), "gold": row.get("answer"),
               "response": generation.text}
     try:
         scored = score_completion(generation.text, row, weights, options)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import re
+import string
 from collections.abc import Mapping
 from functools import cached_property
 from pathlib import Path
@@ -152,6 +153,8 @@ class DataParams(Section):
     source: str = EMBEDDED_SOURCE
     split: str = "testmini"
     synthetic_size: PositiveInteger = 160
+    # embedded:synthetic only: items of the easiest tier, "read", after the regular ones
+    synthetic_read_size: Annotated[int, BeforeValidator(_integer), Field(ge=0)] = 0
     seed: Integer = 42
     eval_size: Annotated[int, BeforeValidator(_integer), Field(ge=1)] = 100
     question_types: Annotated[tuple[QuestionType, ...], BeforeValidator(_list)] = ("free_form",)
@@ -199,6 +202,43 @@ class EvalParams(Section):
     temperature: Annotated[float, BeforeValidator(_number), Field(gt=0)] = 1.0
     top_p: Annotated[float, BeforeValidator(_number), Field(gt=0, le=1)] = 1.0
     seed: Integer = 0
+
+
+class SftParams(Section):
+    """The cold-start SFT (vlmrl.sft). `args` is passed to `trl.SFTConfig`; vlmrl.sft checks its
+    keys against SFTConfig's fields. Off (`enabled: false`, or `args.max_steps: 0`) the stage is
+    a pass-through and GSPO starts from the base model."""
+
+    SECTION = "sft"
+    enabled: Boolean = False
+    reasoning: str = "The answer is {answer}."  # the reasoning block's text
+    args: dict[str, Any] = {}
+
+    # Set by the pipeline, never from sft.args.
+    MANAGED_KEYS: ClassVar[frozenset[str]] = frozenset({
+        "output_dir", "use_cpu", "completion_only_loss", "max_length", "remove_unused_columns",
+        "save_strategy"})
+
+    @field_validator("reasoning")
+    @classmethod
+    def _answer_field_only(cls, value: str) -> str:
+        fields = {name for _, name, _, _ in string.Formatter().parse(value) if name is not None}
+        if fields - {"answer"}:
+            raise ValueError(f"may only use the field {{answer}}, got {sorted(fields)}")
+        return value
+
+    @field_validator("args", mode="before")
+    @classmethod
+    def _unmanaged_args(cls, value: Any) -> Any:
+        value = {} if value is None else value
+        managed = sorted(set(value) & cls.MANAGED_KEYS) if isinstance(value, Mapping) else []
+        if managed:
+            raise ValueError(f"{managed} are set by the pipeline; remove them")
+        return value
+
+    @property
+    def trains(self) -> bool:
+        return self.enabled and int(self.args.get("max_steps", -1)) != 0
 
 
 class LoraParams(Section):
@@ -384,6 +424,10 @@ class Params:
     @cached_property
     def eval(self) -> EvalParams:
         return self._typed(EvalParams)
+
+    @cached_property
+    def sft(self) -> SftParams:
+        return self._typed(SftParams)
 
     @cached_property
     def train(self) -> TrainParams:

@@ -8,9 +8,11 @@ UI agree on every number. params.yaml's `rewards` section is split into the
 weights and per-reward options `build_rewards` takes by `vlmrl.params.RewardsParams`.
 
 Deliberate choices:
-- `format_reward` returns -2.0 in total for degenerate text (the tag points are
-  not added): a run of `addCriterion` that happens to contain the tags must
-  never look better than an honest answer without them.
+- `format_reward` is the reference notebook's: +1 for exactly one reasoning
+  block, +1 for exactly one solution block, and 2.0 subtracted from those
+  points for degenerate text, so a run of `addCriterion` holding both tags
+  scores 0, never more than an honest answer without tags. (Until issue 19,
+  degenerate text scored -2.0 flat whatever its tags.)
 - `correctness_reward` returns None when the gold answer cannot be read: TRL
   treats None as "no signal" instead of punishing the policy for bad data.
 - In `score_completion`'s weighted total a None reward counts as 0, as TRL's
@@ -97,16 +99,18 @@ def is_degenerate(text: str) -> bool:
     return bool(text) and 2 * junk >= len(text)
 
 
+DEGENERATE_PENALTY = 2.0
+
+
 def _format_value(text: str) -> float:
-    if is_degenerate(text):
-        return -2.0
     reasoning = scoring.single_block(text, scoring.OPEN_REASONING, scoring.CLOSE_REASONING)
     solution = scoring.single_block(text, scoring.OPEN_SOLUTION, scoring.CLOSE_SOLUTION)
-    return float(reasoning is not None) + float(solution is not None)
+    earned = float(reasoning is not None) + float(solution is not None)
+    return earned - DEGENERATE_PENALTY if is_degenerate(text) else earned
 
 
 def format_reward(completions: Sequence[Completion], **columns: Any) -> list[float | None]:
-    """+1 for one REASONING block, +1 for one SOLUTION block; -2 for degenerate text."""
+    """+1 for one REASONING block, +1 for one SOLUTION block, minus 2 for degenerate text."""
     return [_format_value(completion_text(c)) for c in completions]
 
 

@@ -72,7 +72,7 @@ class StepTimer:
 # Keys of stage metrics that hold wall-clock figures. DVC hashes a metrics file that a later
 # stage depends on, so a time in it would rerun that stage whenever the machine was busier.
 WALL_CLOCK_KEYS = frozenset({"seconds", "samples_per_second", "generated_tokens_per_second",
-                             "runtime_seconds", "timings_s"})
+                             "runtime_seconds", "timings_s", "step_seconds"})
 
 
 def split_wall_clock(metrics: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

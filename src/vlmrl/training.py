@@ -18,23 +18,21 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
 import trl
 from datasets import load_from_disk
 from matplotlib.figure import Figure
-from transformers import TrainerCallback
 
-from vlmrl.models.backend import cuda_available, resolve_dtype
-from vlmrl.models.loading import backend_for, load_policy
+from vlmrl.models.backend import precision_flags
+from vlmrl.models.loading import backend_for, load_policy, starting_adapter
 from vlmrl.models.processor import save_processor_files, suppressed_generation_kwargs
 from vlmrl.outputs import atomic_dir
 from vlmrl.params import ModelParams, Params, ParamsError
 from vlmrl.rewards import build_rewards
-from vlmrl.timing import StepTimer
 from vlmrl.trl_compat import (
     enable_compiled_generation,
     install_cpu_fallback,
     limit_generation_rows,
+    step_log_rows,
 )
 
 # Set from dvc.yaml paths and other params sections, never from train.grpo.
@@ -83,14 +81,6 @@ def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def precision_flags(grpo: Mapping[str, Any], model_settings: ModelParams) -> dict[str, Any]:
-    if not cuda_available():
-        return {"use_cpu": True, "bf16": False, "fp16": False}
-    dtype = resolve_dtype(model_settings.dtype)
-    return {"bf16": grpo.get("bf16", dtype == torch.bfloat16),
-            "fp16": grpo.get("fp16", dtype == torch.float16)}
-
-
 def warn_if_on_policy(kwargs: Mapping[str, Any]) -> None:
     steps_per_generation = kwargs.get("steps_per_generation") or kwargs.get(
         "gradient_accumulation_steps", 1)
@@ -132,27 +122,9 @@ def mark_checkpoints(checkpoints: Path, fingerprint: str) -> None:
 
 # ---------------------------------------------------------------- logs
 
-def step_log_rows(log_history: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Trainer log entries as flat rows for DVC plots ('clip_ratio/region_mean' ->
-    'clip_ratio_region_mean')."""
-    rows = []
-    for entry in log_history:
-        if "step" not in entry or "train_runtime" in entry:
-            continue
-        row = {"step": entry["step"]}
-        for key, value in entry.items():
-            if isinstance(value, (int, float)) and key != "step":
-                row[flat_key(key)] = value
-        rows.append(row)
-    return rows
-
-
-def flat_key(key: str) -> str:
-    return key.replace("/", "_").replace("-", "_")
-
-
 def summarize_training(rows: list[dict[str, Any]], runtime: float, global_step: int,
-                       resumed_from: str | None) -> dict[str, Any]:
+                       resumed_from: str | None,
+                       step_seconds: list[float] | None = None) -> dict[str, Any]:
     def values(key: str) -> list[float]:
         return [row[key] for row in rows if isinstance(row.get(key), (int, float))
                 and not math.isnan(row[key])]
@@ -169,24 +141,23 @@ def summarize_training(rows: list[dict[str, Any]], runtime: float, global_step: 
         "max_clip_ratio": max(clips) if clips else None,
         "steps_with_clipping": sum(1 for c in clips if c > 0),
         "last_completion_length": (values("completions_mean_length") or [None])[-1],
+        # issue 19: every step must move the policy, and off-policy steps clip some, not all
+        "min_grad_norm": min(values("grad_norm"), default=None),
+        "steps_with_zero_grad_norm": sum(1 for g in values("grad_norm") if g == 0),
+        "mean_frac_reward_zero_std": _mean(values("frac_reward_zero_std")),
+        "step_seconds": step_seconds or [],  # wall clock: goes to the timings file
     }
 
 
-class StepTimeCallback(TrainerCallback):
-    """Adds each optimizer step's wall seconds to the trainer's log as `step_time`."""
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
 
-    def __init__(self) -> None:
-        self.timer = StepTimer()
 
-    def on_step_begin(self, args, state, control, **kwargs):
-        self.timer.start("step")
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.timer.stop("step")
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs is not None and "step" in self.timer.seconds:
-            logs["step_time"] = round(self.timer.seconds["step"], 4)
+def split_step_times(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[float]]:
+    """(the log rows without TRL's `step_time`, the step times): the log must repeat exactly on
+    the same params and machine, and a wall time never does (issue 19)."""
+    times = [round(row["step_time"], 4) for row in rows if "step_time" in row]
+    return [{k: v for k, v in row.items() if k != "step_time"} for row in rows], times
 
 
 # ---------------------------------------------------------------- run
@@ -215,9 +186,20 @@ def make_trainer(model, processor, config, dataset, reward_funcs, *,
     return trainer
 
 
-def train(*, train_set: Path, params: Params, adapter_out: Path,
-          checkpoints: Path) -> TrainResult:
-    """Runs GSPO and writes the adapter; returns the per-step log and the summary."""
+def adapter_digest(adapter: Path | None) -> str | None:
+    """Checkpoints of a GSPO run are only resumed if it continued the very same SFT adapter."""
+    if adapter is None:
+        return None
+    weights = adapter / "adapter_model.safetensors"
+    return hashlib.sha256(weights.read_bytes()).hexdigest() if weights.is_file() else str(adapter)
+
+
+def train(*, train_set: Path, params: Params, adapter_out: Path, checkpoints: Path,
+          sft_out: Path | None = None) -> TrainResult:
+    """Runs GSPO and writes the adapter; returns the per-step log and the summary.
+    `sft_out`: the sft_cold_start stage's output, whose adapter is continued (None, or a
+    pass-through SFT: a fresh adapter). Read after the params are checked, so a params error is
+    reported first."""
     model_params, train_params, rewards = params.model, params.train, params.rewards
     backend_for(model_params)  # Unsloth, when chosen, must patch TRL before its config is built
     if not (train_set / "dataset_info.json").is_file():
@@ -228,8 +210,9 @@ def train(*, train_set: Path, params: Params, adapter_out: Path,
                                save_steps=train_params.save_steps,
                                reward_weights=reward_weights, model_settings=model_params)
     rows = generation_rows(train_params.max_generation_rows, config)
-    fingerprint = run_fingerprint({k: params.raw[k] for k in ("model", "rewards", "train")},
-                                  train_set)
+    init_adapter = starting_adapter(sft_out)
+    fingerprint = run_fingerprint({**{k: params.raw[k] for k in ("model", "rewards", "train")},
+                                   "init_adapter": adapter_digest(init_adapter)}, train_set)
     resume_from = (last_complete_checkpoint(checkpoints, fingerprint)
                    if train_params.resume else None)
     if resume_from is None and checkpoints.exists():
@@ -238,9 +221,10 @@ def train(*, train_set: Path, params: Params, adapter_out: Path,
     (checkpoints / "completions").mkdir(exist_ok=True)
 
     install_cpu_fallback()
-    model, processor, _backend = load_policy(model_params, train_params.lora, config.seed)
+    model, processor, _backend = load_policy(model_params, train_params.lora, config.seed,
+                                             init_adapter)
     trainer = make_trainer(model, processor, config, load_from_disk(str(train_set)), reward_funcs,
-                           generation_rows=rows, callbacks=[StepTimeCallback()])
+                           generation_rows=rows, callbacks=[])
     started = time.perf_counter()
     if resume_from is not None:
         print(f"resuming from {resume_from}")
@@ -250,18 +234,19 @@ def train(*, train_set: Path, params: Params, adapter_out: Path,
     with atomic_dir(adapter_out) as staging:
         trainer.model.save_pretrained(str(staging))
         save_processor_files(staging, processor.image_processor, processor.tokenizer)
-    log_rows = step_log_rows(trainer.state.log_history)
+    log_rows, step_seconds = split_step_times(step_log_rows(trainer.state.log_history))
     summary = summarize_training(log_rows, runtime, trainer.state.global_step,
-                                 str(resume_from) if resume_from else None)
+                                 str(resume_from) if resume_from else None, step_seconds)
     return TrainResult(log_rows, summary, checkpoints / "completions")
 
 
 def plot_training_curves(rows: list[dict[str, Any]], path: Path) -> None:
-    """Reward, clip ratio and completion length against step, as one PNG (matplotlib's
-    object API: no pyplot state, no display needed)."""
-    panels = [("reward", "reward"), ("clip_ratio_region_mean", "clip ratio"),
+    """Reward, groups with reward std 0, grad norm, clip ratio and completion length against
+    step, as one PNG (matplotlib's object API: no pyplot state, no display needed)."""
+    panels = [("reward", "reward"), ("frac_reward_zero_std", "groups with reward std 0"),
+              ("grad_norm", "grad norm"), ("clip_ratio_region_mean", "clip ratio"),
               ("completions_mean_length", "completion length (tokens)")]
-    figure = Figure(figsize=(12, 3.2))
+    figure = Figure(figsize=(20, 3.2))
     axes = figure.subplots(1, len(panels))
     for axis, (key, title) in zip(axes, panels):
         points = [(row["step"], row[key]) for row in rows if isinstance(row.get(key), (int, float))]

@@ -3,11 +3,13 @@
 Triton is missing, a plain-torch function with the same call signature and outputs takes its
 place, chunked over tokens so the [tokens, vocab] logits never exist all at once. The other
 adaptations here are for speed and memory on a GPU: compiled decoding (which TRL switches off) and
-generation in chunks of rows (TRL generates a whole generation batch at once)."""
+generation in chunks of rows (TRL generates a whole generation batch at once). `step_log_rows`
+flattens a trainer's log history (GRPOTrainer's and SFTTrainer's) into rows for DVC plots."""
 
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 TOKEN_CHUNK = 256
 
@@ -136,3 +138,22 @@ def _offsets(sizes: list[int]) -> list[int]:
     for size in sizes:
         offsets.append(offsets[-1] + int(size))
     return offsets
+
+
+def step_log_rows(log_history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Trainer log entries as flat rows for DVC plots ('clip_ratio/region_mean' ->
+    'clip_ratio_region_mean')."""
+    rows = []
+    for entry in log_history:
+        if "step" not in entry or "train_runtime" in entry:
+            continue
+        row = {"step": entry["step"]}
+        for key, value in entry.items():
+            if isinstance(value, (int, float)) and key != "step":
+                row[flat_key(key)] = value
+        rows.append(row)
+    return rows
+
+
+def flat_key(key: str) -> str:
+    return key.replace("/", "_").replace("-", "_")

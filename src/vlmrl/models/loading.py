@@ -5,17 +5,22 @@ only, never the vision tower), and the 16-bit merge for export. The embedded def
 a local directory and then goes through the same `AutoModelForImageTextToText`/`AutoProcessor`
 calls as a hub id.
 
+The policy may start from the cold-start SFT's adapter (`init_adapter`, issue 19): it is loaded
+trainable and GSPO continues it. The SFT stage's output directory says whether it holds an
+adapter (`starting_adapter`): a pass-through SFT leaves the base model as the start.
+
 History: was `vlmrl.modeling`; the policy loader came from vlmrl.training and the merge loaders
 from vlmrl.export, each of which dispatched on the backend itself."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
 from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import AutoConfig, AutoModelForImageTextToText
+from transformers import AutoConfig, AutoModelForImageTextToText, set_seed
 
 from vlmrl.models.backend import bnb_4bit_config, cuda_available, pick_backend, resolve_dtype
 from vlmrl.models.embedded import resolve_model_path
@@ -31,8 +36,8 @@ class ModelBackend(Protocol):
     def load(self, path: str, settings: ModelParams, adapter: Path | str | None = None,
              device: str | None = None) -> tuple[Any, Any]: ...
 
-    def load_policy(self, path: str, settings: ModelParams, lora: LoraParams,
-                    seed: int) -> tuple[Any, Any]: ...
+    def load_policy(self, path: str, settings: ModelParams, lora: LoraParams, seed: int,
+                    init_adapter: Path | None = None) -> tuple[Any, Any]: ...
 
     def merge(self, path: str, settings: ModelParams, adapter: Path, row: Mapping,
               out_dir: Path, base_dir: Path) -> tuple[Any, Any]: ...
@@ -48,14 +53,18 @@ class TransformersBackend:
             model = attach_adapter(model, adapter)
         return model, load_processor(path)
 
-    def load_policy(self, path: str, settings: ModelParams, lora: LoraParams,
-                    seed: int) -> tuple[Any, Any]:
+    def load_policy(self, path: str, settings: ModelParams, lora: LoraParams, seed: int,
+                    init_adapter: Path | None = None) -> tuple[Any, Any]:
         # 4-bit too goes straight to get_peft_model (which freezes the base; GRPOTrainer enables
         # input gradients for checkpointing). peft's prepare_model_for_kbit_training would upcast
         # every 16-bit tensor to float32, the 0.3 B-parameter embedding and so the logits among
         # them.
         model = load_transformers_model(path, settings)
         model.train()
+        if init_adapter is not None:
+            model = PeftModel.from_pretrained(model, str(init_adapter), is_trainable=True)
+            model.train()
+            return model, load_processor(path)
         config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                             target_modules=language_model_targets(model, lora.target_modules),
                             exclude_modules=r".*\.visual\..*", bias="none", task_type="CAUSAL_LM")
@@ -92,11 +101,39 @@ def load_model(settings: ModelParams, *, adapter: Path | str | None = None,
     return model, processor, backend.name
 
 
-def load_policy(settings: ModelParams, lora: LoraParams, seed: int) -> tuple[Any, Any, str]:
-    """(peft model, processor, backend name) with LoRA on the language model only."""
+def load_policy(settings: ModelParams, lora: LoraParams, seed: int,
+                init_adapter: Path | None = None) -> tuple[Any, Any, str]:
+    """(peft model, processor, backend name) with LoRA on the language model only: a fresh
+    adapter of `lora`'s shape, or `init_adapter` loaded trainable.
+
+    The global RNGs are seeded first: PEFT draws lora_A from them, and TRL's trainers seed only
+    once the model exists, so an unseeded init made two runs of the same params differ."""
     backend = backend_for(settings)
-    model, processor = backend.load_policy(resolve_model_path(settings), settings, lora, seed)
+    set_seed(seed)
+    model, processor = backend.load_policy(resolve_model_path(settings), settings, lora, seed,
+                                           init_adapter)
     return model, processor, backend.name
+
+
+# The SFT stage's output always holds this file; `"adapter": false` marks a pass-through.
+START_MARKER = "vlmrl_sft.json"
+
+
+def write_start_marker(directory: Path, *, adapter: bool, summary: Mapping[str, Any]) -> None:
+    payload = {"adapter": adapter, **summary}
+    (directory / START_MARKER).write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+
+
+def starting_adapter(sft_out: Path | None) -> Path | None:
+    """The adapter GSPO continues and baseline_eval applies (the SFT stage's output), or None
+    where there is no SFT output given or the SFT was a pass-through."""
+    if sft_out is None:
+        return None
+    marker = Path(sft_out) / START_MARKER
+    if not marker.is_file():
+        raise FileNotFoundError(f"{sft_out}: no SFT output ({START_MARKER}) there; the "
+                                "sft_cold_start stage makes it")
+    return Path(sft_out) if json.loads(marker.read_text(encoding="utf-8")).get("adapter") else None
 
 
 def sixteen_bit(settings: ModelParams, dtype: str) -> ModelParams:

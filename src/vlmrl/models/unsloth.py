@@ -39,10 +39,14 @@ class UnslothBackend:
         FastVisionModel.for_inference(model)
         return model, load_processor(path)
 
-    def load_policy(self, path: str, settings: ModelParams, lora: LoraParams,
-                    seed: int) -> tuple[Any, Any]:
+    def load_policy(self, path: str, settings: ModelParams, lora: LoraParams, seed: int,
+                    init_adapter: Path | None = None) -> tuple[Any, Any]:
         from unsloth import FastVisionModel
 
+        if init_adapter is not None:  # the SFT stage's adapter, continued
+            model = PeftModel.from_pretrained(self._base(path, settings, for_training=True),
+                                              str(init_adapter), is_trainable=True)
+            return model, load_processor(path)
         model = FastVisionModel.get_peft_model(
             self._base(path, settings, for_training=True),
             finetune_vision_layers=False,

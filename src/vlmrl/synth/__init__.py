@@ -22,6 +22,10 @@ Layout: `core` (the `Problem`, the `Kind`, answer helpers, record assembly) and
 `canvas` (colours, font, axes) are the floor; `bar`, `line`, `table` and
 `geometry` each hold one kind's data, questions and drawing and import only the
 floor. This module holds the one table of kinds and the public API.
+
+Every record's `metadata["synth"]["tier"]` names its difficulty tier ("chart" for bar, line
+and table, "geometry"); the easiest tier, "read" (`read`, issue 19), is drawn by `generate_read`
+apart from the kind rotation, so that adding read items changes no regular item.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from typing import Any
 
 from PIL import Image, ImageDraw
 
-from vlmrl.synth import bar, geometry, line, table
+from vlmrl.synth import bar, geometry, line, read, table
 from vlmrl.synth.canvas import BACKGROUND
 from vlmrl.synth.core import (
     ANSWER_FORMAT_WEIGHTS,
@@ -45,21 +49,34 @@ from vlmrl.synth.core import (
     format_float,
 )
 
-__all__ = ["KINDS", "format_float", "generate", "render", "save"]
+__all__ = ["KINDS", "TIERS", "format_float", "generate", "generate_read", "render", "save"]
 
 _KIND_TABLE: dict[str, Kind] = {
-    kind.name: kind for kind in (bar.KIND, line.KIND, table.KIND, geometry.KIND)
+    kind.name: kind for kind in (bar.KIND, line.KIND, table.KIND, geometry.KIND, read.KIND)
 }
-KINDS = tuple(_KIND_TABLE)  # record i is of kind KINDS[i % len(KINDS)]
+KINDS = ("bar", "line", "table", "geometry")  # record i is of kind KINDS[i % len(KINDS)]
+TIERS = {name: kind.tier for name, kind in _KIND_TABLE.items()}
 
 
 def generate(n: int, seed: int = 0, image_size: int = 512) -> list[dict[str, Any]]:
     """`n` MathVista-schema records with rendered RGB images of `image_size` pixels square."""
     if n < 1:
         raise ValueError(f"n must be at least 1, got {n}")
+    _check_image_size(image_size)
+    return [_record(seed, index, image_size) for index in range(n)]
+
+
+def generate_read(n: int, seed: int = 0, image_size: int = 512) -> list[dict[str, Any]]:
+    """`n` records of the easiest tier, "read" (pids `synth-read-NNNNN`); `n` may be 0."""
+    if n < 0:
+        raise ValueError(f"n must be at least 0, got {n}")
+    _check_image_size(image_size)
+    return [_read_record(seed, index, image_size) for index in range(n)]
+
+
+def _check_image_size(image_size: int) -> None:
     if image_size < 64:
         raise ValueError(f"image_size must be at least 64, got {image_size}")
-    return [_record(seed, index, image_size) for index in range(n)]
 
 
 def save(records: Sequence[dict[str, Any]], directory: str | Path) -> None:
@@ -88,3 +105,10 @@ def _record(seed: int, index: int, image_size: int) -> dict[str, Any]:
     problem = build(kind, answer_format, rng)
     image = render(problem.synth, image_size)
     return assemble_record(kind, index, answer_format, problem, image, image_size)
+
+
+def _read_record(seed: int, index: int, image_size: int) -> dict[str, Any]:
+    rng = random.Random(f"vlmrl.synth_read:{seed}:{index}")  # the prototype's key: sets repeat
+    problem = build(read.KIND, "integer", rng)
+    image = render(problem.synth, image_size)
+    return assemble_record(read.KIND, index, "integer", problem, image, image_size)

@@ -190,4 +190,5 @@ KIND = Kind(
     context=("bar chart", "figure question answering", "not applicable"),
     builders={"integer": _bar_integer, "float": _bar_float, "multi_choice": _bar_choice},
     draw=_draw_bar,
+    tier="chart",
 )

@@ -65,6 +65,8 @@ class Kind:
     context: tuple[str, str, str]  # (context, task, grade) in MathVista's metadata
     builders: Mapping[str, Builder]  # answer format -> builder
     draw: Drawer
+    tier: str  # difficulty tier for reports: "read" < "chart", "geometry"
+    pid_prefix: str = "synth"
 
 
 def build(kind: Kind, answer_format: str, rng: random.Random) -> Problem:
@@ -88,7 +90,7 @@ def assemble_record(
     context, task, grade = kind.context
     question_type = "multi_choice" if answer_format == "multi_choice" else "free_form"
     return {
-        "pid": f"synth-{index:05d}",
+        "pid": f"{kind.pid_prefix}-{index:05d}",
         "question": problem.question,
         "image": image,
         "choices": problem.choices,
@@ -109,7 +111,8 @@ def assemble_record(
             "context": context,
             "grade": grade,
             "skills": list(problem.skills),
-            "synth": problem.synth,
+            # the tier sits in `synth`: the metadata keys stay exactly MathVista's plus `synth`
+            "synth": {**problem.synth, "tier": kind.tier},
         },
     }
 

@@ -352,4 +352,5 @@ KIND = Kind(
         "multi_choice": _geometry_choice,
     },
     draw=_draw_geometry,
+    tier="geometry",
 )

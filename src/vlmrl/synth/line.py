@@ -207,4 +207,5 @@ KIND = Kind(
     context=("line plot", "figure question answering", "not applicable"),
     builders={"integer": _line_integer, "float": _line_float, "multi_choice": _line_choice},
     draw=_draw_line,
+    tier="chart",
 )

@@ -250,4 +250,5 @@ KIND = Kind(
     context=("table", "math word problem", "elementary school"),
     builders={"integer": _table_integer, "float": _table_float, "multi_choice": _table_choice},
     draw=_draw_table,
+    tier="chart",
 )

@@ -52,7 +52,8 @@ def missing_outputs(repo: Path) -> list[tuple[str, str]]:
 def missing_message(missing: list[tuple[str, str]]) -> str:
     files = "; ".join(f"{path} (written by {stage})" for path, stage in missing)
     return (f"No before/after evaluation yet: missing {files}. Run `dvc repro post_eval` "
-            f"(it runs prepare_data, baseline_eval and train_gspo first when needed).")
+            f"(it runs prepare_data, sft_cold_start, baseline_eval and train_gspo first "
+            f"when needed).")
 
 
 def corrupt(path: str, stage: str, problem: str) -> ApiError:

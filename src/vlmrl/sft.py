@@ -1,0 +1,118 @@
+"""Cold-start SFT (stage sft_cold_start): before GSPO, a few supervised steps teach the policy
+the answer format the rewards score (`<REASONING>...</REASONING><SOLUTION>answer</SOLUTION>`),
+as DeepSeek-R1 and Unsloth's GRPO notebooks do. A random or base model almost never writes that
+format, so every GSPO group would score the same and no gradient would flow.
+
+Design (issue 19): the SFT output is the *starting LoRA adapter*, of the shape `train.lora`
+sets. baseline_eval evaluates base + this adapter and train_gspo continues training the very
+same adapter, so post_eval differs from the baseline only by what GSPO did, and verify, export
+and upload see one adapter that holds both stages. The base weights are never copied, which
+keeps this cheap for an 8B model on a GPU too.
+
+With `sft.enabled: false` or `sft.args.max_steps: 0` the stage loads nothing and writes only
+the marker (`"adapter": false`, `vlmrl.models.loading.START_MARKER`): the baseline is then the
+base model itself and GSPO starts a fresh adapter, as before this stage existed.
+
+Only train-split rows are used (the prepared train set); completions are built from each row's
+gold answer, never from an eval pid.
+
+History: prototyped by the `learn` helper on the pre-refactor tree (`vlmrl.sft` there, with its
+own settings class); the settings are now `vlmrl.params.SftParams`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from datasets import load_from_disk
+from trl import SFTConfig, SFTTrainer
+
+from vlmrl.models.backend import precision_flags
+from vlmrl.models.loading import load_policy, write_start_marker
+from vlmrl.models.processor import save_processor_files
+from vlmrl.outputs import atomic_dir
+from vlmrl.params import ModelParams, Params, ParamsError, SftParams
+from vlmrl.scoring import CLOSE_REASONING, CLOSE_SOLUTION, OPEN_REASONING, OPEN_SOLUTION
+from vlmrl.trl_compat import install_cpu_fallback, step_log_rows
+
+DEFAULT_REASONING = SftParams.model_fields["reasoning"].default
+
+
+def sft_completion(answer: str, reasoning: str = DEFAULT_REASONING) -> str:
+    """The target text: exactly one reasoning block, then exactly one solution block."""
+    thought = reasoning.format(answer=answer)
+    return f"{OPEN_REASONING}{thought}{CLOSE_REASONING}{OPEN_SOLUTION}{answer}{CLOSE_SOLUTION}"
+
+
+def sft_dataset(train_rows, reasoning: str = DEFAULT_REASONING):
+    """TRL's conversational prompt-completion format with one `image` per row (what
+    `DataCollatorForVisionLanguageModeling` reads): the same prompt GSPO samples from, and an
+    assistant turn holding the formatted gold answer."""
+
+    def add_completion(row: Mapping[str, Any]) -> dict[str, Any]:
+        text = sft_completion(str(row["answer"]), reasoning)
+        return {"completion": [{"role": "assistant", "content": [{"type": "text", "text": text}]}]}
+
+    keep = {"prompt", "image", "completion"}
+    # in memory: a cache file next to the prepared set would change a DVC output of prepare_data
+    dataset = train_rows.map(add_completion, keep_in_memory=True)
+    return dataset.remove_columns([c for c in dataset.column_names if c not in keep])
+
+
+def build_sft_config(settings: SftParams, output_dir: Path, model_settings: ModelParams):
+    """`sft.args` as a trl.SFTConfig, with what the pipeline sets: the collator labels only the
+    completion, and vision datasets skip TRL's preparation (so no max_length, all columns)."""
+    known = {field.name for field in dataclasses.fields(SFTConfig)}
+    for key in settings.args:
+        if key not in known:
+            raise ParamsError(f"params.yaml sft.args.{key} is not a trl.SFTConfig field")
+    kwargs = {"report_to": "none", "logging_steps": 1, **settings.args}
+    kwargs.update(output_dir=str(output_dir), save_strategy="no", completion_only_loss=True,
+                  max_length=None, remove_unused_columns=False,
+                  **precision_flags(settings.args, model_settings))
+    return SFTConfig(**kwargs)
+
+
+def run_sft(*, train_set: Path, params: Params, out: Path) -> dict[str, Any]:
+    """Writes the starting adapter (or the pass-through marker) to `out`; returns the summary,
+    with the per-step log under "log" and the wall seconds under "runtime_seconds"."""
+    settings = params.sft
+    if not settings.trains:
+        with atomic_dir(out) as staging:
+            write_start_marker(staging, adapter=False, summary={"steps": 0})
+        return {"steps": 0, "adapter": False, "log": []}
+    if not (train_set / "dataset_info.json").is_file():
+        raise FileNotFoundError(f"{train_set}: no prepared train set; the prepare_data stage "
+                                "makes it")
+    with atomic_dir(out) as staging:
+        summary = _train(settings, params, train_set, staging)
+        write_start_marker(staging, adapter=True,
+                           summary={k: v for k, v in summary.items()
+                                    if k not in ("log", "runtime_seconds")})
+    return summary
+
+
+def _train(settings: SftParams, params: Params, train_set: Path,
+           staging: Path) -> dict[str, Any]:
+    install_cpu_fallback()  # SFTTrainer's loss goes through the same Triton log-prob kernel
+    config = build_sft_config(settings, staging / "_trainer", params.model)
+    model, processor, _backend = load_policy(params.model, params.train.lora, config.seed)
+    dataset = sft_dataset(load_from_disk(str(train_set)), settings.reasoning)
+    trainer = SFTTrainer(model=model, args=config, train_dataset=dataset,
+                         processing_class=processor)
+    started = time.perf_counter()
+    trainer.train()
+    runtime = time.perf_counter() - started
+    trainer.model.save_pretrained(str(staging))
+    save_processor_files(staging, processor.image_processor, processor.tokenizer)
+    shutil.rmtree(staging / "_trainer", ignore_errors=True)
+    rows = step_log_rows(trainer.state.log_history)
+    losses = [row["loss"] for row in rows if "loss" in row]
+    return {"steps": trainer.state.global_step, "adapter": True,
+            "runtime_seconds": round(runtime, 2), "first_loss": losses[0] if losses else None,
+            "last_loss": losses[-1] if losses else None, "log": rows}
