@@ -143,6 +143,7 @@ def summarize_training(rows: list[dict[str, Any]], runtime: float, global_step: 
         "last_completion_length": (values("completions_mean_length") or [None])[-1],
         # issue 19: every step must move the policy, and off-policy steps clip some, not all
         "min_grad_norm": min(values("grad_norm"), default=None),
+        "last_grad_norm": (values("grad_norm") or [None])[-1],
         "steps_with_zero_grad_norm": sum(1 for g in values("grad_norm") if g == 0),
         "mean_frac_reward_zero_std": _mean(values("frac_reward_zero_std")),
         "step_seconds": step_seconds or [],  # wall clock: goes to the timings file
