@@ -133,9 +133,12 @@ def test_merged_model_reloads_alone_and_matches_the_adapter_model(exported: Expo
     with with_adapter.disable_adapter():
         base_logits = forward_logits(with_adapter, inputs)
 
-    atol = ExportParams().logit_atol
-    assert float((merged_logits - adapter_logits).abs().max()) <= atol
-    assert float((merged_logits - base_logits).abs().max()) > 10 * atol  # the adapter is in it
+    # The stage's own tolerance: bf16 rounding of the merged weights moves the logits in
+    # proportion to their scale, so it is relative to the adapter's effect when that is larger.
+    settings = ExportParams()
+    effect = float((adapter_logits - base_logits).abs().max())
+    assert float((merged_logits - adapter_logits).abs().max()) <= settings.merged_tolerance(effect)
+    assert float((merged_logits - base_logits).abs().max()) > 10 * settings.logit_atol  # adapter in
 
 
 def test_every_gguf_file_loads_and_generates(exported: Exported) -> None:
