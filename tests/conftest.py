@@ -33,8 +33,12 @@ def dvc_repro(repo: Path, *targets: str, check: bool = True, extra: tuple[str, .
 
 # The stage tests check mechanics, not learning: a 2-step cold-start SFT and 4 GSPO steps of 4
 # prompts' worth of rows keep the shared pipeline short (the default runs the full SFT and GSPO).
+# Stage tests check mechanics (clipping, non-zero lora_B, reruns), not learning: after a 2-step
+# SFT the format and correctness rewards tie within every group, so no gradient flows; the length
+# penalty (unweighted by default) makes completions of one group differ.
 TEST_PARAMS = {"sft.args.max_steps": 2, "train.grpo.max_steps": 4,
-               "train.grpo.per_device_train_batch_size": 4, "train.grpo.num_generations": 4}
+               "train.grpo.per_device_train_batch_size": 4, "train.grpo.num_generations": 4,
+               "rewards.weights.length_penalty": 1.0}
 
 
 @pytest.fixture(scope="session")

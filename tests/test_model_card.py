@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import ROOT, dvc_repro
 
 from vlmrl.publish.errors import MissingInputError
@@ -67,7 +68,9 @@ def test_model_card_describes_training_results_and_usage(uploaded: Path) -> None
     card = (uploaded / "data/reports/model_card.md").read_text()
     assert "base_model: embedded:tiny-qwen3-vl" in card
     assert "`embedded:synthetic`" in card
-    assert "| correctness_reward | 1 |" in card and "| format_reward | 0.3 |" in card
+    weights = yaml.safe_load((uploaded / "params.yaml").read_text())["rewards"]["weights"]
+    for name, weight in weights.items():
+        assert f"| {name} | {float(weight):.4g} |" in card, name
     assert "| 8 | 16 | 0 | q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj |" in card
     assert "| importance_sampling_level | sequence |" in card
     assert "| accuracy | 0.0625 | 0.1875 |" in card
