@@ -249,6 +249,7 @@ def prepare(raw_records: Iterable[Mapping[str, Any]], settings: DataParams) -> P
 
 def to_row(record: Mapping[str, Any], system_prompt: str) -> dict[str, Any]:
     row = {key: record[key] for key in COLUMNS if key in record}
+    row.setdefault("tier", "unknown")  # records from outside validate_record carry none
     row["prompt"] = build_prompt(record, system_prompt)
     return row
 
