@@ -68,7 +68,7 @@ def test_train_param_experiment_reruns_train_and_after(reproduced: Path, tmp_pat
 
     params_diff = run(["dvc", "params", "diff", "--json"], repo).stdout
     changed = json.loads(params_diff)["params.yaml"]
-    assert changed["train.grpo.max_steps"] == {"old": 4, "new": 2}
+    assert (changed["train.grpo.max_steps"]["old"], changed["train.grpo.max_steps"]["new"]) == (4, 2)
     metrics_diff = json.loads(run(["dvc", "metrics", "diff", "--json"], repo).stdout)
     assert "data/metrics/train.json" in metrics_diff
 
