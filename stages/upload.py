@@ -15,7 +15,7 @@ from pathlib import Path
 
 from vlmrl.outputs import remove_outputs, write_json_atomic, write_text_atomic
 from vlmrl.params import ParamsError, load_params
-from vlmrl.publish import PublishError, params_hash, publish
+from vlmrl.publish import PublishError, S3Location, UploadResult, params_hash, publish
 from vlmrl.publish.model_card import build_model_card
 
 
@@ -57,6 +57,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def report_upload(result: UploadResult, location: S3Location, manifest_out: Path) -> None:
+    if result.bucket_created:
+        print(f"created bucket '{location.bucket}' at {location.endpoint_description()}")
+    manifest_state = "uploaded" if result.manifest_uploaded else "already there"
+    print(
+        f"published {location.url(result.version)}/: of {len(result.manifest['files'])} files, "
+        f"{result.uploaded_files} uploaded and {result.skipped_files} already there; "
+        f"manifest.json {manifest_state}; manifest written to {manifest_out}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     outputs = (args.manifest_out, args.metrics_out, args.model_card)
@@ -95,10 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             f"manifest written to {args.manifest_out} (version {result.version})"
         )
     else:
-        print(
-            f"published {result.location.url(result.version)}/: {result.uploaded_files} objects "
-            f"uploaded, {result.skipped_files} already there; manifest written to {args.manifest_out}"
-        )
+        report_upload(result, result.location, args.manifest_out)
         if result.latest != result.version:
             print(
                 f"latest still names {result.latest}, created after {result.version}; "

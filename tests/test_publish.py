@@ -214,8 +214,8 @@ def test_stage_upload_then_pull_round_trip(
     originals = stage_release_files(project)
     assert summary["uploaded"] is True and summary["version"] == "v1"
     assert summary["bucket"] == bucket and summary["prefix"] == PREFIX
-    assert summary["uploaded_files"] == len(originals) + 1  # + manifest.json
-    assert summary["skipped_files"] == 0
+    assert summary["uploaded_files"] == summary["files"] == len(originals)
+    assert summary["skipped_files"] == 0 and summary["manifest_uploaded"] is True
     manifest = json.loads((project / "data/reports/upload_manifest.json").read_text())
     assert manifest["metrics"]["post_eval"]["accuracy"] == 0.625
     assert {f"{e['group']}/{e['path']}" for e in manifest["files"]} == set(originals)
@@ -276,12 +276,17 @@ def test_rerun_uploads_nothing_new(s3_server: MotoServer, bucket: str, tmp_path:
     first = publish_project(project, params)
     second = publish_project(project, params)
     file_count = len(local_files(project))
-    assert (first.uploaded_files, first.skipped_files) == (file_count + 1, 0)
+    assert (first.uploaded_files, first.skipped_files, first.manifest_uploaded) == (
+        file_count,
+        0,
+        True,
+    )
     assert (second.uploaded_files, second.skipped_files, second.uploaded_bytes) == (
         0,
-        file_count + 1,
+        file_count,
         0,
     )
+    assert second.manifest_uploaded is False
     assert second.manifest == first.manifest  # the published manifest (and created_at) is kept
 
 
@@ -324,7 +329,8 @@ def test_interrupted_upload_keeps_latest_and_rerun_completes(
     assert summary["skipped_files"] >= 1
     assert (
         summary["uploaded_files"] + summary["skipped_files"]
-        == len(stage_release_files(project)) + 1
+        == summary["files"]
+        == len(stage_release_files(project))
     )
     assert latest_version(s3_server, bucket) == "v2"
 
@@ -425,7 +431,7 @@ def test_refuses_to_overwrite_a_different_published_version(
     result = publish_project(
         project, upload_params(s3_server, bucket, version="v1", overwrite=True)
     )
-    assert result.uploaded_files == 2  # the changed GGUF and the new manifest
+    assert (result.uploaded_files, result.manifest_uploaded) == (1, True)  # the changed GGUF
     assert f"{PREFIX}/v1/merged/tokenizer/vocab.json" not in keys_under(s3_server, bucket, PREFIX)
     location = pub.S3Location(bucket, PREFIX, s3_server.endpoint_url)
     pub.pull(s3_server.client(), location, "v1", ["gguf"], tmp_path / "gguf")

@@ -366,6 +366,7 @@ class UploadParams:
     max_attempts: Annotated[int, Field(ge=1)] = 5
     checksum: bool = True
     promote: bool = False
+    create_bucket: bool = False
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any] | None) -> UploadParams:

@@ -30,6 +30,9 @@ from vlmrl.publish.s3 import (
 )
 from vlmrl.publish.schema import LATEST, Manifest, ManifestEntry, safe_join, version_problem
 
+MISSING_BUCKET_HINT = (
+    "check --bucket and --endpoint-url (defaults: upload.bucket, upload.endpoint_url)"
+)
 HEADLINE_METRIC_KEYS = ("accuracy", "exact_match", "pass_rate", "mean_reward", "reward")
 
 
@@ -146,7 +149,7 @@ def pull(
     destination = destination.absolute()
     check_requested_version(version)
     _check_destination(destination, force)
-    with s3_errors(location):
+    with s3_errors(location, MISSING_BUCKET_HINT):
         version = resolve_version(client, location, version)
         manifest, body = fetch_manifest(client, location, version)
         layout = _layout(select_entries(manifest, groups, files), flat=len(groups) == 1)
@@ -248,7 +251,7 @@ def _version_info(client: Any, location: S3Location, name: str) -> VersionInfo |
 def list_versions(client: Any, location: S3Location) -> list[VersionInfo]:
     """Published versions (those with a manifest.json), oldest first; invalid ones are listed
     with their problem."""
-    with s3_errors(location):
+    with s3_errors(location, MISSING_BUCKET_HINT):
         try:
             latest = read_latest(client, location)
         except PublishError:

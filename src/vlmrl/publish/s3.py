@@ -99,9 +99,15 @@ def _credentials_message(location: S3Location, reason: str) -> str:
     )
 
 
+def missing_bucket_message(location: S3Location, hint: str = "") -> str:
+    message = f"bucket '{location.bucket}' does not exist at {location.endpoint_description()}"
+    return f"{message}: {hint}" if hint else message
+
+
 @contextlib.contextmanager
-def s3_errors(location: S3Location) -> Iterator[None]:
-    """Turn botocore's exceptions into PublishErrors that say which bucket and what to fix."""
+def s3_errors(location: S3Location, missing_bucket_hint: str = "") -> Iterator[None]:
+    """Turn botocore's exceptions into PublishErrors that say which bucket and what to fix;
+    `missing_bucket_hint` ends the message when the bucket does not exist."""
     from boto3.exceptions import S3UploadFailedError
     from botocore.exceptions import (
         BotoCoreError,
@@ -125,8 +131,11 @@ def s3_errors(location: S3Location) -> Iterator[None]:
             )
             raise CredentialsError(_credentials_message(location, reason)) from None
         if code == "NoSuchBucket":
+            raise PublishError(missing_bucket_message(location, missing_bucket_hint)) from None
+        if code == "BucketAlreadyExists":
             raise PublishError(
-                f"bucket '{location.bucket}' does not exist at {location.endpoint_description()}"
+                f"bucket name '{location.bucket}' is taken by another account at "
+                f"{location.endpoint_description()}: bucket names are global, choose another"
             ) from None
         raise PublishError(f"S3 error on bucket '{location.bucket}': {exc}") from None
     except S3UploadFailedError as exc:
@@ -287,26 +296,46 @@ def object_matches(head: Mapping[str, Any] | None, size: int, sha256: str) -> bo
     )
 
 
-def check_bucket(client: Any, location: S3Location) -> None:
-    """Fail early on a wrong bucket or credentials. A listing rather than head_bucket: HEAD
-    answers carry no body, so a refusal would only say '403', not which credential check failed."""
+def bucket_exists(client: Any, location: S3Location) -> bool:
+    """Fails early on wrong credentials. A listing rather than head_bucket: HEAD answers carry
+    no body, so a refusal would only say '403', not which credential check failed."""
     from botocore.exceptions import ClientError
 
     try:
         client.list_objects_v2(Bucket=location.bucket, Prefix=location.key(), MaxKeys=1)
     except ClientError as exc:
         if error_code(exc) in NOT_FOUND_CODES | {"NoSuchBucket"}:
-            raise PublishError(
-                f"bucket '{location.bucket}' does not exist at {location.endpoint_description()}"
-            ) from None
+            return False
         raise
+    return True
+
+
+def check_bucket(client: Any, location: S3Location, missing_bucket_hint: str = "") -> None:
+    if not bucket_exists(client, location):
+        raise PublishError(missing_bucket_message(location, missing_bucket_hint))
+
+
+def create_bucket(client: Any, location: S3Location) -> bool:
+    """Create the bucket in the location's region; False when it already exists (and is ours)."""
+    from botocore.exceptions import ClientError
+
+    if bucket_exists(client, location):
+        return False
+    region = {} if location.region == "us-east-1" else {
+        "CreateBucketConfiguration": {"LocationConstraint": location.region}}
+    try:
+        client.create_bucket(Bucket=location.bucket, **region)
+    except ClientError as exc:
+        if error_code(exc) == "BucketAlreadyOwnedByYou":  # created meanwhile by another run
+            return False
+        raise
+    return True
 
 
 def progress_bar(total: int, description: str) -> Any:
     from tqdm import tqdm
 
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=description)
-
 
 
 def s3_location(params: UploadParams) -> S3Location | None:

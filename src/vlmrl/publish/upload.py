@@ -8,12 +8,16 @@ an interrupted upload; a published version is never silently replaced. Objects g
 `ChecksumAlgorithm=SHA256`, so the store itself refuses a body corrupted on the way (param
 `upload.checksum` turns it off for stores that do not support it), and `latest` only moves
 forward, to a manifest created later than the one it names, unless `upload.promote` asks.
+A missing bucket is an error that says how to create it (`vlmrl create-bucket`, or
+`upload.create_bucket: true` to create it here), and a version named `-dirty` (the working tree
+differed from its commit) is published with a warning first.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +42,7 @@ from vlmrl.publish.manifest import (
 from vlmrl.publish.s3 import (
     S3Location,
     check_bucket,
+    create_bucket,
     head_object,
     make_s3_client,
     object_matches,
@@ -51,16 +56,26 @@ from vlmrl.publish.s3 import (
 from vlmrl.publish.schema import manifest_created_at
 
 MODEL_CARD_NAME = "README.md"  # in the merged group, where the Hugging Face tools look for it
+DIRTY_SUFFIX = "-dirty"
+CREATE_BUCKET_HINT = (
+    "create it with `vlmrl create-bucket` (bucket, endpoint and region from params.yaml), or set "
+    "upload.create_bucket: true to let the upload stage create it"
+)
 
 
 @dataclass
 class UploadResult:
+    """Counts are of the release's files (the manifest's entries): uploaded + skipped = files.
+    manifest.json itself is reported apart, in `manifest_uploaded`."""
+
     version: str
     location: S3Location | None
     manifest: dict[str, Any]
     uploaded_files: int = 0
-    skipped_files: int = 0
+    skipped_files: int = 0  # already in the bucket with the same size and sha256
     uploaded_bytes: int = 0
+    manifest_uploaded: bool = False  # False: the identical manifest was already there
+    bucket_created: bool = False
     latest: str | None = None  # the version `latest` names after the upload
 
     @property
@@ -83,6 +98,7 @@ class UploadResult:
             "uploaded_bytes": self.uploaded_bytes,
             "total_bytes": self.total_bytes,
             "files": len(self.manifest["files"]),
+            "manifest_uploaded": self.manifest_uploaded,
             "latest": self.latest,
         }
 
@@ -244,20 +260,23 @@ def upload_release(
     params: UploadParams,
 ) -> UploadResult:
     version = manifest["version"]
-    with s3_errors(location):
-        check_bucket(client, location)
+    with s3_errors(location, CREATE_BUCKET_HINT):
+        if params.create_bucket:
+            created = create_bucket(client, location)
+        else:
+            check_bucket(client, location, CREATE_BUCKET_HINT)
+            created = False
         manifest = _claim_version(client, location, manifest, params.overwrite)
         latest = latest_after(client, location, manifest, params.promote)
-        result = UploadResult(version, location, manifest, latest=latest)
+        result = UploadResult(version, location, manifest, latest=latest, bucket_created=created)
         _upload_files(client, location, version, files, params, result)
         manifest_key = location.key(version, MANIFEST_NAME)
         if params.overwrite:
             keep = {_object_key(location, version, file) for file in files} | {manifest_key}
             _delete_stale_objects(client, location, version, keep)
-        if _put_verified_json(client, location, manifest_key, manifest, params):
-            result.uploaded_files += 1
-        else:
-            result.skipped_files += 1
+        result.manifest_uploaded = _put_verified_json(
+            client, location, manifest_key, manifest, params
+        )
         if latest == version:
             # Only now, with every object of the version verified, does `latest` move.
             pointer = {
@@ -267,6 +286,16 @@ def upload_release(
             }
             _put_verified_json(client, location, location.key(LATEST_NAME), pointer, params)
     return result
+
+
+def dirty_version_warning(version: str) -> str | None:
+    if not version.endswith(DIRTY_SUFFIX):
+        return None
+    return (
+        f"warning: publishing version '{version}': the working tree differed from its commit "
+        "(a `dvc repro` that rewrote dvc.lock counts), so the version names no exact commit; for "
+        "one that does, commit and rerun `dvc repro upload`, or set upload.version"
+    )
 
 
 def publish(
@@ -290,5 +319,8 @@ def publish(
     location = s3_location(params)
     if location is None:
         return UploadResult(version, None, manifest)
+    warning = dirty_version_warning(version)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     client = client or make_s3_client(location, params.max_attempts)
     return upload_release(client, location, files, manifest, params)
