@@ -1,29 +1,127 @@
 """One `vlmrl` command; each subcommand lives beside the code it drives and is imported lazily,
-so `vlmrl pull` never pays for importing torch or Prefect."""
+so `vlmrl pull` never pays for importing torch or Prefect. `vlmrl --help` lists the subcommands
+from the table below without importing any of them; `OptionHelpFormatter` is the help format every
+subcommand's parser uses, so that each option's help ends with its default."""
 
 from __future__ import annotations
 
+import argparse
+import difflib
 import importlib
 import sys
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 
-SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "pull": ("vlmrl.publish.cli", "cli_pull"),
-    "versions": ("vlmrl.publish.cli", "cli_versions"),
-    "run": ("vlmrl.orchestration", "cli_run"),
-    "schedule": ("vlmrl.orchestration", "cli_schedule"),
-    "ui": ("vlmrl.ui.app", "cli_ui"),
+
+@dataclass(frozen=True)
+class Subcommand:
+    module: str
+    function: str
+    summary: str  # one line for `vlmrl --help`
+
+
+SUBCOMMANDS: dict[str, Subcommand] = {
+    "pull": Subcommand(
+        "vlmrl.publish.cli",
+        "cli_pull",
+        "download a published version from S3, checked against its manifest",
+    ),
+    "versions": Subcommand(
+        "vlmrl.publish.cli",
+        "cli_versions",
+        "list the versions published to S3 and which one is latest",
+    ),
+    "create-bucket": Subcommand(
+        "vlmrl.publish.cli",
+        "cli_create_bucket",
+        "create the S3 bucket the upload stage publishes to",
+    ),
+    "run": Subcommand(
+        "vlmrl.orchestration",
+        "cli_run",
+        "run the DVC pipeline once as a Prefect flow and report each stage",
+    ),
+    "schedule": Subcommand(
+        "vlmrl.orchestration",
+        "cli_schedule",
+        "serve the pipeline on a cron schedule with Prefect (blocks)",
+    ),
+    "ui": Subcommand(
+        "vlmrl.ui.app", "cli_ui", "open the reward playground and eval browser on 127.0.0.1"
+    ),
 }
+HELP_FLAGS = ("-h", "--help")
+
+
+class OptionHelpFormatter(argparse.HelpFormatter):
+    """Ends each option's help with `(default: X)`, `(default: off)` for a flag, or `(required)`;
+    help that already names its default, or whose default is None, is left as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if not action.option_strings or action.default is argparse.SUPPRESS or "default" in text:
+            return action.help
+        if action.required:
+            return f"{text} (required)"
+        if action.nargs == 0:
+            return f"{text} (default: {'on' if action.default else 'off'})"
+        if action.default is None or action.default == []:
+            return action.help
+        return f"{text} (default: %(default)s)"
+
+
+def package_version() -> str:
+    try:
+        return version("vlmrl")
+    except PackageNotFoundError:
+        return "unknown (the package is not installed: pip install -e .)"
+
+
+def help_text() -> str:
+    width = max(len(name) for name in SUBCOMMANDS)
+    commands = "\n".join(
+        f"  {name:<{width}}  {command.summary}" for name, command in SUBCOMMANDS.items()
+    )
+    return (
+        "usage: vlmrl COMMAND [options]\n\n"
+        "Teach Qwen3-VL visual maths with GSPO and publish the result; `dvc repro` runs the "
+        "pipeline.\n\n"
+        f"commands:\n{commands}\n\n"
+        "options:\n"
+        "  -h, --help  show this help and exit\n"
+        "  --version   print the package version and exit\n\n"
+        "`vlmrl COMMAND --help` lists a command's options."
+    )
+
+
+def unknown_command_message(word: str) -> str:
+    kind = "option" if word.startswith("-") else "command"
+    close = difflib.get_close_matches(word, SUBCOMMANDS, n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    return (
+        f"vlmrl: unknown {kind} {word!r}{hint}. Commands: {', '.join(SUBCOMMANDS)} "
+        "(`vlmrl --help` says what each does)."
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in {"-h", "--help"} or argv[0] not in SUBCOMMANDS:
-        known = ", ".join(SUBCOMMANDS)
-        print(f"usage: vlmrl {{{known}}} [options]", file=sys.stderr)
-        return 0 if argv and argv[0] in {"-h", "--help"} else 2
-    module_name, function_name = SUBCOMMANDS[argv[0]]
-    command = getattr(importlib.import_module(module_name), function_name)
-    return int(command(argv[1:]) or 0)
+    if not argv:
+        print(f"{help_text()}\n\nvlmrl: no command given", file=sys.stderr)
+        return 2
+    first = argv[0]
+    if first in HELP_FLAGS:
+        print(help_text())
+        return 0
+    if first == "--version":
+        print(f"vlmrl {package_version()}")
+        return 0
+    if first not in SUBCOMMANDS:
+        print(unknown_command_message(first), file=sys.stderr)
+        return 2
+    command = SUBCOMMANDS[first]
+    run = getattr(importlib.import_module(command.module), command.function)
+    return int(run(argv[1:]) or 0)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from vlmrl.cli import OptionHelpFormatter
 from vlmrl.dvc_env import dvc_env
 from vlmrl.dvc_records import (
     LockWatcher,
@@ -365,13 +366,15 @@ def _common_options(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated stages to run, in pipeline order (default: all)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE",
-                        help="param override, recorded as a DVC experiment (repeatable)")
+                        help="param override, recorded as a DVC experiment; repeatable "
+                             "(default: none, params.yaml as it is)")
 
 
 def cli_run(argv: list[str]) -> int:
     """`vlmrl run`: runs the pipeline flow once and prints what each stage did."""
     set_offline_defaults()
-    parser = argparse.ArgumentParser(prog="vlmrl run", description=cli_run.__doc__)
+    parser = argparse.ArgumentParser(prog="vlmrl run", description=cli_run.__doc__,
+                                     formatter_class=OptionHelpFormatter)
     _common_options(parser)
     args = parser.parse_args(argv)
     pipeline = load_pipeline_flow(args.repo)
@@ -394,9 +397,10 @@ def cli_schedule(argv: list[str]) -> int:
     set_offline_defaults()
     from prefect import serve
 
-    parser = argparse.ArgumentParser(prog="vlmrl schedule", description=cli_schedule.__doc__)
+    parser = argparse.ArgumentParser(prog="vlmrl schedule", description=cli_schedule.__doc__,
+                                     formatter_class=OptionHelpFormatter)
     parser.add_argument("--cron", required=True, help='cron expression, e.g. "0 3 * * *"')
-    parser.add_argument("--name", default=DEFAULT_DEPLOYMENT_NAME, help="deployment name")
+    parser.add_argument("--name", default=DEFAULT_DEPLOYMENT_NAME, help="Prefect deployment name")
     parser.add_argument("--timezone", default=None, help="IANA zone of the cron (default UTC)")
     _common_options(parser)
     args = parser.parse_args(argv)

@@ -2,14 +2,14 @@
 
 DVC's remote shares every stage's outputs with people who have the git repo; this package is for
 consumers who only have a bucket. `manifest` says what a release holds, `s3` talks to the store,
-`upload` publishes, `pull` fetches and lists, `cli` is `vlmrl pull` / `vlmrl versions`, and
-`model_card` renders the merged model's README. Credentials come only from the standard AWS
-chain, so nothing secret is in params or logs.
+`upload` publishes, `pull` fetches and lists, `cli` is `vlmrl pull` / `versions` /
+`create-bucket`, and `model_card` renders the merged model's README. Credentials come only from
+the standard AWS chain, so nothing secret is in params or logs.
 
 History: one 932-line module, split by job.
 """
 
-from vlmrl.publish.cli import cli_pull, cli_versions
+from vlmrl.publish.cli import cli_create_bucket, cli_pull, cli_versions
 from vlmrl.publish.errors import (
     CredentialsError,
     IntegrityError,
@@ -45,6 +45,7 @@ __all__ = [
     "VersionConflictError",
     "VersionInfo",
     "build_manifest",
+    "cli_create_bucket",
     "cli_pull",
     "cli_versions",
     "collect_artifacts",

@@ -1,5 +1,6 @@
-"""`vlmrl pull` and `vlmrl versions`: argument parsing, defaults from ./params.yaml, and tables.
-Imports nothing heavy, so the commands start fast on a machine that only consumes releases.
+"""`vlmrl pull`, `vlmrl versions` and `vlmrl create-bucket`: argument parsing, defaults from
+./params.yaml, and tables. Imports nothing heavy, so the commands start fast on a machine that only
+consumes releases.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from vlmrl.cli import OptionHelpFormatter
 from vlmrl.params import ParamsError, UploadParams, load_params
 from vlmrl.publish.errors import PublishError
 from vlmrl.publish.manifest import GROUPS
 from vlmrl.publish.pull import VersionInfo, list_versions, pull
-from vlmrl.publish.s3 import S3Location, make_s3_client, s3_location
+from vlmrl.publish.s3 import S3Location, create_bucket, make_s3_client, s3_errors, s3_location
 
 
 def format_size(size: float) -> str:
@@ -51,13 +53,23 @@ def _params_upload_section(params_path: Path) -> dict[str, Any]:
         return {}
 
 
-def _add_location_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--bucket", help="default: upload.bucket in ./params.yaml")
-    parser.add_argument("--prefix", help="default: upload.prefix in ./params.yaml")
-    parser.add_argument(
-        "--endpoint-url", help="S3-compatible endpoint; default: upload.endpoint_url"
+def _parser(prog: str, description: str) -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(
+        prog=prog, description=description, formatter_class=OptionHelpFormatter
     )
-    parser.add_argument("--region", help="default: upload.region, else us-east-1")
+
+
+def _add_location_arguments(parser: argparse.ArgumentParser, prefix: bool = True) -> None:
+    parser.add_argument("--bucket", help="S3 bucket (default: upload.bucket in ./params.yaml)")
+    if prefix:
+        parser.add_argument(
+            "--prefix", help="key prefix of the releases (default: upload.prefix in ./params.yaml)"
+        )
+    parser.add_argument(
+        "--endpoint-url",
+        help="S3-compatible endpoint, e.g. MinIO or R2 (default: upload.endpoint_url, else AWS)",
+    )
+    parser.add_argument("--region", help="S3 region (default: upload.region, else us-east-1)")
     parser.add_argument("--params", type=Path, default=Path("params.yaml"), help=argparse.SUPPRESS)
 
 
@@ -67,7 +79,7 @@ def _location_from_args(
     section = _params_upload_section(args.params)
     overrides = {
         "bucket": args.bucket,
-        "prefix": args.prefix,
+        "prefix": getattr(args, "prefix", None),
         "endpoint_url": args.endpoint_url,
         "region": args.region,
     }
@@ -91,21 +103,30 @@ def _run_cli(action: Any) -> int:
 
 
 def cli_pull(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="vlmrl pull", description="Fetch a published version.")
-    parser.add_argument("--version", default="latest", help="a version name, or latest (default)")
-    parser.add_argument("--what", choices=[*GROUPS, "all"], default="all")
+    parser = _parser(
+        "vlmrl pull",
+        "Download a published version into DIR; every file is checked against the manifest's "
+        "size and sha256 before DIR appears.",
+    )
+    parser.add_argument("--version", default="latest", help="a published version name, or latest")
+    parser.add_argument(
+        "--what",
+        choices=[*GROUPS, "all"],
+        default="all",
+        help="which group to fetch; all puts each group in DIR/GROUP/ with manifest.json",
+    )
     parser.add_argument(
         "--file",
         action="append",
         default=[],
         metavar="NAME",
         help="only this file of the --what group: a file name, a path, or a quant name such as "
-        "Q4_K_M (repeatable)",
+        "Q4_K_M; repeatable (default: every file of the group)",
     )
     parser.add_argument(
         "--to", type=Path, required=True, metavar="DIR", help="destination directory"
     )
-    parser.add_argument("--force", action="store_true", help="replace a non-empty destination")
+    parser.add_argument("--force", action="store_true", help="replace a non-empty DIR")
     _add_location_arguments(parser)
     args = parser.parse_args(argv)
     if args.file and args.what == "all":
@@ -140,7 +161,9 @@ def _metrics_cell(info: VersionInfo) -> str:
 
 
 def cli_versions(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="vlmrl versions", description="List published versions.")
+    parser = _parser(
+        "vlmrl versions", "List the published versions, their metrics, and which one is latest."
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     _add_location_arguments(parser)
     args = parser.parse_args(argv)
@@ -165,6 +188,27 @@ def cli_versions(argv: list[str]) -> int:
         ]
         print(f"versions under {location.url()}/ (* = latest)")
         print(format_table(["version", "created_at", "git", "metrics"], rows))
+        return 0
+
+    return _run_cli(action)
+
+
+def cli_create_bucket(argv: list[str]) -> int:
+    parser = _parser(
+        "vlmrl create-bucket",
+        "Create the bucket the upload stage publishes to, in its region; a bucket that already "
+        "exists is left as it is. (upload.create_bucket: true makes the stage do this itself.)",
+    )
+    _add_location_arguments(parser, prefix=False)
+    args = parser.parse_args(argv)
+    location, params = _location_from_args(parser, args)
+
+    def action() -> int:
+        client = make_s3_client(location, params.max_attempts)
+        with s3_errors(location):
+            created = create_bucket(client, location)
+        where = f"bucket '{location.bucket}' at {location.endpoint_description()}"
+        print(f"created {where}" if created else f"{where} already exists; nothing to do")
         return 0
 
     return _run_cli(action)

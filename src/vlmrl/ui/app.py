@@ -42,6 +42,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from vlmrl.cli import OptionHelpFormatter
 from vlmrl.params import ParamsError, load_params
 from vlmrl.rewards import build_rewards, score_completion
 from vlmrl.ui.browser import EVAL_SET_DIR, EvalSet, eval_view
@@ -199,7 +200,8 @@ def loopback_socket(port: int) -> socket.socket:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="vlmrl ui", description="Reward calculator and eval browser on "
-                                     f"http://{LOOPBACK}:PORT (loopback only).")
+                                     f"http://{LOOPBACK}:PORT (loopback only).",
+        formatter_class=OptionHelpFormatter)
     parser.add_argument("--port", type=int, default=DEFAULT_PORT,
                         help=f"port on {LOOPBACK} (default {DEFAULT_PORT}; 0 picks a free one)")
     parser.add_argument("--repo", type=Path, default=Path("."),
