@@ -1,11 +1,10 @@
 """One `vlmrl` command; each subcommand lives beside the code it drives and is imported lazily,
 so `vlmrl pull` never pays for importing torch or Prefect. `vlmrl --help` lists the subcommands
-from the table below without importing any of them; `OptionHelpFormatter` is the help format every
-subcommand's parser uses, so that each option's help ends with its default."""
+from the table below without importing any of them. Each subcommand's options end their help with
+their default, `(default: X)` or `(required)`; tests/test_cli.py checks every one."""
 
 from __future__ import annotations
 
-import argparse
 import difflib
 import importlib
 import sys
@@ -51,23 +50,6 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     ),
 }
 HELP_FLAGS = ("-h", "--help")
-
-
-class OptionHelpFormatter(argparse.HelpFormatter):
-    """Ends each option's help with `(default: X)`, `(default: off)` for a flag, or `(required)`;
-    help that already names its default, or whose default is None, is left as written."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        text = action.help or ""
-        if not action.option_strings or action.default is argparse.SUPPRESS or "default" in text:
-            return action.help
-        if action.required:
-            return f"{text} (required)"
-        if action.nargs == 0:
-            return f"{text} (default: {'on' if action.default else 'off'})"
-        if action.default is None or action.default == []:
-            return action.help
-        return f"{text} (default: %(default)s)"
 
 
 def package_version() -> str:

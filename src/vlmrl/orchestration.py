@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from vlmrl.cli import OptionHelpFormatter
 from vlmrl.dvc_env import dvc_env
 from vlmrl.dvc_records import (
     LockWatcher,
@@ -373,8 +372,7 @@ def _common_options(parser: argparse.ArgumentParser) -> None:
 def cli_run(argv: list[str]) -> int:
     """`vlmrl run`: runs the pipeline flow once and prints what each stage did."""
     set_offline_defaults()
-    parser = argparse.ArgumentParser(prog="vlmrl run", description=cli_run.__doc__,
-                                     formatter_class=OptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="vlmrl run", description=cli_run.__doc__)
     _common_options(parser)
     args = parser.parse_args(argv)
     pipeline = load_pipeline_flow(args.repo)
@@ -397,10 +395,11 @@ def cli_schedule(argv: list[str]) -> int:
     set_offline_defaults()
     from prefect import serve
 
-    parser = argparse.ArgumentParser(prog="vlmrl schedule", description=cli_schedule.__doc__,
-                                     formatter_class=OptionHelpFormatter)
-    parser.add_argument("--cron", required=True, help='cron expression, e.g. "0 3 * * *"')
-    parser.add_argument("--name", default=DEFAULT_DEPLOYMENT_NAME, help="Prefect deployment name")
+    parser = argparse.ArgumentParser(prog="vlmrl schedule", description=cli_schedule.__doc__)
+    parser.add_argument("--cron", required=True,
+                        help='cron expression, e.g. "0 3 * * *" (required)')
+    parser.add_argument("--name", default=DEFAULT_DEPLOYMENT_NAME,
+                        help=f"Prefect deployment name (default: {DEFAULT_DEPLOYMENT_NAME})")
     parser.add_argument("--timezone", default=None, help="IANA zone of the cron (default UTC)")
     _common_options(parser)
     args = parser.parse_args(argv)

@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from vlmrl.cli import OptionHelpFormatter
 from vlmrl.params import ParamsError, UploadParams, load_params
 from vlmrl.publish.errors import PublishError
 from vlmrl.publish.manifest import GROUPS
@@ -54,9 +53,7 @@ def _params_upload_section(params_path: Path) -> dict[str, Any]:
 
 
 def _parser(prog: str, description: str) -> argparse.ArgumentParser:
-    return argparse.ArgumentParser(
-        prog=prog, description=description, formatter_class=OptionHelpFormatter
-    )
+    return argparse.ArgumentParser(prog=prog, description=description)
 
 
 def _add_location_arguments(parser: argparse.ArgumentParser, prefix: bool = True) -> None:
@@ -108,12 +105,15 @@ def cli_pull(argv: list[str]) -> int:
         "Download a published version into DIR; every file is checked against the manifest's "
         "size and sha256 before DIR appears.",
     )
-    parser.add_argument("--version", default="latest", help="a published version name, or latest")
+    parser.add_argument(
+        "--version", default="latest", help="a published version name, or latest (default: latest)"
+    )
     parser.add_argument(
         "--what",
         choices=[*GROUPS, "all"],
         default="all",
-        help="which group to fetch; all puts each group in DIR/GROUP/ with manifest.json",
+        help="which group to fetch; all puts each group in DIR/GROUP/ with manifest.json "
+        "(default: all)",
     )
     parser.add_argument(
         "--file",
@@ -124,9 +124,11 @@ def cli_pull(argv: list[str]) -> int:
         "Q4_K_M; repeatable (default: every file of the group)",
     )
     parser.add_argument(
-        "--to", type=Path, required=True, metavar="DIR", help="destination directory"
+        "--to", type=Path, required=True, metavar="DIR", help="destination directory (required)"
     )
-    parser.add_argument("--force", action="store_true", help="replace a non-empty DIR")
+    parser.add_argument(
+        "--force", action="store_true", help="replace a non-empty DIR (default: off)"
+    )
     _add_location_arguments(parser)
     args = parser.parse_args(argv)
     if args.file and args.what == "all":
@@ -164,7 +166,9 @@ def cli_versions(argv: list[str]) -> int:
     parser = _parser(
         "vlmrl versions", "List the published versions, their metrics, and which one is latest."
     )
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument(
+        "--json", action="store_true", help="print JSON instead of a table (default: off)"
+    )
     _add_location_arguments(parser)
     args = parser.parse_args(argv)
     location, params = _location_from_args(parser, args)

@@ -42,7 +42,6 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from vlmrl.cli import OptionHelpFormatter
 from vlmrl.params import ParamsError, load_params
 from vlmrl.rewards import build_rewards, score_completion
 from vlmrl.ui.browser import EVAL_SET_DIR, EvalSet, eval_view
@@ -200,8 +199,7 @@ def loopback_socket(port: int) -> socket.socket:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="vlmrl ui", description="Reward calculator and eval browser on "
-                                     f"http://{LOOPBACK}:PORT (loopback only).",
-        formatter_class=OptionHelpFormatter)
+                                     f"http://{LOOPBACK}:PORT (loopback only).")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT,
                         help=f"port on {LOOPBACK} (default {DEFAULT_PORT}; 0 picks a free one)")
     parser.add_argument("--repo", type=Path, default=Path("."),
