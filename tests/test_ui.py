@@ -13,6 +13,7 @@ import pytest
 import yaml
 from PIL import Image
 
+from vlmrl.params import load_params
 from vlmrl.rewards import score_completion
 from vlmrl.ui.app import MAX_BODY_BYTES, cli_ui, create_app
 from vlmrl.ui.requests import MAX_COMPLETION_BYTES
@@ -21,6 +22,7 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # starlette asks for httpx2; httpx works the same here
     from starlette.testclient import TestClient
 
+ROOT = Path(__file__).resolve().parents[1]
 WEIGHTS = {"format_reward": 0.5, "correctness_reward": 2.0, "length_penalty": 0.25}
 OPTIONS = {"length_penalty": {"min_chars": 10, "max_chars": 80}}
 GOOD = "<REASONING>7 + 5 = 12</REASONING><SOLUTION>12</SOLUTION>"
@@ -109,6 +111,30 @@ def test_config_reports_params_weights_and_options(client):
     assert config["weights"] == WEIGHTS
     assert config["options"] == OPTIONS
     assert config["max_completion_bytes"] == MAX_COMPLETION_BYTES
+
+
+def test_config_offers_a_worked_example_that_scores_with_the_params_weights(client):
+    example = client.get("/api/config").json()["example"]
+    response = post_score(client, example["completion"], example["record"])
+    assert response.status_code == 200, response.text
+    body = response.json()
+    expected = score_completion(example["completion"], example["record"], WEIGHTS, OPTIONS)
+    assert {key: body[key] for key in expected} == expected
+    assert body["correct"] is True and body["format_ok"] is True
+    assert set(body["rewards"]) == set(WEIGHTS) and None not in body["rewards"].values()
+    assert example["record"]["question"]
+
+
+def test_the_project_playground_opens_with_params_yaml_weights_and_a_correct_example():
+    project = client_for(ROOT)
+    config = project.get("/api/config").json()
+    weights = dict(load_params(ROOT / "params.yaml").rewards.weights)
+    assert weights and config["weights"] == weights
+    example = config["example"]
+    body = post_score(project, example["completion"], example["record"]).json()
+    assert body["weights"] == weights
+    assert body["correct"] is True and body["format_ok"] is True
+    assert body["total"] > 0
 
 
 # ---------------------------------------------------------------- bad input

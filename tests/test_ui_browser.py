@@ -26,6 +26,7 @@ from test_ui import (
 )
 
 from vlmrl.rewards import score_completion
+from vlmrl.ui.example import worked_example
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
@@ -126,6 +127,28 @@ def shown_rewards(page) -> dict[str, tuple[str, str]]:
             (rows.nth(i).locator("td.value").get_attribute("data-value"),
              rows.nth(i).locator("td.value").inner_text())
             for i in range(rows.count())}
+
+
+def test_calculator_opens_with_the_worked_example_scored_and_the_weights_shown(page, artifacts):
+    example = worked_example()
+    wait_for_score(page, example["completion"])
+    assert page.input_value("#completion") == example["completion"]
+    assert page.input_value("#gold-answer") == example["record"]["answer"]
+    assert example["record"]["question"] in page.inner_text("#record-question")
+
+    expected = score_completion(example["completion"], example["record"], WEIGHTS, OPTIONS)
+    shown = shown_rewards(page)
+    assert list(shown) == list(WEIGHTS)
+    for name, value in expected["rewards"].items():
+        assert float(shown[name][0]) == value
+    weight_cells = page.locator("#reward-table tbody td.weight")
+    assert [float(weight_cells.nth(i).inner_text()) for i in range(len(WEIGHTS))] == list(
+        WEIGHTS.values())
+    assert float(page.get_attribute("#reward-total", "data-value")) == expected["total"]
+    assert page.inner_text("#v-correct") == "yes"
+    assert page.inner_text("#weights") == (
+        "format_reward 0.5, correctness_reward 2, length_penalty 0.25")
+    screenshot(page, artifacts, "ui_calculator_opened.png")
 
 
 def test_calculator_shows_the_project_rewards_as_you_type(page, artifacts):

@@ -3,9 +3,10 @@
 What RL learns is decided by the rewards, so the page must show the numbers training sees, not
 a look-alike: every score comes from `vlmrl.rewards.score_completion` through a JSON endpoint,
 with the weights and options read from the repo's params.yaml on each request (edit params.yaml,
-and the next keystroke shows the effect). This module is the Starlette app, its routes and the
-server; the request models live in `vlmrl.ui.requests`, the eval browser's data in
-`vlmrl.ui.browser`.
+and the next keystroke shows the effect). The page opens with params.yaml's weights shown and
+a worked example (`vlmrl.ui.example`) already scored. This module is the Starlette app, its
+routes and the server; the request models live in `vlmrl.ui.requests`, the eval browser's data
+in `vlmrl.ui.browser`.
 
 Deliberate choices:
 - 127.0.0.1 only, and no --host option: the app reads the repo and has no authentication.
@@ -46,6 +47,7 @@ from vlmrl.params import ParamsError, load_params
 from vlmrl.rewards import build_rewards, score_completion
 from vlmrl.ui.browser import EVAL_SET_DIR, EvalSet, eval_view
 from vlmrl.ui.errors import ApiError
+from vlmrl.ui.example import worked_example
 from vlmrl.ui.requests import (
     ANSWER_TYPES,
     MAX_COMPLETION_BYTES,
@@ -133,6 +135,7 @@ def create_app(repo_dir: Path) -> Starlette:
         except ApiError as error:
             weights, options = {}, {"error": error.message}
         return json_response({"repo": str(repo), "weights": weights, "options": options,
+                              "example": worked_example(),
                               "max_completion_bytes": MAX_COMPLETION_BYTES,
                               "question_types": QUESTION_TYPES, "answer_types": ANSWER_TYPES})
 

@@ -73,7 +73,8 @@ function showTab(name) {
 
 // ------------------------------------------------------------ calculator
 
-const calc = { timer: null, controller: null, sequence: 0, records: [] };
+// touched: the user has typed or picked something, so the worked example must not replace it.
+const calc = { timer: null, controller: null, sequence: 0, records: [], touched: false };
 
 function precisionValue(text) {
   const trimmed = text.trim();
@@ -106,6 +107,7 @@ function fillRecord(record) {
 }
 
 function scheduleScore() {
+  calc.touched = true;
   clearTimeout(calc.timer);
   $("completion-size").textContent = `${$("completion").value.length} characters`;
   setStatus("typing…", true);
@@ -164,8 +166,36 @@ function rewardRow(name, value, weight) {
   valueCell.dataset.value = JSON.stringify(value);
   return el("tr", { "data-reward": name },
     el("td", { text: name }), valueCell,
-    el("td", { class: "num", text: formatNumber(weight) }),
+    el("td", { class: "num weight", text: formatNumber(weight) }),
     el("td", { class: "num", text: formatNumber(weighted) }));
+}
+
+// A row before any score: the reward and its weight from params.yaml.
+function weightRow(name, weight) {
+  return el("tr", { "data-reward": name }, el("td", { text: name }),
+    el("td", { class: "num value", text: "–" }),
+    el("td", { class: "num weight", text: formatNumber(weight) }),
+    el("td", { class: "num", text: "–" }));
+}
+
+function describeWeights(weights) {
+  const parts = Object.entries(weights || {}).map(([name, w]) => `${name} ${formatNumber(w)}`);
+  return parts.length ? parts.join(", ") : "no weighted rewards";
+}
+
+function showWeights(weights) {
+  $("weights").textContent = describeWeights(weights);
+  const body = $("reward-table").querySelector("tbody");
+  if (!body.children.length) {
+    body.replaceChildren(...Object.entries(weights).map(([name, w]) => weightRow(name, w)));
+  }
+}
+
+function openExample(example) {
+  fillRecord({ ...example.record, question: `Worked example: ${example.record.question}` });
+  $("completion").value = example.completion;
+  $("completion-size").textContent = `${example.completion.length} characters`;
+  score();
 }
 
 function renderScore(result) {
@@ -181,6 +211,7 @@ function renderScore(result) {
   $("v-gold").textContent = result.gold ?? "(gold answer unreadable)";
   $("v-correct").replaceChildren(yesNo(result.correct));
   $("v-format").replaceChildren(yesNo(result.format_ok));
+  $("weights").textContent = describeWeights(result.weights);
   $("options").textContent = describeOptions(result.options);
 }
 
@@ -196,9 +227,12 @@ async function loadConfig() {
     $("repo").textContent = config.repo;
     if (config.options && config.options.error) {
       showError($("score-error"), config.options.error);
+      $("weights").textContent = "unavailable (see the error above)";
     } else {
+      showWeights(config.weights);
       $("options").textContent = describeOptions(config.options);
     }
+    if (!calc.touched && config.example) openExample(config.example);
   } catch (error) {
     showError($("score-error"), error.message);
   }
@@ -222,6 +256,7 @@ async function loadRecords() {
 }
 
 function pickRecord() {
+  calc.touched = true;
   const index = $("record-pick").value;
   if (index === "") { $("record-question").textContent = ""; return; }
   fillRecord(calc.records[Number(index)]);
