@@ -72,7 +72,7 @@ def test_every_option_has_help_that_shows_its_default(name, tmp_path):
     assert options, completed.stdout
     for flag, text in options.items():
         assert text, f"vlmrl {name} {flag} has no help"
-        assert SHOWS_DEFAULT.search(text), f"vlmrl {name} {flag} does not show its default: {text}"
+        assert SHOWS_DEFAULT.search(text), f"vlmrl {name} {flag} shows no default: {text}"
 
 
 def test_pull_what_names_the_groups_and_its_default():
