@@ -9,6 +9,7 @@ clip ratio of any epsilon pair follows: a row counts as clipped when its ratio i
 with a negative advantage or above 1 + eps_high with a positive one. The ratios of step 2 (the
 first off-policy step) do not depend on epsilon, since step 1 is on-policy and never clipped.
 
+`--gspo-lrs` runs GSPO at other learning rates from the first candidate's SFT adapter.
 `--repeat` runs the first candidate's SFT and GSPO a second time with the same params, to see
 whether two runs with one seed repeat on this GPU (nothing sets
 torch.use_deterministic_algorithms here, as the stages do not).
@@ -155,6 +156,8 @@ def main() -> int:
     parser.add_argument("--config", default="transformers-bf16")
     parser.add_argument("--sft", default="5e-3:12", help="lr:steps candidates, comma-separated")
     parser.add_argument("--gspo", default="", help="extra train.grpo overrides, key=value,...")
+    parser.add_argument("--gspo-lrs", default="",
+                        help="GSPO learning rates to try from the first candidate's SFT adapter")
     parser.add_argument("--repeat", action="store_true")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--work", type=Path, default=Path("/tmp/gspo-probe"))
@@ -194,11 +197,18 @@ def main() -> int:
         print_candidate(result)
         report["candidates"].append(result)
         args.out.write_text(json.dumps(report, indent=1) + "\n")
+    first = report["candidates"][0]
+    lr, steps = args.sft.split(",")[0].split(":")
+    candidate = with_overrides(raw, {"sft.args.learning_rate": float(lr),
+                                     "sft.args.max_steps": int(steps)})
+    for gspo_lr in [float(x) for x in args.gspo_lrs.split(",") if x]:
+        result = run_candidate(with_overrides(candidate, {"train.grpo.learning_rate": gspo_lr}),
+                               train_set, args.work, f"{first['name']}-gspo-lr{gspo_lr:g}",
+                               sft_out=Path(first["sft_out"]))
+        print_candidate(result)
+        report["candidates"].append(result)
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
     if args.repeat:
-        first = report["candidates"][0]
-        lr, steps = args.sft.split(",")[0].split(":")
-        candidate = with_overrides(raw, {"sft.args.learning_rate": float(lr),
-                                         "sft.args.max_steps": int(steps)})
         again_sft = run_candidate(candidate, train_set, args.work, first["name"] + "-again")
         again_gspo = run_candidate(candidate, train_set, args.work, first["name"] + "-gspo-again",
                                    sft_out=Path(first["sft_out"]))
