@@ -151,6 +151,16 @@ def print_candidate(result: dict[str, Any]) -> None:
         print(f"   ratios step {step}: {json.dumps(found)}", flush=True)
 
 
+def parse_value(text: str) -> Any:
+    """A number where `text` is one (YAML reads `5e-5` as a string), else YAML's reading."""
+    import yaml
+
+    try:
+        return float(text) if any(c in text for c in ".eE") else int(text)
+    except ValueError:
+        return yaml.safe_load(text)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="transformers-bf16")
@@ -174,7 +184,7 @@ def main() -> int:
     started = time.perf_counter()
     ensure_embedded_model(MODEL, seed=0, device="cuda" if torch.cuda.is_available() else "cpu")
     torch.cuda.empty_cache()
-    gspo = {f"train.grpo.{k}": yaml.safe_load(v) for k, v in
+    gspo = {f"train.grpo.{k}": parse_value(v) for k, v in
             (item.split("=", 1) for item in args.gspo.split(",") if item)}
     raw = with_overrides(yaml.safe_load((ROOT / "params.yaml").read_text()),
                          {**SMALL, **CONFIGS[args.config], "train.grpo.log_completions": False,
