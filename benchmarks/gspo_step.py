@@ -38,6 +38,14 @@ what fits a 24 GB GPU; such runs are keyed `config@length@qwen3-vl-8b-shape` and
 `results_other_models`, apart from the 2B-shaped `results` the speed target is judged on.
 `peak_device_gib` adds what the process holds beside PyTorch's pool (CUDA context, kernels).
 
+Each run also records, per optimizer step (`per_step`, from TRL's log through
+vlmrl.trl_compat.step_log_rows), whether GSPO acted: reward and reward std, the share of groups
+whose rewards all tie (`frac_reward_zero_std`; their advantage is 0), grad norm, and the clip
+ratio (`clip_ratio_region_mean`, with its `_low_mean` and `_high_mean` parts). TRL logs the
+reward fields only on steps that generate, and a clip ratio of 0 on on-policy steps. On the
+random-init model every completion runs to the maximum length, so every reward of a group ties:
+reward std 0 and grad norm 0 there are what this model gives, not a fault of the run.
+
 Each (configuration, length) runs in its own process (Unsloth patches torch and transformers on
 import), results are merged into `--out` as they arrive (`runs`, raw; `results`, configuration ->
 one entry per completion length), and a run that would not fit in `--budget-s` is skipped and
@@ -124,6 +132,10 @@ for _name, _knobs in CONFIGS.items():  # equal work: 16 completions per optimize
             == PER_DEVICE_BATCH * GRAD_ACCUM), _name
 
 KV_DROPPED_MESSAGE = "Caching is incompatible with gradient checkpointing"
+# TRL's per-step log keys (flattened) that show whether an optimizer step moved the policy.
+STEP_FIELDS = ("reward", "reward_std", "frac_reward_zero_std", "grad_norm",
+               "clip_ratio_region_mean", "clip_ratio_low_mean", "clip_ratio_high_mean",
+               "completions_mean_length")
 
 
 # ------------------------------------------------------------------ shared setup (parent)
@@ -249,6 +261,15 @@ class MemoryPeaks:
     def overall(self, kind: str) -> float | None:
         values = self.by_phase(kind).values()
         return max(values) if values else None
+
+
+def per_step_fields(log_history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per optimizer step (TRL logs `loss` on each) with the STEP_FIELDS it logged;
+    a field TRL did not log on that step is left out."""
+    from vlmrl.trl_compat import step_log_rows
+
+    return [{"step": row["step"], **{key: row[key] for key in STEP_FIELDS if key in row}}
+            for row in step_log_rows(log_history) if "loss" in row]
 
 
 class _KVDropDetector(logging.Handler):
@@ -401,6 +422,7 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
         "timed_steps": len(timed),
         "generation_calls": [{**g, "seconds": round(g["seconds"], 3)} for g in generations],
         "kv_cache_dropped_in_generation": detector.seen,
+        "per_step": per_step_fields(trainer.state.log_history),
         "settings": {**knobs, "num_generations": NUM_GENERATIONS, "lora": LORA,
                      "cache_implementation": config.cache_implementation,
                      "generation_kwargs": {k: v for k, v in config.generation_kwargs.items()
@@ -418,7 +440,7 @@ def result_key(config: str, length: int, model: str = MODEL) -> str:
 SUMMARY_FIELDS = ("completion_length", "seconds_per_step", "generated_tokens_per_second",
                   "generation_only_tokens_per_second", "peak_allocated_gib", "peak_reserved_gib",
                   "peak_allocated_gib_by_phase", "mean_completion_length", "warmup_steps",
-                  "timed_steps", "device", "non_pytorch_gib", "peak_device_gib")
+                  "timed_steps", "device", "non_pytorch_gib", "peak_device_gib", "per_step")
 
 
 def summarize(runs: dict[str, Any], model: str = MODEL) -> dict[str, list[dict[str, Any]]]:
@@ -472,6 +494,12 @@ def print_table(results: dict[str, Any]) -> None:
               f"{fmt(run['peak_allocated_gib'], '8.2f')} {fmt(run['peak_reserved_gib'], '8.2f')} "
               f"{fmt(run['mean_completion_length'], '6.0f')}"
               f"  {'KV cache dropped' if run.get('kv_cache_dropped_in_generation') else ''}")
+
+
+def print_steps(key: str, rows: list[dict[str, Any]]) -> None:
+    for row in rows:
+        print(f"{key} step {row['step']}: " + ", ".join(
+            f"{field} {row[field]:.4g}" for field in STEP_FIELDS if field in row), flush=True)
 
 
 def main() -> int:
@@ -567,7 +595,9 @@ def main() -> int:
             results["runs"][key] = result
             save_results(args.out, results)
             print(json.dumps({k: v for k, v in result.items()
-                              if k not in ("generation_calls", "settings")}), flush=True)
+                              if k not in ("generation_calls", "settings", "per_step")}),
+                  flush=True)
+            print_steps(key, result.get("per_step", []))
     print_table(results)
     return 0
 

@@ -4,6 +4,7 @@
 #
 #   tests/gpu/run_on_device.sh tests [pytest args...]   # tests/gpu (gpu-marked)
 #   tests/gpu/run_on_device.sh bench [gspo_step.py args...]
+#   tests/gpu/run_on_device.sh probe [gspo_settings_probe.py args...]   # the tests' SFT/GSPO settings
 #   tests/gpu/run_on_device.sh setup                    # install only, print versions
 #
 # Installs into /tmp/site (kept while the machine stays up: a second call skips the install),
@@ -77,5 +78,12 @@ case "$MODE" in
         rc="${PIPESTATUS[0]}"
         rm -rf "$VLMRL_GPU_LOGS"
         exit "$rc" ;;
-    *) echo "usage: $0 tests|bench|setup [args]" >&2; exit 2 ;;
+    probe)
+        export TQDM_DISABLE=1
+        python3 benchmarks/gspo_settings_probe.py --out "$OUTDIR/probe.json" "$@" 2>&1 \
+            | tee "$OUTDIR/probe.log"
+        rc="${PIPESTATUS[0]}"
+        rm -rf "$VLMRL_GPU_LOGS"
+        exit "$rc" ;;
+    *) echo "usage: $0 tests|bench|probe|setup [args]" >&2; exit 2 ;;
 esac

@@ -7,9 +7,14 @@ it: the `cmd` of dvc.yaml with its `${paths.*}` filled in, `python stages/<stage
 copy's root. The model (`embedded:qwen3-vl-2b-shape`, built once on the GPU through
 vlmrl.models.embedded, the same builder as the tiny default) is shared through $VLMRL_CACHE.
 
-Order matters and is kept by pytest's file order: `test_train_gspo` runs for every configuration
-first (the priority), then `test_downstream` runs baseline_eval, post_eval, verify_lora, export and
-upload on each trained copy. Stage logs go to $VLMRL_GPU_LOGS (default: a temporary directory).
+Order matters and is kept by pytest's file order: `test_train_gspo` runs sft_cold_start and then
+train_gspo for every configuration first (the priority), then `test_downstream` runs
+baseline_eval, post_eval, verify_lora, export and upload on each trained copy. Stage logs go to
+$VLMRL_GPU_LOGS (default: a temporary directory).
+
+Training must act, not only run (issue 19): every optimizer step has grad_norm > 0, the clip
+ratio of every off-policy step is strictly between 0 and 1, and every `lora_B` of the trained
+adapter is non-zero and differs from the cold-start adapter it continued.
 
 Run on the device machine with tests/gpu/run_on_device.sh (see tests/gpu/README.md).
 """
@@ -39,6 +44,43 @@ CONFIGS = {
     "transformers-bf16": {"model.backend": "transformers", "model.load_in_4bit": False},
     "transformers-4bit": {"model.backend": "transformers", "model.load_in_4bit": True},
 }
+# The cold start and GSPO of the tests, measured on an H100 (transformers bf16) with
+# benchmarks/gspo_settings_probe.py; tests/gpu/README.md has the figures. Without the SFT the
+# random model never samples EOS, every reward of a group is equal and no gradient flows. After
+# 12 steps at 2e-3 (loss 12.3 -> about 1.0) about half the sampled completions score format
+# points and no group of the first generation has reward std 0; 8 steps at 1e-3 or 2e-3 did too;
+# 5e-3 diverged (loss 7.4 -> 14.7 at step 3) and no completion scored.
+SFT = {
+    "sft.enabled": True,
+    "sft.args.max_steps": 12,
+    "sft.args.learning_rate": 2.0e-3,
+    "sft.args.lr_scheduler_type": "constant",
+    "sft.args.per_device_train_batch_size": 8,
+    "sft.args.seed": 42,
+}
+# 2 prompts x 8 generations per optimizer step; one generation serves two steps
+# (steps_per_generation 2 > gradient_accumulation_steps 1), so step 2 is off-policy. One
+# generation only: on this random model one update at lr 5e-4 moves a sequence's log-likelihood
+# by 1-4 nats, so step 2 clips exactly the negative-advantage rows (0.56-0.69 in 5 of 5 probe
+# runs, whatever the epsilon pair from 3e-4 to 0.2), and the next generation lost the format in
+# 3 of 5 runs (every reward 0, grad_norm 0).
+GSPO = {
+    "train.grpo.max_steps": 2,
+    "train.grpo.per_device_train_batch_size": 16,
+    "train.grpo.gradient_accumulation_steps": 1,
+    "train.grpo.steps_per_generation": 2,
+    "train.grpo.num_iterations": 1,
+    "train.grpo.num_generations": 8,
+    "train.grpo.max_completion_length": 32,  # the SFT format is 22-30 tokens with <|im_end|>
+    "train.grpo.temperature": 0.7,
+    "train.grpo.importance_sampling_level": "sequence",
+    "train.grpo.learning_rate": 5.0e-4,
+    "train.grpo.lr_scheduler_type": "constant",
+    "train.grpo.epsilon": 3.0e-3,
+    "train.grpo.epsilon_high": 4.0e-3,
+    "train.grpo.beta": 0.0,
+    "train.grpo.seed": 42,
+}
 # Small enough for minutes per configuration; every stage still does its real work.
 SMALL = {
     "model.name": MODEL,
@@ -46,19 +88,14 @@ SMALL = {
     "data.synthetic_size": 24,
     "data.eval_size": 4,
     "data.image_size": 512,
-    "eval.max_new_tokens": 16,
+    "rewards.weights": {"format_reward": 1.0, "correctness_reward": 1.0},
+    "eval.max_new_tokens": 32,
     "eval.batch_size": 4,
     "train.save_steps": 2,
     "train.lora.r": 16,
     "train.lora.alpha": 16,
-    "train.grpo.max_steps": 4,
-    "train.grpo.per_device_train_batch_size": 4,
-    "train.grpo.gradient_accumulation_steps": 1,
-    "train.grpo.steps_per_generation": 2,
-    "train.grpo.num_generations": 4,
-    # 32 tokens, as in params.yaml: about half the completions pass length_penalty's 150
-    # characters, so groups have reward variance and the adapter really moves (verify_lora).
-    "train.grpo.max_completion_length": 32,
+    **SFT,
+    **GSPO,
     "export.gguf_outtypes": ["f16"],
     "export.quantize": [],
     "upload.bucket": "",
@@ -118,15 +155,8 @@ def stage_commands(repo: Path) -> dict[str, str]:
             for name, stage in dvc["stages"].items()}
 
 
-def stage_exists(repo: Path, command: str) -> bool:
-    script = next((part for part in command.split() if part.startswith("stages/")), None)
-    return script is not None and (repo / script).is_file()
-
-
 def run_stage(repo: Path, name: str, tag: str) -> subprocess.CompletedProcess:
     command = stage_commands(repo)[name]
-    if not stage_exists(repo, command):
-        pytest.skip(f"{name}: {command.split()[1]} does not exist yet")
     argv = [sys.executable, *command.split()[1:]]  # `python` -> this interpreter
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(repo / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]),
@@ -163,7 +193,42 @@ def selected_stages(selection: str | None, repo: Path) -> list[str]:
 
 
 def read_json(path: Path) -> dict:
+    assert path.is_file(), f"{path} is missing"
     return json.loads(path.read_text())
+
+
+def optimizer_steps(repo: Path) -> list[dict]:
+    """The train log's rows of optimizer steps (TRL logs `loss` on each), in order."""
+    log = repo / "data/metrics/train_log.jsonl"
+    assert log.is_file(), f"{log} is missing"
+    return [row for row in map(json.loads, log.read_text().splitlines()) if "loss" in row]
+
+
+def off_policy_steps(max_steps: int, accumulation: int, steps_per_generation: int) -> list[int]:
+    """Optimizer steps (from 1) that start on a generation made before an earlier update: TRL
+    generates once every `steps_per_generation` micro-batches, and `accumulation` micro-batches
+    make one optimizer step. TRL logs clip ratio 0 on the other (on-policy) steps."""
+    return [step for step in range(1, max_steps + 1)
+            if (step - 1) * accumulation % steps_per_generation != 0]
+
+
+def lora_b_tensors(adapter: Path) -> dict:
+    from safetensors.torch import load_file
+
+    weights = adapter / "adapter_model.safetensors"
+    assert weights.is_file(), f"{weights} is missing"
+    found = {name: tensor for name, tensor in load_file(str(weights)).items() if "lora_B" in name}
+    assert found, f"{weights} holds no lora_B tensor"
+    return found
+
+
+def print_steps(tag: str, rows: list[dict]) -> None:
+    keys = ("reward", "reward_std", "frac_reward_zero_std", "grad_norm",
+            "clip_ratio_region_mean", "clip_ratio_low_mean", "clip_ratio_high_mean",
+            "completions_mean_length")
+    for row in rows:
+        print(f"{tag} step {row['step']}: " + ", ".join(
+            f"{key} {row[key]:.4g}" for key in keys if isinstance(row.get(key), (int, float))))
 
 
 # ------------------------------------------------------------------ fixtures
@@ -222,40 +287,67 @@ def test_model_has_qwen3_vl_2b_shapes(gpu_cache):
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_train_gspo(copies, config):
+    """sft_cold_start, then train_gspo continuing its adapter; GSPO must act on every step."""
+    import torch
+
     repo = copies[config]
+    run_stage(repo, "sft_cold_start", config)
+    assert read_json(repo / "data/models/sft/vlmrl_sft.json")["adapter"] is True
     run_stage(repo, "train_gspo", config)
-    summary = read_json(repo / "data/metrics/train.json")
-    assert summary["steps"] == SMALL["train.grpo.max_steps"]
+    max_steps = GSPO["train.grpo.max_steps"]
+    assert read_json(repo / "data/metrics/train.json")["steps"] == max_steps
     adapter = repo / "data/models/adapter"
-    assert (adapter / "adapter_config.json").is_file()
-    assert (adapter / "adapter_model.safetensors").is_file()
-    adapter_config = read_json(adapter / "adapter_config.json")
-    assert adapter_config["r"] == SMALL["train.lora.r"]
-    rows = [json.loads(line) for line in
-            (repo / "data/metrics/train_log.jsonl").read_text().splitlines() if line.strip()]
-    assert [row["step"] for row in rows if "loss" in row][-1] == SMALL["train.grpo.max_steps"]
+    assert read_json(adapter / "adapter_config.json")["r"] == SMALL["train.lora.r"]
+
+    rows = optimizer_steps(repo)
+    print_steps(config, rows)
+    assert [row["step"] for row in rows] == list(range(1, max_steps + 1))
+    grad_norms = {row["step"]: row.get("grad_norm") for row in rows}
+    assert all(isinstance(g, float) and g > 0 for g in grad_norms.values()), (
+        f"every optimizer step must have grad_norm > 0: {grad_norms}")
+    off_policy = off_policy_steps(max_steps, GSPO["train.grpo.gradient_accumulation_steps"],
+                                  GSPO["train.grpo.steps_per_generation"])
+    assert off_policy == [2]
+    clips = {row["step"]: row.get("clip_ratio_region_mean") for row in rows
+             if row["step"] in off_policy}
+    assert all(isinstance(c, float) and 0 < c < 1 for c in clips.values()), (
+        f"the clip ratio of every off-policy step must be strictly in (0, 1): {clips}")
+
+    start, trained = lora_b_tensors(repo / "data/models/sft"), lora_b_tensors(adapter)
+    assert trained.keys() == start.keys()
+    zero = sorted(name for name, tensor in trained.items() if not tensor.any())
+    unchanged = sorted(name for name, tensor in trained.items()
+                       if torch.equal(tensor, start[name]))
+    assert not zero, f"{len(zero)} of {len(trained)} lora_B tensors are all zero: {zero[:3]}"
+    assert not unchanged, (f"{len(unchanged)} of {len(trained)} lora_B tensors equal the "
+                           f"cold-start adapter's: {unchanged[:3]}")
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_downstream(copies, config):
     """baseline_eval, post_eval, verify_lora, export (Unsloth's merged 16-bit save on the Unsloth
-    path, transformers' merge otherwise; GGUF on both) and upload (local manifest only)."""
+    path, transformers' merge otherwise; GGUF on both) and upload (local manifest only); or the
+    stages VLMRL_GPU_DOWNSTREAM names. Each selected stage must leave its outputs."""
     repo = copies[config]
-    if not (repo / "data/models/adapter/adapter_config.json").is_file():
-        pytest.skip("train_gspo did not produce an adapter for this configuration")
+    assert (repo / "data/models/adapter/adapter_config.json").is_file(), (
+        f"no trained adapter for {config}: run test_train_gspo[{config}] in the same session "
+        f"(pytest -k {config})")
     stages = selected_stages(os.environ.get("VLMRL_GPU_DOWNSTREAM"), repo)
     for stage in stages:
         run_stage(repo, stage, config)
     metrics = repo / "data/metrics"
-    if "post_eval" in stages:
-        post = read_json(metrics / "post_eval.json")
-        assert post["n"] == SMALL["data.eval_size"]
-    if "verify_lora" in stages and (metrics / "verify_lora.json").is_file():
-        assert read_json(metrics / "verify_lora.json")
-    if "export" in stages and (metrics / "export.json").is_file():
+    for stage in {"baseline_eval", "post_eval"} & set(stages):
+        assert read_json(metrics / f"{stage}.json")["n"] == SMALL["data.eval_size"]
+    if "verify_lora" in stages:
+        assert read_json(metrics / "verify_lora.json")["passed"] is True
+    if "export" in stages:
+        assert read_json(metrics / "export.json")
         merged = repo / "data/models/merged"
         assert (merged / "config.json").is_file()
         assert list(merged.glob("*.safetensors"))
         ggufs = sorted(p.name for p in (repo / "data/models/gguf").glob("*.gguf"))
         assert any(name.startswith("model-f16") for name in ggufs), ggufs
         assert any(name.startswith("mmproj") for name in ggufs), ggufs
+    if "upload" in stages:
+        assert read_json(metrics / "upload.json")
+        assert read_json(repo / "data/reports/upload_manifest.json")
