@@ -78,6 +78,23 @@ def test_eval_settings_from_params_and_unknown_key_named():
         EvalParams.from_params({**PARAMS["eval"], "batch_size": 0})
     with pytest.raises(ParamsError, match="eval.top_p"):
         EvalParams.from_params({**PARAMS["eval"], "top_p": 1.5})
+    with pytest.raises(ParamsError, match="eval.top_k"):
+        EvalParams.from_params({**PARAMS["eval"], "top_k": -1})
+
+
+def test_sampling_settings_reach_generate_and_greedy_ignores_them():
+    class Processor:
+        class tokenizer:  # noqa: N801 - stands in for the processor's tokenizer attribute
+            pad_token_id = unk_token_id = 0
+            convert_tokens_to_ids = staticmethod(lambda token: 1)
+
+    sampled = generation_kwargs(Processor, EvalParams(do_sample=True, temperature=0.7, top_p=0.8,
+                                                      top_k=20))
+    assert (sampled["temperature"], sampled["top_p"], sampled["top_k"]) == (0.7, 0.8, 20)
+    # 0 switches the cut off; None would let generate fall back to its default of 50
+    assert generation_kwargs(Processor, EvalParams(do_sample=True))["top_k"] == 0
+    greedy = generation_kwargs(Processor, EvalParams(do_sample=False, top_k=20))
+    assert "top_k" not in greedy and greedy["do_sample"] is False
 
 
 # ---------------------------------------------------------------- aggregation

@@ -71,7 +71,8 @@ def generation_kwargs(processor, settings: EvalParams) -> dict[str, Any]:
                               "pad_token_id": processor.tokenizer.pad_token_id,
                               **suppressed_generation_kwargs(processor)}
     if settings.do_sample:
-        kwargs.update(temperature=settings.temperature, top_p=settings.top_p)
+        kwargs.update(temperature=settings.temperature, top_p=settings.top_p,
+                      top_k=settings.top_k)  # 0: no top-k cut (None would mean 50)
     return kwargs
 
 

@@ -201,6 +201,7 @@ class EvalParams(Section):
     do_sample: Boolean = False
     temperature: Annotated[float, BeforeValidator(_number), Field(gt=0)] = 1.0
     top_p: Annotated[float, BeforeValidator(_number), Field(gt=0, le=1)] = 1.0
+    top_k: Annotated[int, BeforeValidator(_integer), Field(ge=0)] = 0  # 0: no top-k cut
     seed: Integer = 0
 
 

@@ -29,11 +29,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import trl
 from datasets import load_from_disk
-from trl import SFTConfig, SFTTrainer
 
 from vlmrl.models.backend import precision_flags
-from vlmrl.models.loading import load_policy, write_start_marker
+from vlmrl.models.loading import backend_for, load_policy, write_start_marker
 from vlmrl.models.processor import save_processor_files
 from vlmrl.outputs import atomic_dir
 from vlmrl.params import ModelParams, Params, ParamsError, SftParams
@@ -67,7 +67,8 @@ def sft_dataset(train_rows, reasoning: str = DEFAULT_REASONING):
 def build_sft_config(settings: SftParams, output_dir: Path, model_settings: ModelParams):
     """`sft.args` as a trl.SFTConfig, with what the pipeline sets: the collator labels only the
     completion, and vision datasets skip TRL's preparation (so no max_length, all columns)."""
-    known = {field.name for field in dataclasses.fields(SFTConfig)}
+    # trl's classes are looked up at call time: Unsloth, when chosen, replaces them on import.
+    known = {field.name for field in dataclasses.fields(trl.SFTConfig)}
     for key in settings.args:
         if key not in known:
             raise ParamsError(f"params.yaml sft.args.{key} is not a trl.SFTConfig field")
@@ -75,7 +76,7 @@ def build_sft_config(settings: SftParams, output_dir: Path, model_settings: Mode
     kwargs.update(output_dir=str(output_dir), save_strategy="no", completion_only_loss=True,
                   max_length=None, remove_unused_columns=False,
                   **precision_flags(settings.args, model_settings))
-    return SFTConfig(**kwargs)
+    return trl.SFTConfig(**kwargs)
 
 
 def run_sft(*, train_set: Path, params: Params, out: Path) -> dict[str, Any]:
@@ -99,11 +100,12 @@ def run_sft(*, train_set: Path, params: Params, out: Path) -> dict[str, Any]:
 
 def _train(settings: SftParams, params: Params, train_set: Path,
            staging: Path) -> dict[str, Any]:
+    backend_for(params.model)  # Unsloth, when chosen, must patch TRL before the config is built
     install_cpu_fallback()  # SFTTrainer's loss goes through the same Triton log-prob kernel
     config = build_sft_config(settings, staging / "_trainer", params.model)
     model, processor, _backend = load_policy(params.model, params.train.lora, config.seed)
     dataset = sft_dataset(load_from_disk(str(train_set)), settings.reasoning)
-    trainer = SFTTrainer(model=model, args=config, train_dataset=dataset,
+    trainer = trl.SFTTrainer(model=model, args=config, train_dataset=dataset,
                          processing_class=processor)
     started = time.perf_counter()
     trainer.train()

@@ -1,0 +1,200 @@
+"""Does the default pipeline learn? The product's central claim (issue 19), measured the way a user
+would see it: for each seed, a fresh git + DVC copy of the project runs `dvc repro post_eval`
+(prepare_data, sft_cold_start, baseline_eval, train_gspo, post_eval) and the held-out figures of
+baseline_eval and post_eval are compared.
+
+A seed sets every source of randomness of a run: the synthetic set and its train/eval split
+(`data.seed`), the cold-start SFT (`sft.args.seed`) and GSPO's sampling (`train.grpo.seed`). The
+base model's weights (`model.seed`) stay fixed: it is the model being taught, not run noise.
+
+The claim holds when, for every seed, format compliance rises by at least `--min-format-gain`
+and mean reward rises too, and the mean format gain is at least twice its standard deviation
+across seeds. The JSON goes to `--out`; the table replaces the block between this script's
+markers in `--doc` (docs/benchmarks.md), so the figures there are never typed by hand.
+
+    python benchmarks/learning.py                      # 3 seeds, the CPU default
+    python benchmarks/learning.py --seeds 42 --set model.load_in_4bit=true ...   # e.g. a GPU run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from project_repo import make_project_repo, run  # noqa: E402
+
+SEEDS = (42, 7, 13)
+SEED_KEYS = ("data.seed", "sft.args.seed", "train.grpo.seed")
+HEADLINE = ("format_compliance", "accuracy", "mean_reward")
+MARK_BEGIN = "<!-- benchmarks/learning.py:begin{suffix} -->"
+MARK_END = "<!-- benchmarks/learning.py:end{suffix} -->"
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise SystemExit(f"--set {text!r}: expected KEY=VALUE, e.g. train.grpo.max_steps=4")
+    return key, yaml.safe_load(value)
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def train_mechanics(log_rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The per-step facts issue 19 asks of every run: gradients always flow, GSPO's clip acts on
+    off-policy steps without zeroing them, and most groups have a reward spread."""
+    grad_norms = [row["grad_norm"] for row in log_rows if "grad_norm" in row]
+    off_policy_clip = [row["clip_ratio_region_mean"] for row in log_rows
+                       if "clip_ratio_region_mean" in row and "reward" not in row]
+    zero_std = [row["frac_reward_zero_std"] for row in log_rows if "frac_reward_zero_std" in row]
+    return {"min_grad_norm": min(grad_norms), "off_policy_clip_min": min(off_policy_clip),
+            "off_policy_clip_max": max(off_policy_clip),
+            "mean_frac_reward_zero_std": statistics.fmean(zero_std)}
+
+
+def run_seed(seed: int, overrides: dict[str, Any], workdir: Path) -> dict[str, Any]:
+    update = {**dict.fromkeys(SEED_KEYS, seed), **overrides}
+    repo = make_project_repo(workdir / f"seed-{seed}", update)
+    started = time.perf_counter()
+    run(["dvc", "repro", "post_eval"], repo)
+    seconds = time.perf_counter() - started
+    metrics = repo / "data" / "metrics"
+    baseline, post = read_json(metrics / "baseline_eval.json"), read_json(metrics / "post_eval.json")
+    log_rows = [json.loads(line) for line in
+                (metrics / "train_log.jsonl").read_text(encoding="utf-8").splitlines() if line]
+    result: dict[str, Any] = {"seed": seed, "seconds": round(seconds, 1),
+                              "mechanics": train_mechanics(log_rows)}
+    for key in HEADLINE:
+        result[key] = {"baseline": baseline[key], "post": post[key],
+                       "delta": post[key] - baseline[key]}
+    tiers = sorted(set(baseline["accuracy_by_tier"]) | set(post["accuracy_by_tier"]))
+    result["accuracy_by_tier"] = {tier: {"baseline": baseline["accuracy_by_tier"].get(tier),
+                                         "post": post["accuracy_by_tier"].get(tier)}
+                                  for tier in tiers}
+    result["n_eval"] = post["n"]
+    return result
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"mean": statistics.fmean(values),
+            "std": statistics.stdev(values) if len(values) > 1 else 0.0}
+
+
+def summarize(runs: list[dict[str, Any]], min_format_gain: float) -> dict[str, Any]:
+    summary = {key: {part: spread([r[key][part] for r in runs])
+                     for part in ("baseline", "post", "delta")} for key in HEADLINE}
+    format_delta = summary["format_compliance"]["delta"]
+    summary["claim"] = {
+        "every_seed_format_gain": all(r["format_compliance"]["delta"] >= min_format_gain
+                                      for r in runs),
+        "every_seed_reward_gain": all(r["mean_reward"]["delta"] > 0 for r in runs),
+        "mean_gain_at_least_twice_std": format_delta["mean"] >= 2 * format_delta["std"],
+        "min_format_gain": min_format_gain,
+    }
+    summary["claim"]["holds"] = all(v for k, v in summary["claim"].items()
+                                    if k != "min_format_gain")
+    return summary
+
+
+def _points(value: float) -> str:
+    return f"{100 * value:+.1f}"
+
+
+def render_table(results: dict[str, Any]) -> str:
+    runs, summary = results["runs"], results["summary"]
+    lines = [
+        f"Measured {results['date']} on {results['machine']}; "
+        f"{runs[0]['n_eval']} held-out eval items per seed; overrides: "
+        f"{results['overrides'] or 'none (the defaults)'}.",
+        "",
+        "| seed | format compliance (baseline → post) | accuracy | mean reward | read-tier accuracy "
+        "| min grad norm | off-policy clip ratio | groups with reward std 0 | seconds |",
+        "| --- | --- | --- | --- | --- | ---: | --- | ---: | ---: |",
+    ]
+    for r in runs:
+        read = r["accuracy_by_tier"].get("read", {})
+        read_text = (f"{read['baseline']:.2f} → {read['post']:.2f}"
+                     if read.get("baseline") is not None and read.get("post") is not None else "–")
+        m = r["mechanics"]
+        lines.append(
+            f"| {r['seed']} "
+            + "".join(f"| {r[k]['baseline']:.3f} → {r[k]['post']:.3f} ({_points(r[k]['delta'])}) "
+                      if k != "mean_reward" else
+                      f"| {r[k]['baseline']:.3f} → {r[k]['post']:.3f} ({r[k]['delta']:+.3f}) "
+                      for k in HEADLINE)
+            + f"| {read_text} | {m['min_grad_norm']:.3f} "
+            f"| {m['off_policy_clip_min']:.2f}–{m['off_policy_clip_max']:.2f} "
+            f"| {100 * m['mean_frac_reward_zero_std']:.0f}% | {r['seconds']:.0f} |")
+    lines += ["", "| metric | baseline mean ± std | post mean ± std | delta mean ± std |",
+              "| --- | --- | --- | --- |"]
+    for key in HEADLINE:
+        cells = [f"{summary[key][part]['mean']:.3f} ± {summary[key][part]['std']:.3f}"
+                 for part in ("baseline", "post", "delta")]
+        lines.append(f"| {key.replace('_', ' ')} | " + " | ".join(cells) + " |")
+    claim = summary["claim"]
+    lines += ["", f"Claim (every seed: format +{100 * claim['min_format_gain']:.0f} points or more "
+              f"and mean reward up; mean format gain ≥ 2 × its std): "
+              f"**{'holds' if claim['holds'] else 'does not hold'}** "
+              f"(format gain on every seed: {claim['every_seed_format_gain']}, reward gain on "
+              f"every seed: {claim['every_seed_reward_gain']}, mean ≥ 2 std: "
+              f"{claim['mean_gain_at_least_twice_std']})."]
+    return "\n".join(lines)
+
+
+def write_doc_block(doc: Path, table: str, suffix: str) -> None:
+    begin, end = MARK_BEGIN.format(suffix=suffix), MARK_END.format(suffix=suffix)
+    text = doc.read_text(encoding="utf-8")
+    if begin not in text or end not in text:
+        raise SystemExit(f"{doc}: add the markers {begin} and {end} where the table goes")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    doc.write_text(f"{head}{begin}\n{table}\n{end}{tail}", encoding="utf-8")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE", help="a params override (YAML value), repeatable")
+    parser.add_argument("--min-format-gain", type=float, default=0.10)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/learning.json")
+    parser.add_argument("--doc", type=Path, default=ROOT / "docs/benchmarks.md")
+    parser.add_argument("--doc-block", default="",
+                        help="marker suffix of the table's block in --doc (e.g. ':gpu')")
+    parser.add_argument("--no-doc", action="store_true", help="write the JSON only")
+    args = parser.parse_args()
+    overrides = dict(parse_override(text) for text in args.overrides)
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="vlmrl-learning-") as tmp:
+        for seed in args.seeds:
+            runs.append(run_seed(seed, overrides, Path(tmp)))
+            print(json.dumps(runs[-1]), flush=True)
+    results = {"date": time.strftime("%Y-%m-%d"),
+               "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
+                          f"Python {platform.python_version()}",
+               "seeds": args.seeds, "seed_keys": list(SEED_KEYS), "overrides": overrides,
+               "runs": runs, "summary": summarize(runs, args.min_format_gain)}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    table = render_table(results)
+    if not args.no_doc:
+        write_doc_block(args.doc, table, args.doc_block)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
