@@ -36,7 +36,7 @@ def dvc_repro(repo: Path, *targets: str, check: bool = True, extra: tuple[str, .
 # Stage tests check mechanics (clipping, non-zero lora_B, reruns), not learning: after a 2-step
 # SFT the format and correctness rewards tie within every group, so no gradient flows; the length
 # penalty (unweighted by default) makes completions of one group differ.
-TEST_PARAMS = {"sft.args.max_steps": 2, "train.grpo.max_steps": 4,
+TEST_PARAMS = {"sft.args.max_steps": 2, "train.grpo.max_steps": 4, "data.eval_size": 8,
                "train.grpo.per_device_train_batch_size": 4, "train.grpo.num_generations": 4,
                "rewards.weights.length_penalty": 1.0}
 

@@ -31,9 +31,9 @@ MODEL = {"name": "embedded:tiny-qwen3-vl"}
 LORA = {"r": 8, "alpha": 16, "dropout": 0.0,
         "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                            "down_proj"]}
-SFT = {"enabled": True, "args": {"max_steps": 20, "learning_rate": 3.0e-3,
-                                 "lr_scheduler_type": "constant",
-                                 "per_device_train_batch_size": 8, "seed": 3}}
+SFT = {"enabled": True, "reasoning": "The answer is {answer}.",
+       "args": {"max_steps": 20, "learning_rate": 3.0e-3, "lr_scheduler_type": "constant",
+                "per_device_train_batch_size": 8, "seed": 3}}
 GRPO = {"learning_rate": 1.0e-3, "lr_scheduler_type": "constant", "max_steps": 6,
         "per_device_train_batch_size": 8, "steps_per_generation": 2, "num_generations": 8,
         "max_completion_length": 12, "temperature": 1.0, "importance_sampling_level": "sequence",

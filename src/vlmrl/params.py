@@ -212,7 +212,7 @@ class SftParams(Section):
 
     SECTION = "sft"
     enabled: Boolean = False
-    reasoning: str = "The answer is {answer}."  # the reasoning block's text
+    reasoning: str = "I read the image."  # the reasoning block's text; may hold {answer}
     args: dict[str, Any] = {}
 
     # Set by the pipeline, never from sft.args.
