@@ -14,6 +14,10 @@ markers in `--doc` (docs/benchmarks.md), so the figures there are never typed by
 
     python benchmarks/learning.py                      # 3 seeds, the CPU default
     python benchmarks/learning.py --seeds 42 --set model.load_in_4bit=true ...   # e.g. a GPU run
+
+`--without-dvc` runs the same stage commands (dvc.yaml's `cmd`, paths filled in) one after the
+other in a plain copy, for a GPU machine where DVC is not installed (tests/gpu/run_on_device.sh
+learning ...).
 """
 
 from __future__ import annotations
@@ -22,7 +26,10 @@ import argparse
 import json
 import os
 import platform
+import re
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -33,9 +40,10 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from project_repo import make_project_repo, run  # noqa: E402
+from project_repo import PROJECT_DIRS, PROJECT_FILES, make_project_repo, run, update_params  # noqa: E402
 
 SEEDS = (42, 7, 13)
+STAGES = ("prepare_data", "sft_cold_start", "baseline_eval", "train_gspo", "post_eval")
 SEED_KEYS = ("data.seed", "sft.args.seed", "train.grpo.seed")
 HEADLINE = ("format_compliance", "accuracy", "mean_reward")
 MARK_BEGIN = "<!-- benchmarks/learning.py:begin{suffix} -->"
@@ -65,11 +73,55 @@ def train_mechanics(log_rows: list[dict[str, Any]]) -> dict[str, Any]:
             "mean_frac_reward_zero_std": statistics.fmean(zero_std)}
 
 
-def run_seed(seed: int, overrides: dict[str, Any], workdir: Path) -> dict[str, Any]:
+def stage_commands(repo: Path) -> dict[str, list[str]]:
+    """dvc.yaml's stage commands with `${...}` filled in from its vars, `python` -> this one."""
+    pipeline = yaml.safe_load((repo / "dvc.yaml").read_text(encoding="utf-8"))
+    variables = {f"{group}.{key}": str(value) for entry in pipeline.get("vars", [])
+                 if isinstance(entry, dict) for group, values in entry.items()
+                 for key, value in (values or {}).items()}
+    commands = {}
+    for name, stage in pipeline["stages"].items():
+        text = re.sub(r"\$\{([\w.]+)\}", lambda m: variables[m.group(1)], stage["cmd"])
+        argv = text.split()
+        commands[name] = [sys.executable, *argv[1:]] if argv[0] == "python" else argv
+    return commands
+
+
+def run_without_dvc(repo: Path) -> None:
+    commands = stage_commands(repo)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(repo / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    for name in STAGES:
+        print(f"running {name}", flush=True)
+        result = subprocess.run(commands[name], cwd=repo, env=env, text=True,
+                                capture_output=True, check=False)
+        if result.returncode != 0:
+            raise SystemExit(f"stage {name} failed ({result.returncode}):\n"
+                             f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
+
+
+def plain_copy(target: Path, update: dict[str, Any]) -> Path:
+    target.mkdir(parents=True)
+    for name in PROJECT_FILES:
+        shutil.copy2(ROOT / name, target / name)
+    for name in PROJECT_DIRS:
+        shutil.copytree(ROOT / name, target / name,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    (target / "data").mkdir()
+    update_params(target, update)
+    return target
+
+
+def run_seed(seed: int, overrides: dict[str, Any], workdir: Path,
+             without_dvc: bool = False) -> dict[str, Any]:
     update = {**dict.fromkeys(SEED_KEYS, seed), **overrides}
-    repo = make_project_repo(workdir / f"seed-{seed}", update)
     started = time.perf_counter()
-    run(["dvc", "repro", "post_eval"], repo)
+    if without_dvc:
+        repo = plain_copy(workdir / f"seed-{seed}", update)
+        run_without_dvc(repo)
+    else:
+        repo = make_project_repo(workdir / f"seed-{seed}", update)
+        run(["dvc", "repro", "post_eval"], repo)
     seconds = time.perf_counter() - started
     metrics = repo / "data" / "metrics"
     baseline, post = read_json(metrics / "baseline_eval.json"), read_json(metrics / "post_eval.json")
@@ -176,17 +228,20 @@ def main() -> None:
     parser.add_argument("--doc-block", default="",
                         help="marker suffix of the table's block in --doc (e.g. ':gpu')")
     parser.add_argument("--no-doc", action="store_true", help="write the JSON only")
+    parser.add_argument("--without-dvc", action="store_true",
+                        help="run the stage commands directly (a machine without DVC)")
     args = parser.parse_args()
     overrides = dict(parse_override(text) for text in args.overrides)
     runs = []
     with tempfile.TemporaryDirectory(prefix="vlmrl-learning-") as tmp:
         for seed in args.seeds:
-            runs.append(run_seed(seed, overrides, Path(tmp)))
+            runs.append(run_seed(seed, overrides, Path(tmp), args.without_dvc))
             print(json.dumps(runs[-1]), flush=True)
     results = {"date": time.strftime("%Y-%m-%d"),
                "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
                           f"Python {platform.python_version()}",
                "seeds": args.seeds, "seed_keys": list(SEED_KEYS), "overrides": overrides,
+               "runner": "stage commands" if args.without_dvc else "dvc repro post_eval",
                "runs": runs, "summary": summarize(runs, args.min_format_gain)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")

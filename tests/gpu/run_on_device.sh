@@ -5,6 +5,7 @@
 #   tests/gpu/run_on_device.sh tests [pytest args...]   # tests/gpu (gpu-marked)
 #   tests/gpu/run_on_device.sh bench [gspo_step.py args...]
 #   tests/gpu/run_on_device.sh probe [gspo_settings_probe.py args...]   # the tests' SFT/GSPO settings
+#   tests/gpu/run_on_device.sh learning [learning.py args...]   # the learning benchmark, no DVC
 #   tests/gpu/run_on_device.sh setup                    # install only, print versions
 #
 # Installs into /tmp/site (kept while the machine stays up: a second call skips the install),
@@ -70,6 +71,13 @@ case "$MODE" in
         rc="${PIPESTATUS[0]}"
         # The device tool returns at most 8 files: one archive for the per-stage logs.
         tar czf "$OUTDIR/stage-logs.tgz" -C "$VLMRL_GPU_LOGS" . && rm -rf "$VLMRL_GPU_LOGS"
+        exit "$rc" ;;
+    learning)
+        export TQDM_DISABLE=1
+        python3 benchmarks/learning.py --without-dvc --no-doc --out "$OUTDIR/learning.json" "$@" 2>&1 \
+            | tee "$OUTDIR/learning.log"
+        rc="${PIPESTATUS[0]}"
+        rm -rf "$VLMRL_GPU_LOGS"
         exit "$rc" ;;
     bench)
         export TQDM_DISABLE=1
