@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import TESTMINI, dvc_repro, run, stage_command, update_params
+from conftest import TEST_PARAMS, TESTMINI, dvc_repro, run, stage_command, update_params
 from PIL import Image
 
 from vlmrl.data import (
@@ -154,7 +154,7 @@ def test_prepare_data_stage_through_dvc(pipeline_repo: Path) -> None:
     eval_set = load_from_disk(str(pipeline_repo / "data/prepared/eval"))
     assert {"pid", "prompt", "image", "answer", "question_type", "answer_type", "choices",
             "precision", "unit"} <= set(train.column_names)
-    assert len(eval_set) == 16 and len(train) > 50
+    assert len(eval_set) == TEST_PARAMS["data.eval_size"] and len(train) > 50
     assert not set(train["pid"]) & set(eval_set["pid"])
     assert max(train[0]["image"].size) == 512 and train[0]["image"].mode == "RGB"
     report = (pipeline_repo / "data/reports/data_report.md").read_text()
