@@ -40,7 +40,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from project_repo import PROJECT_DIRS, PROJECT_FILES, make_project_repo, run, update_params  # noqa: E402
+from project_repo import PROJECT_DIRS, PROJECT_FILES, make_project_repo, run, update_params
 
 SEEDS = (42, 7, 13)
 STAGES = ("prepare_data", "sft_cold_start", "baseline_eval", "train_gspo", "post_eval")
@@ -168,12 +168,13 @@ def _points(value: float) -> str:
 def render_table(results: dict[str, Any]) -> str:
     runs, summary = results["runs"], results["summary"]
     lines = [
-        f"Measured {results['date']} on {results['machine']}; "
-        f"{runs[0]['n_eval']} held-out eval items per seed; overrides: "
-        f"{results['overrides'] or 'none (the defaults)'}.",
+        (f"Measured {results['date']} on {results['machine']}; "
+         f"{runs[0]['n_eval']} held-out eval items per seed; overrides: "
+         f"{results['overrides'] or 'none (the defaults)'}."),
         "",
-        "| seed | format compliance (baseline → post) | accuracy | mean reward | read-tier accuracy "
-        "| min grad norm | off-policy clip ratio | groups with reward std 0 | seconds |",
+        ("| seed | format compliance (baseline → post) | accuracy | mean reward "
+         "| read-tier accuracy | min grad norm | off-policy clip ratio | groups with reward std 0 "
+         "| seconds |"),
         "| --- | --- | --- | --- | --- | ---: | --- | ---: | ---: |",
     ]
     for r in runs:
@@ -197,12 +198,12 @@ def render_table(results: dict[str, Any]) -> str:
                  for part in ("baseline", "post", "delta")]
         lines.append(f"| {key.replace('_', ' ')} | " + " | ".join(cells) + " |")
     claim = summary["claim"]
-    lines += ["", f"Claim (every seed: format +{100 * claim['min_format_gain']:.0f} points or more "
-              f"and mean reward up; mean format gain ≥ 2 × its std): "
-              f"**{'holds' if claim['holds'] else 'does not hold'}** "
-              f"(format gain on every seed: {claim['every_seed_format_gain']}, reward gain on "
-              f"every seed: {claim['every_seed_reward_gain']}, mean ≥ 2 std: "
-              f"{claim['mean_gain_at_least_twice_std']})."]
+    lines += ["", (f"Claim (every seed: format +{100 * claim['min_format_gain']:.0f} points "
+                   f"or more and mean reward up; mean format gain ≥ 2 × its std): "
+                   f"**{'holds' if claim['holds'] else 'does not hold'}** "
+                   f"(format gain on every seed: {claim['every_seed_format_gain']}, reward gain "
+                   f"on every seed: {claim['every_seed_reward_gain']}, mean ≥ 2 std: "
+                   f"{claim['mean_gain_at_least_twice_std']}).")]
     return "\n".join(lines)
 
 

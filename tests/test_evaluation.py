@@ -84,7 +84,7 @@ def test_eval_settings_from_params_and_unknown_key_named():
 
 def test_sampling_settings_reach_generate_and_greedy_ignores_them():
     class Processor:
-        class tokenizer:  # noqa: N801 - stands in for the processor's tokenizer attribute
+        class tokenizer:
             pad_token_id = unk_token_id = 0
             convert_tokens_to_ids = staticmethod(lambda token: 1)
 
