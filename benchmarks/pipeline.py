@@ -3,6 +3,9 @@ a no-op `dvc repro`, a rerun after one train param changed, and the Prefect flow
 all-cached pipeline. Runs on a fresh git + DVC copy of the project.
 
     python benchmarks/pipeline.py [--out benchmarks/results/pipeline.json]
+    python benchmarks/pipeline.py --render benchmarks/results/pipeline.json   # table only
+
+The table replaces the block between this script's markers in `--doc` (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from project_repo import make_project_repo, update_params
 STAGE_LINE = re.compile(r"Running stage '([^']+)'")
 SKIP_LINE = re.compile(r"Stage '([^']+)' didn't change, skipping")
 TARGETS = {"full_run_s": 300.0, "noop_s": 3.0, "cached_flow_s": 15.0}
+MARK_BEGIN, MARK_END = "<!-- benchmarks/pipeline.py:begin -->", "<!-- benchmarks/pipeline.py:end -->"
 
 
 def timed_repro(repo: Path, *args: str) -> dict:
@@ -69,7 +73,13 @@ def timed_cached_flow(repo: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/pipeline.json"))
+    parser.add_argument("--doc", type=Path, default=Path("docs/benchmarks.md"))
+    parser.add_argument("--render", type=Path, metavar="JSON",
+                        help="write the table of an earlier run's JSON into --doc; measure nothing")
     args = parser.parse_args()
+    if args.render:
+        write_doc_block(args.doc, render_table(json.loads(args.render.read_text())))
+        return
     with tempfile.TemporaryDirectory(prefix="vlmrl-bench-") as tmp:
         repo = make_project_repo(Path(tmp) / "repo")
         first = timed_repro(repo)
@@ -84,22 +94,35 @@ def main() -> None:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
-    print_table(results)
+    table = render_table(results)
+    write_doc_block(args.doc, table)
+    print(table)
 
 
-def print_table(results: dict) -> None:
+def render_table(results: dict) -> str:
     first = results["first_full_repro"]
-    print("| measurement | seconds | target |\n| --- | ---: | ---: |")
-    print(f"| first full `dvc repro` | {first['seconds']} | < {TARGETS['full_run_s']:.0f} |")
-    for stage, seconds in first["stage_seconds"].items():
-        print(f"| - {stage} | {seconds} | |")
-    print(f"| no-op `dvc repro` | {results['noop_repro']['seconds']} | < {TARGETS['noop_s']:.0f} |")
+    lines = [f"Machine: {results['machine']}.", "",
+             "| measurement | seconds | target |", "| --- | ---: | ---: |",
+             f"| first full `dvc repro` | {first['seconds']} | < {TARGETS['full_run_s']:.0f} |"]
+    lines += [f"| - {stage} | {seconds} | |" for stage, seconds in first["stage_seconds"].items()]
+    lines.append(f"| no-op `dvc repro` | {results['noop_repro']['seconds']} "
+                 f"| < {TARGETS['noop_s']:.0f} |")
     rerun = results["rerun_after_train_param"]
-    print(f"| rerun after `train.grpo.learning_rate` changed ({', '.join(rerun['ran'])}) "
-          f"| {rerun['seconds']} | |")
+    lines.append(f"| rerun after `train.grpo.learning_rate` changed ({', '.join(rerun['ran'])}) "
+                 f"| {rerun['seconds']} | |")
     flow = results["cached_flow"]
-    print(f"| Prefect flow, all cached | {flow['seconds']} "
-          f"| < {TARGETS['cached_flow_s']:.0f} |")
+    lines.append(f"| Prefect flow, all cached (test server already up) | {flow['seconds']} "
+                 f"| < {TARGETS['cached_flow_s']:.0f} |")
+    return "\n".join(lines)
+
+
+def write_doc_block(doc: Path, table: str) -> None:
+    text = doc.read_text(encoding="utf-8")
+    if MARK_BEGIN not in text or MARK_END not in text:
+        raise SystemExit(f"{doc}: add the markers {MARK_BEGIN} and {MARK_END} where the table goes")
+    head, rest = text.split(MARK_BEGIN, 1)
+    tail = rest.split(MARK_END, 1)[1]
+    doc.write_text(f"{head}{MARK_BEGIN}\n{table}\n{MARK_END}{tail}", encoding="utf-8")
 
 
 if __name__ == "__main__":
