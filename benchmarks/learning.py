@@ -26,8 +26,6 @@ import argparse
 import json
 import os
 import platform
-import re
-import shutil
 import statistics
 import subprocess
 import sys
@@ -40,7 +38,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from project_repo import PROJECT_DIRS, PROJECT_FILES, make_project_repo, run, update_params
+from project_repo import copy_project, make_project_repo, run, stage_command
 
 SEEDS = (42, 7, 13)
 STAGES = ("prepare_data", "sft_cold_start", "baseline_eval", "train_gspo", "post_eval")
@@ -73,43 +71,18 @@ def train_mechanics(log_rows: list[dict[str, Any]]) -> dict[str, Any]:
             "mean_frac_reward_zero_std": statistics.fmean(zero_std)}
 
 
-def stage_commands(repo: Path) -> dict[str, list[str]]:
-    """dvc.yaml's stage commands with `${...}` filled in from its vars, `python` -> this one."""
-    pipeline = yaml.safe_load((repo / "dvc.yaml").read_text(encoding="utf-8"))
-    variables = {f"{group}.{key}": str(value) for entry in pipeline.get("vars", [])
-                 if isinstance(entry, dict) for group, values in entry.items()
-                 for key, value in (values or {}).items()}
-    commands = {}
-    for name, stage in pipeline["stages"].items():
-        text = re.sub(r"\$\{([\w.]+)\}", lambda m: variables[m.group(1)], stage["cmd"])
-        argv = text.split()
-        commands[name] = [sys.executable, *argv[1:]] if argv[0] == "python" else argv
-    return commands
-
-
 def run_without_dvc(repo: Path) -> None:
-    commands = stage_commands(repo)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(repo / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]))
     for name in STAGES:
         print(f"running {name}", flush=True)
-        result = subprocess.run(commands[name], cwd=repo, env=env, text=True,
-                                capture_output=True, check=False)
+        argv = stage_command(name, repo)
+        argv[0] = sys.executable if argv[0] == "python" else argv[0]
+        result = subprocess.run(argv, cwd=repo, env=env, text=True, capture_output=True,
+                                check=False)
         if result.returncode != 0:
             raise SystemExit(f"stage {name} failed ({result.returncode}):\n"
                              f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
-
-
-def plain_copy(target: Path, update: dict[str, Any]) -> Path:
-    target.mkdir(parents=True)
-    for name in PROJECT_FILES:
-        shutil.copy2(ROOT / name, target / name)
-    for name in PROJECT_DIRS:
-        shutil.copytree(ROOT / name, target / name,
-                        ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-    (target / "data").mkdir()
-    update_params(target, update)
-    return target
 
 
 def run_seed(seed: int, overrides: dict[str, Any], workdir: Path,
@@ -117,7 +90,7 @@ def run_seed(seed: int, overrides: dict[str, Any], workdir: Path,
     update = {**dict.fromkeys(SEED_KEYS, seed), **overrides}
     started = time.perf_counter()
     if without_dvc:
-        repo = plain_copy(workdir / f"seed-{seed}", update)
+        repo = copy_project(workdir / f"seed-{seed}", update)
         run_without_dvc(repo)
     else:
         repo = make_project_repo(workdir / f"seed-{seed}", update)

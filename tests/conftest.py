@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from project_repo import dvc_env, make_project_repo, run, update_params  # noqa: F401
+from project_repo import stage_command as _stage_command
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
@@ -54,17 +55,5 @@ def fresh_repo(tmp_path) -> Path:
 
 
 def stage_command(name: str, root: Path = ROOT) -> list[str]:
-    """dvc.yaml's command for stage `name` with `${paths.*}` filled in, as argv (`python` first):
-    the stages' paths live only in dvc.yaml."""
-    import re
-    import shlex
-
-    import yaml
-
-    dvc = yaml.safe_load((root / "dvc.yaml").read_text())
-    variables = {f"{group}.{key}": str(value)
-                 for entry in dvc.get("vars", []) if isinstance(entry, dict)
-                 for group, values in entry.items() for key, value in (values or {}).items()}
-    command = re.sub(r"\$\{([\w.]+)\}", lambda match: variables[match.group(1)],
-                     dvc["stages"][name]["cmd"])
-    return shlex.split(command)
+    """dvc.yaml's command for stage `name` as argv (vlmrl's tests/project_repo.py)."""
+    return _stage_command(name, root)

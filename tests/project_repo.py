@@ -8,6 +8,8 @@ stages run in) moved to `vlmrl.dvc_env`.
 
 from __future__ import annotations
 
+import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -46,9 +48,9 @@ def update_params(repo: Path, update: dict) -> None:
     path.write_text(yaml.safe_dump(params, sort_keys=False))
 
 
-def make_project_repo(target: Path, params_update: dict | None = None,
-                      source: Path | None = None) -> Path:
-    """A fresh git + DVC repository holding the project's pipeline files."""
+def copy_project(target: Path, params_update: dict | None = None,
+                 source: Path | None = None) -> Path:
+    """The project's pipeline files in `target` (no git, no DVC), with params updated."""
     source = source or project_root()
     target.mkdir(parents=True, exist_ok=True)
     for name in PROJECT_FILES:
@@ -60,6 +62,25 @@ def make_project_repo(target: Path, params_update: dict | None = None,
     (target / "data").mkdir(exist_ok=True)
     if params_update:
         update_params(target, params_update)
+    return target
+
+
+def stage_command(name: str, root: Path) -> list[str]:
+    """dvc.yaml's command for stage `name` with `${paths.*}` filled in, as argv (`python` first):
+    the stages' paths live only in dvc.yaml."""
+    dvc = yaml.safe_load((root / "dvc.yaml").read_text())
+    variables = {f"{group}.{key}": str(value)
+                 for entry in dvc.get("vars", []) if isinstance(entry, dict)
+                 for group, values in entry.items() for key, value in (values or {}).items()}
+    command = re.sub(r"\$\{([\w.]+)\}", lambda match: variables[match.group(1)],
+                     dvc["stages"][name]["cmd"])
+    return shlex.split(command)
+
+
+def make_project_repo(target: Path, params_update: dict | None = None,
+                      source: Path | None = None) -> Path:
+    """A fresh git + DVC repository holding the project's pipeline files."""
+    copy_project(target, params_update, source)
     run(["git", "init", "-q"], target)
     run(["git", "config", "user.email", "dev@vlmrl.invalid"], target)
     run(["git", "config", "user.name", "vlmrl"], target)

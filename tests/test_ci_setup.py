@@ -27,6 +27,7 @@ def fake_bin(tmp_path: Path) -> Path:
     bin_dir.mkdir()
     fake_command(bin_dir, "id", 'if [[ "$1" == -u ]]; then echo 0; else exec /usr/bin/id "$@"; fi')
     fake_command(bin_dir, "apt-get", f'echo "$*" >> {tmp_path / "apt-get.log"}; exit 100')
+    (tmp_path / "apt-get.log").touch()  # empty: no call yet
     return bin_dir
 
 
@@ -40,8 +41,8 @@ def run_install(fake_bin: Path, chromium: Path, ci: str | None) -> subprocess.Co
 
 
 def apt_get_calls(fake_bin: Path) -> list[str]:
-    log = fake_bin.parent / "apt-get.log"
-    return log.read_text().splitlines() if log.is_file() else []
+    """The fake apt-get's calls, one per line of the log the fixture starts empty."""
+    return (fake_bin.parent / "apt-get.log").read_text().splitlines()
 
 
 @pytest.mark.parametrize("ci", ["true", "1", "TRUE"])

@@ -59,6 +59,16 @@ for name in names:
 print(" | ".join(found))
 PY
 
+# run_script SCRIPT NAME [args...]: SCRIPT --out $OUTDIR/NAME.json, logged to $OUTDIR/NAME.log
+run_script() {
+    local script="$1" name="$2"; shift 2
+    export TQDM_DISABLE=1
+    python3 "$script" --out "$OUTDIR/$name.json" "$@" 2>&1 | tee "$OUTDIR/$name.log"
+    local rc="${PIPESTATUS[0]}"
+    rm -rf "$VLMRL_GPU_LOGS"
+    exit "$rc"
+}
+
 case "$MODE" in
     setup) ;;
     tests)
@@ -72,26 +82,8 @@ case "$MODE" in
         # The device tool returns at most 8 files: one archive for the per-stage logs.
         tar czf "$OUTDIR/stage-logs.tgz" -C "$VLMRL_GPU_LOGS" . && rm -rf "$VLMRL_GPU_LOGS"
         exit "$rc" ;;
-    learning)
-        export TQDM_DISABLE=1
-        python3 benchmarks/learning.py --without-dvc --no-doc --out "$OUTDIR/learning.json" "$@" 2>&1 \
-            | tee "$OUTDIR/learning.log"
-        rc="${PIPESTATUS[0]}"
-        rm -rf "$VLMRL_GPU_LOGS"
-        exit "$rc" ;;
-    bench)
-        export TQDM_DISABLE=1
-        python3 benchmarks/gspo_step.py --out "$OUTDIR/gspo_step.json" "$@" 2>&1 \
-            | tee "$OUTDIR/bench.log"
-        rc="${PIPESTATUS[0]}"
-        rm -rf "$VLMRL_GPU_LOGS"
-        exit "$rc" ;;
-    probe)
-        export TQDM_DISABLE=1
-        python3 benchmarks/gspo_settings_probe.py --out "$OUTDIR/probe.json" "$@" 2>&1 \
-            | tee "$OUTDIR/probe.log"
-        rc="${PIPESTATUS[0]}"
-        rm -rf "$VLMRL_GPU_LOGS"
-        exit "$rc" ;;
-    *) echo "usage: $0 tests|bench|probe|setup [args]" >&2; exit 2 ;;
+    learning) run_script benchmarks/learning.py learning --without-dvc --no-doc "$@" ;;
+    bench) run_script benchmarks/gspo_step.py gspo_step "$@" ;;
+    probe) run_script benchmarks/gspo_settings_probe.py probe "$@" ;;
+    *) echo "usage: $0 tests|bench|probe|learning|setup [args]" >&2; exit 2 ;;
 esac
