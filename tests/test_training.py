@@ -404,3 +404,23 @@ def test_same_params_same_train_log(fresh_repo: Path) -> None:
     assert all(row["grad_norm"] > 0 for row in first_log), first_log
     assert first_log == second_log
     assert first_summary == second_summary
+
+
+@pytest.mark.parametrize(("kernel", "cuda", "replaced"), [
+    (None, False, True),         # no Triton: TRL has no kernel
+    ("triton", False, True),     # a CUDA build of torch on a machine without a GPU
+    ("triton", True, False),     # a GPU: TRL's kernel stays
+])
+def test_cpu_log_prob_fallback_where_the_kernel_cannot_run(monkeypatch, kernel, cuda,
+                                                           replaced) -> None:
+    import torch
+    import trl.trainer.utils as trl_utils
+
+    from vlmrl.trl_compat import TorchChunkedLogProb, install_cpu_fallback
+
+    sentinel = object() if kernel else None
+    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", sentinel)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    assert install_cpu_fallback() is replaced
+    assert trl_utils._ChunkedLogProbFunction is (TorchChunkedLogProb if replaced else sentinel)
+    assert install_cpu_fallback() is False  # once in place, a second call changes nothing

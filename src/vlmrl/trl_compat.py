@@ -8,7 +8,6 @@ flattens a trainer's log history (GRPOTrainer's and SFTTrainer's) into rows for 
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 TOKEN_CHUNK = 256
@@ -53,10 +52,14 @@ def _chunk_outputs(hidden, weight, bias, targets, temperature, softcap, logit_sc
 
 
 def install_cpu_fallback() -> bool:
-    """Puts the torch version in place when Triton is missing; True if it did."""
+    """Puts the torch version in place when Triton is missing, or when there is no GPU for its
+    kernel (a CUDA build of torch ships Triton, and on a machine without a GPU the kernel fails
+    with "0 active drivers"); True if it did."""
+    import torch
     import trl.trainer.utils as trl_utils
 
-    if importlib.util.find_spec("triton") is not None or trl_utils._ChunkedLogProbFunction:
+    kernel = trl_utils._ChunkedLogProbFunction
+    if kernel is TorchChunkedLogProb or (kernel is not None and torch.cuda.is_available()):
         return False
     trl_utils._ChunkedLogProbFunction = TorchChunkedLogProb
     return True
