@@ -2,7 +2,7 @@
 and one optimizer step per generation batch the sequence ratio is always 1 and nothing is ever
 clipped. The config is checked for that, training logs every step for plots, and an interrupted
 run resumes from its last complete checkpoint, which is only trusted if it came from the same
-params and data."""
+result-changing params and data; checkpoints of other settings are moved aside, never deleted."""
 
 from __future__ import annotations
 
@@ -94,30 +94,116 @@ def warn_if_on_policy(kwargs: Mapping[str, Any]) -> None:
 
 # ---------------------------------------------------------------- checkpoints
 
-def run_fingerprint(params: Mapping[str, Any], train_set: Path) -> str:
+# Settings that change speed, memory or logging, never what is learned (issue 24): changing one
+# after an out-of-memory error must not throw away hours of training.
+NOT_FINGERPRINTED = frozenset({
+    "train.max_generation_rows", "train.save_steps", "train.resume",
+    "train.grpo.gradient_checkpointing", "train.grpo.gradient_checkpointing_kwargs",
+    "train.grpo.cache_implementation", "train.grpo.generation_kwargs.max_cache_len",
+    "train.grpo.generation_kwargs.disable_compile", "train.grpo.torch_compile",
+    "train.grpo.torch_empty_cache_steps", "train.grpo.dataloader_num_workers",
+    "train.grpo.logging_steps", "train.grpo.logging_first_step", "train.grpo.log_completions",
+    "train.grpo.num_completions_to_print", "train.grpo.report_to",
+})
+
+
+def flatten(mapping: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in mapping.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            flat.update(flatten(value, f"{dotted}."))
+        else:
+            flat[dotted] = value
+    return flat
+
+
+def run_settings(params: Mapping[str, Any], init_adapter: str | None,
+                 train_set: Path) -> dict[str, Any]:
+    """What a checkpoint is only valid for, as dotted key -> value (JSON types)."""
     data = sorted(str(p.relative_to(train_set)) + str(p.stat().st_size)
                   for p in train_set.rglob("*") if p.is_file())
-    payload = json.dumps({"params": params, "data": data}, sort_keys=True, default=str)
-    return hashlib.sha256(payload.encode()).hexdigest()
+    flat = flatten({section: params.get(section) or {} for section in ("model", "rewards", "train")})
+    settings = {key: value for key, value in flat.items() if key not in NOT_FINGERPRINTED}
+    settings["init_adapter"] = init_adapter
+    settings["train_set"] = hashlib.sha256("\n".join(data).encode()).hexdigest()
+    return json.loads(json.dumps(settings, sort_keys=True, default=str))
 
 
-def last_complete_checkpoint(checkpoints: Path, fingerprint: str) -> Path | None:
-    """The newest checkpoint of this same run, or None (stale checkpoints are removed)."""
+def run_fingerprint(settings: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+
+
+def changed_settings(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> list[str]:
+    """One line per key that differs, for the user who wonders why training starts over."""
+    if old is None:
+        return ["the old checkpoints' marker records no settings (written by an older vlmrl)"]
+    lines = []
+    for key in sorted(set(old) | set(new)):
+        if key not in new:
+            lines.append(f"{key}: removed (was {old[key]!r})")
+        elif key not in old:
+            lines.append(f"{key}: added ({new[key]!r})")
+        elif old[key] != new[key]:
+            lines.append(f"{key}: {old[key]!r} -> {new[key]!r}")
+    return lines
+
+
+def read_marker(checkpoints: Path) -> dict[str, Any] | None:
     marker = checkpoints / FINGERPRINT_FILE
-    if not marker.is_file() or json.loads(marker.read_text()).get("fingerprint") != fingerprint:
-        if checkpoints.exists():
-            shutil.rmtree(checkpoints)
+    try:
+        settings = json.loads(marker.read_text()).get("settings")
+    except (OSError, ValueError, AttributeError):
         return None
-    complete = [path for path in checkpoints.glob("checkpoint-*")
-                if (path / "trainer_state.json").is_file()
-                and (path / "adapter_model.safetensors").is_file()
-                and path.name.split("-")[-1].isdigit()]
-    return max(complete, key=lambda path: int(path.name.split("-")[-1]), default=None)
+    return settings if isinstance(settings, dict) else None
 
 
-def mark_checkpoints(checkpoints: Path, fingerprint: str) -> None:
+def move_aside(checkpoints: Path) -> Path:
+    """Renames the checkpoint folder to a sibling that no stage reads and git ignores."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    target = checkpoints.with_name(f"{checkpoints.name}.stale-{stamp}")
+    suffix = 1
+    while target.exists():
+        suffix += 1
+        target = checkpoints.with_name(f"{checkpoints.name}.stale-{stamp}-{suffix}")
+    checkpoints.rename(target)
+    return target
+
+
+def complete_checkpoints(checkpoints: Path) -> list[Path]:
+    return [path for path in checkpoints.glob("checkpoint-*")
+            if (path / "trainer_state.json").is_file()
+            and (path / "adapter_model.safetensors").is_file()
+            and path.name.split("-")[-1].isdigit()]
+
+
+def last_complete_checkpoint(checkpoints: Path, settings: Mapping[str, Any],
+                             resume: bool = True) -> Path | None:
+    """The newest checkpoint of a run with these same settings, or None. Checkpoints of other
+    settings (or all of them, with `resume` false) are moved aside, never deleted."""
+    if not checkpoints.exists():
+        return None
+    old = read_marker(checkpoints)
+    if resume and old == settings:
+        complete = complete_checkpoints(checkpoints)
+        if complete:
+            return max(complete, key=lambda path: int(path.name.split("-")[-1]))
+    if not any(checkpoints.glob("checkpoint-*")):
+        shutil.rmtree(checkpoints)  # a marker and logs, no training to keep
+        return None
+    reasons = (["train.resume is false"] if not resume
+               else changed_settings(old, settings) or ["no complete checkpoint"])
+    moved = move_aside(checkpoints)
+    print(f"not resuming: old checkpoints moved to {moved}, because:")
+    for line in reasons:
+        print(f"  {line}")
+    return None
+
+
+def mark_checkpoints(checkpoints: Path, settings: Mapping[str, Any]) -> None:
     checkpoints.mkdir(parents=True, exist_ok=True)
-    (checkpoints / FINGERPRINT_FILE).write_text(json.dumps({"fingerprint": fingerprint}) + "\n")
+    marker = {"fingerprint": run_fingerprint(settings), "settings": settings}
+    (checkpoints / FINGERPRINT_FILE).write_text(json.dumps(marker, indent=1, sort_keys=True) + "\n")
 
 
 # ---------------------------------------------------------------- logs
@@ -212,13 +298,9 @@ def train(*, train_set: Path, params: Params, adapter_out: Path, checkpoints: Pa
                                reward_weights=reward_weights, model_settings=model_params)
     rows = generation_rows(train_params.max_generation_rows, config)
     init_adapter = starting_adapter(sft_out)
-    fingerprint = run_fingerprint({**{k: params.raw[k] for k in ("model", "rewards", "train")},
-                                   "init_adapter": adapter_digest(init_adapter)}, train_set)
-    resume_from = (last_complete_checkpoint(checkpoints, fingerprint)
-                   if train_params.resume else None)
-    if resume_from is None and checkpoints.exists():
-        shutil.rmtree(checkpoints)
-    mark_checkpoints(checkpoints, fingerprint)
+    settings = run_settings(params.raw, adapter_digest(init_adapter), train_set)
+    resume_from = last_complete_checkpoint(checkpoints, settings, train_params.resume)
+    mark_checkpoints(checkpoints, settings)
     (checkpoints / "completions").mkdir(exist_ok=True)
 
     install_cpu_fallback()

@@ -1,0 +1,133 @@
+"""Issue 24: resuming keeps the user's training unless a setting that changes the result changed,
+and even then the old checkpoints are moved aside with the changed keys printed."""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from vlmrl.training import (
+    changed_settings,
+    last_complete_checkpoint,
+    mark_checkpoints,
+    run_fingerprint,
+    run_settings,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def params() -> dict:
+    return yaml.safe_load((ROOT / "params.yaml").read_text())
+
+
+@pytest.fixture
+def train_set(tmp_path: Path) -> Path:
+    path = tmp_path / "train"
+    path.mkdir()
+    (path / "data-00000-of-00001.arrow").write_bytes(b"rows")
+    return path
+
+
+def settings_with(params: dict, train_set: Path, dotted: str, value) -> dict:
+    changed = copy.deepcopy(params)
+    node = changed
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[leaf] = value
+    return run_settings(changed, "adapter-sha", train_set)
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("train.max_generation_rows", 8),
+    ("train.grpo.gradient_checkpointing", True),
+    ("train.grpo.logging_steps", 5),
+    ("train.grpo.generation_kwargs", {"max_cache_len": 512, "disable_compile": False}),
+    ("train.save_steps", 10),
+])
+def test_memory_only_settings_keep_the_fingerprint(params, train_set, key, value) -> None:
+    before = run_settings(params, "adapter-sha", train_set)
+    assert run_fingerprint(settings_with(params, train_set, key, value)) == run_fingerprint(before)
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("train.grpo.learning_rate", 1.0e-5),
+    ("train.lora.r", 16),
+    ("rewards.weights.format_reward", 0.5),
+    ("model.seed", 3),
+])
+def test_result_changing_settings_change_the_fingerprint(params, train_set, key, value) -> None:
+    before = run_settings(params, "adapter-sha", train_set)
+    assert run_fingerprint(settings_with(params, train_set, key, value)) != run_fingerprint(before)
+
+
+def test_other_data_or_start_adapter_change_the_fingerprint(params, train_set) -> None:
+    before = run_settings(params, "adapter-sha", train_set)
+    assert run_settings(params, "other-adapter", train_set) != before
+    (train_set / "data-00000-of-00001.arrow").write_bytes(b"more rows")
+    assert run_settings(params, "adapter-sha", train_set) != before
+
+
+def test_changed_settings_name_each_key() -> None:
+    old = {"train.grpo.learning_rate": 3e-4, "train.lora.r": 8, "gone": 1}
+    new = {"train.grpo.learning_rate": 1e-4, "train.lora.r": 8, "new": 2}
+    assert changed_settings(old, new) == [
+        "gone: removed (was 1)", "new: added (2)", "train.grpo.learning_rate: 0.0003 -> 0.0001"]
+    assert "no settings" in changed_settings(None, new)[0]
+
+
+def make_checkpoint(checkpoints: Path, step: int) -> Path:
+    path = checkpoints / f"checkpoint-{step}"
+    path.mkdir(parents=True)
+    (path / "trainer_state.json").write_text("{}")
+    (path / "adapter_model.safetensors").write_bytes(b"weights")
+    return path
+
+
+def test_same_settings_resume_from_the_newest_checkpoint(tmp_path) -> None:
+    checkpoints = tmp_path / "train_gspo"
+    settings = {"train.grpo.learning_rate": 3e-4}
+    mark_checkpoints(checkpoints, settings)
+    make_checkpoint(checkpoints, 2)
+    newest = make_checkpoint(checkpoints, 4)
+    assert last_complete_checkpoint(checkpoints, settings) == newest
+
+
+def test_changed_settings_move_checkpoints_aside(tmp_path, capsys) -> None:
+    checkpoints = tmp_path / "train_gspo"
+    mark_checkpoints(checkpoints, {"train.grpo.learning_rate": 3e-4})
+    make_checkpoint(checkpoints, 2)
+    assert last_complete_checkpoint(checkpoints, {"train.grpo.learning_rate": 1e-4}) is None
+    assert not checkpoints.exists()
+    [moved] = tmp_path.glob("train_gspo.stale-*")
+    assert (moved / "checkpoint-2/adapter_model.safetensors").read_bytes() == b"weights"
+    assert json.loads((moved / "vlmrl_run.json").read_text())["settings"] == {
+        "train.grpo.learning_rate": 3e-4}
+    out = capsys.readouterr().out
+    assert str(moved) in out
+    assert "train.grpo.learning_rate: 0.0003 -> 0.0001" in out
+
+
+def test_resume_false_moves_checkpoints_aside_too(tmp_path, capsys) -> None:
+    checkpoints = tmp_path / "train_gspo"
+    settings = {"train.grpo.learning_rate": 3e-4}
+    for _ in range(2):  # two moves in the same second get distinct names
+        mark_checkpoints(checkpoints, settings)
+        make_checkpoint(checkpoints, 2)
+        assert last_complete_checkpoint(checkpoints, settings, resume=False) is None
+    assert len(list(tmp_path.glob("train_gspo.stale-*"))) == 2
+    assert "train.resume is false" in capsys.readouterr().out
+
+
+def test_old_marker_without_settings_is_a_mismatch(tmp_path, capsys) -> None:
+    checkpoints = tmp_path / "train_gspo"
+    make_checkpoint(checkpoints, 2)
+    (checkpoints / "vlmrl_run.json").write_text(json.dumps({"fingerprint": "abc"}))
+    assert last_complete_checkpoint(checkpoints, {"a": 1}) is None
+    assert "no settings" in capsys.readouterr().out
+    assert len(list(tmp_path.glob("train_gspo.stale-*"))) == 1
