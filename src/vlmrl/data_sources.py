@@ -110,14 +110,14 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, Row] | BadLine]:
                 yield BadLine(where, "not UTF-8 text")
                 continue
             if line.strip():
-                yield _json_object(line, where)
+                yield _json_object(line.rstrip(), where)
 
 
 def _json_object(text: str, where: str) -> tuple[str, Row] | BadLine:
     try:
         row = json.loads(text)
     except json.JSONDecodeError as error:
-        return BadLine(where, f"not valid JSON ({error.msg} at column {error.colno})")
+        return BadLine(where, f"not valid JSON ({error.msg}: column {error.colno})")
     if not isinstance(row, dict):
         return BadLine(where, f"expected a JSON object, got {type(row).__name__}")
     return where, row
