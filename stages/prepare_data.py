@@ -1,4 +1,6 @@
-"""prepare_data: MathVista-schema records -> prompts, images, a train/eval split by pid."""
+"""prepare_data: records from data.source (embedded, a local file or directory at data.path, or a
+hub dataset) -> MathVista-schema rows with prompts and images (None for text-only records), a
+train/eval split by pid, and a report of what was skipped and why."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import argparse
 from pathlib import Path
 
 from vlmrl.data import (
+    DataError,
     data_summary,
     load_raw_records,
     prepare,
@@ -24,13 +27,13 @@ def main() -> None:
     parser.add_argument("--params", type=Path, default=Path("params.yaml"))
     args = parser.parse_args()
 
+    outputs = (args.out / "train", args.out / "eval", args.report, args.metrics)
     try:
         settings = load_params(args.params).data
-    except ParamsError as error:
+        remove_outputs(*outputs)
+        prepared = prepare(load_raw_records(settings), settings)
+    except (ParamsError, DataError) as error:
         raise SystemExit(f"prepare_data failed: {error}") from None
-    outputs = (args.out / "train", args.out / "eval", args.report, args.metrics)
-    remove_outputs(*outputs)
-    prepared = prepare(load_raw_records(settings), settings)
     try:
         for name, rows in (("train", prepared.train), ("eval", prepared.eval)):
             with atomic_dir(args.out / name) as staging:

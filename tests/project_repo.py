@@ -19,7 +19,8 @@ import yaml
 from vlmrl.dvc_env import dvc_env
 
 PROJECT_FILES = ("dvc.yaml", "params.yaml", "pyproject.toml", "README.md", ".gitignore", ".dvcignore")
-PROJECT_DIRS = ("stages", "src", "flows")
+# data/local: the default data.path, a dependency of prepare_data that must exist
+PROJECT_DIRS = ("stages", "src", "flows", "data/local")
 
 
 def project_root() -> Path:

@@ -21,7 +21,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 FLOORS: dict[str, tuple[str, ...]] = {
     "ground": ("vlmrl.params", "vlmrl.outputs", "vlmrl.cache", "vlmrl.checks",
                "vlmrl.timing", "vlmrl.prompts", "vlmrl.scoring", "vlmrl.rewards", "vlmrl.synth",
-               "vlmrl.data", "vlmrl.gguf_tools", "vlmrl.merged_weights", "vlmrl.eval_report",
+               "vlmrl.data", "vlmrl.data_columns", "vlmrl.data_sources", "vlmrl.gguf_tools", "vlmrl.merged_weights", "vlmrl.eval_report",
                "vlmrl.trl_compat", "vlmrl.tables", "vlmrl.dvc_env", "vlmrl.dvc_records"),
     "models": ("vlmrl.models",),
     "stages": ("vlmrl.evaluation", "vlmrl.training", "vlmrl.verify", "vlmrl.export",
@@ -34,7 +34,7 @@ PEER_FLOORS = {"stages"}
 TORCH_FLOORS = {"models", "stages"}
 # Modules that must start without torch: scoring in the UI, `vlmrl pull`, prepare_data.
 LIGHT = ("vlmrl.scoring", "vlmrl.rewards", "vlmrl.publish", "vlmrl.cli", "vlmrl.ui",
-         "vlmrl.data")
+         "vlmrl.data", "vlmrl.data_sources")
 
 
 # ------------------------------------------------------------------------ graph

@@ -1,11 +1,15 @@
-"""Every source (the hub's MathVista, a local directory, the embedded synthetic set) is reduced to
-one MathVista-schema row format before anything else sees it, so filters, prompts, the split and
-the scorer work the same on all of them. Bad records are kept out with a reason, never silently."""
+"""Every source (a hub dataset, a local file or directory, the embedded synthetic set) is reduced
+to one MathVista-schema row format before anything else sees it, so filters, prompts, the split
+and the scorer work the same on all of them. Bad records and bad lines are kept out with a reason
+and where they were read, never silently. A record without an image is a text-only record: its
+image stays None into the prepared rows, and its prompt has no image placeholder.
+
+Where rows come from: vlmrl.data_sources; how their columns map onto the record and what is
+derived when the data leaves it out (ids, types): vlmrl.data_columns."""
 
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
@@ -15,7 +19,9 @@ from typing import Any
 
 from PIL import Image
 
-from vlmrl.params import EMBEDDED_SOURCE, DataParams, ParamsError
+from vlmrl.data_columns import ORIGIN, DataError, check_mapping, map_record
+from vlmrl.data_sources import BadLine, hub_rows, local_rows
+from vlmrl.params import EMBEDDED_SOURCE, LOCAL_SOURCE, DataParams, ParamsError
 from vlmrl.prompts import build_prompt
 from vlmrl.tables import markdown_table
 
@@ -23,14 +29,11 @@ COLUMNS = ("pid", "prompt", "image", "answer", "question_type", "answer_type", "
            "precision", "unit", "source", "category", "tier")
 
 
-class DataError(ValueError):
-    """A record or the data set cannot be used; the message names the record or the param."""
-
-
 @dataclass
 class Skipped:
     pid: str
     reason: str
+    where: str = ""  # file:line (or hub row) it was read from; empty for in-memory records
 
 
 @dataclass
@@ -44,8 +47,8 @@ class PreparedData:
 
 # ---------------------------------------------------------------- sources
 
-def load_raw_records(settings: DataParams) -> Iterator[dict[str, Any]]:
-    """Raw MathVista rows; `image` is a PIL image, a path, or None."""
+def load_raw_records(settings: DataParams) -> Iterator[dict[str, Any] | BadLine]:
+    """Raw rows of the configured source; `image` is a PIL image, a path, or None."""
     if settings.source == EMBEDDED_SOURCE:
         from vlmrl.synth import generate, generate_read
 
@@ -53,67 +56,31 @@ def load_raw_records(settings: DataParams) -> Iterator[dict[str, Any]]:
                             image_size=settings.image_size)
         yield from generate_read(settings.synthetic_read_size, seed=settings.seed,
                                  image_size=settings.image_size)
-    elif Path(settings.source).exists():
-        yield from load_local_records(Path(settings.source))
+    elif settings.source == LOCAL_SOURCE or Path(settings.source).exists():
+        yield from local_rows(local_path(settings))
     elif "/" in settings.source:
-        yield from load_hub_records(settings.source, settings.split)
+        yield from hub_rows(settings)
     else:
         raise ParamsError(f"params.yaml `data.source` {settings.source!r} is neither "
-                          f"{EMBEDDED_SOURCE!r}, an existing directory, nor a hub dataset id")
+                          f"{EMBEDDED_SOURCE!r}, {LOCAL_SOURCE!r} (data.path), nor a hub "
+                          f"dataset id")
 
 
-def load_hub_records(dataset_id: str, split: str) -> Iterator[dict[str, Any]]:
-    from datasets import load_dataset
-
-    for row in load_dataset(dataset_id, split=split):
-        row = dict(row)
-        if row.get("decoded_image") is not None:
-            row["image"] = row.pop("decoded_image")
-        yield row
-
-
-def load_local_records(directory: Path) -> Iterator[dict[str, Any]]:
-    """A directory in MathVista's schema: data.jsonl, *.parquet or *.json, image paths relative
-    to the directory."""
-    if directory.is_file():
-        directory, files = directory.parent, [directory]
-    else:
-        files = sorted([*directory.glob("*.jsonl"), *directory.glob("*.parquet"),
-                        *directory.glob("*.json")])
-    if not files:
-        raise DataError(f"{directory}: no .jsonl, .parquet or .json file with records")
-    for path in files:
-        for row in read_record_file(path):
-            image = row.get("image")
-            if isinstance(image, str) and image:
-                row["image"] = directory / image
-            yield row
+def local_path(settings: DataParams) -> Path:
+    """data.path, the DVC dependency of prepare_data; a path written in data.source must be the
+    same, or editing the data would not rerun the stage."""
+    path = Path(settings.path)
+    if settings.source != LOCAL_SOURCE and Path(settings.source).resolve() != path.resolve():
+        raise ParamsError(
+            f"params.yaml `data.source` names the local path {settings.source!r}, but "
+            f"`data.path` (what dvc.yaml makes prepare_data depend on) is {settings.path!r}: "
+            f"set data.source: {LOCAL_SOURCE} and data.path: {settings.source}")
+    if not path.exists():
+        raise ParamsError(f"params.yaml `data.path` {settings.path!r}: no such file or directory")
+    return path
 
 
-def read_record_file(path: Path) -> Iterator[dict[str, Any]]:
-    if path.suffix == ".parquet":
-        import pandas as pd
-
-        yield from pd.read_parquet(path).to_dict(orient="records")
-    elif path.suffix == ".jsonl":
-        with path.open(encoding="utf-8") as handle:
-            for line_number, line in enumerate(handle, 1):
-                if line.strip():
-                    yield _json_object(line, f"{path}:{line_number}")
-    else:
-        payload = json.loads(path.read_text(encoding="utf-8"))
-        rows = payload.values() if isinstance(payload, dict) else payload
-        yield from (dict(row) for row in rows)
-
-
-def _json_object(text: str, where: str) -> dict[str, Any]:
-    try:
-        row = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise DataError(f"{where}: not valid JSON ({error.msg})") from None
-    if not isinstance(row, dict):
-        raise DataError(f"{where}: expected a JSON object per line")
-    return row
+load_local_records = local_rows
 
 
 # ---------------------------------------------------------------- validation
@@ -145,10 +112,12 @@ def validate_record(raw: Mapping[str, Any], image_size: int) -> dict[str, Any]:
         raise DataError("missing question")
     _check_answer(record)
     metadata = clean_optional(raw.get("metadata")) or {}
-    record["source"] = str(metadata.get("source") or "unknown")
-    record["category"] = str(metadata.get("context") or metadata.get("category") or "unknown")
+    record["source"] = str(raw.get("source") or metadata.get("source") or "unknown")
+    record["category"] = str(raw.get("category") or metadata.get("context")
+                             or metadata.get("category") or "unknown")
     record["tier"] = str((metadata.get("synth") or {}).get("tier") or "unknown")
-    record["image"] = load_image(raw.get("image"), image_size)
+    image = clean_optional(raw.get("image"))
+    record["image"] = None if image is None else load_image(image, image_size)
     return record
 
 
@@ -196,9 +165,11 @@ def load_image(source: Any, image_size: int) -> Image.Image:
 
 def _open_image(source: Any) -> Image.Image:
     if isinstance(source, Mapping) and source.get("bytes"):
+        source = source["bytes"]
+    if isinstance(source, (bytes, bytearray)):
         import io
 
-        return Image.open(io.BytesIO(source["bytes"]))
+        return Image.open(io.BytesIO(source))
     if isinstance(source, Mapping) and source.get("path"):
         source = source["path"]
     path = Path(str(source))
@@ -222,36 +193,77 @@ def passes_filters(raw: Mapping[str, Any], settings: DataParams) -> bool:
             and raw.get("answer_type") in settings.answer_types)
 
 
-def prepare(raw_records: Iterable[Mapping[str, Any]], settings: DataParams) -> PreparedData:
-    rows, skipped, filtered_out, total = [], [], 0, 0
+def prepare(raw_records: Iterable[Mapping[str, Any] | BadLine],
+            settings: DataParams) -> PreparedData:
+    """Map, filter and validate every row; skip (or, under data.strict, fail on) bad ones."""
+    check_mapping(settings)
+    rows: list[dict[str, Any]] = []
+    prepared = PreparedData(train=[], eval=[])
+    seen_columns: set[str] = set()
+    seen_pids: set[str] = set()
     for raw in raw_records:
-        total += 1
-        if not passes_filters(raw, settings):
-            filtered_out += 1
+        prepared.total += 1
+        if isinstance(raw, BadLine):
+            _reject(prepared, Skipped("-", raw.reason, raw.where), settings)
             continue
-        pid = str(raw.get("pid", f"#{total}"))
+        seen_columns.update(key for key in raw if key != ORIGIN)
+        where = getattr(raw.get(ORIGIN), "where", "")
+        pid = str(raw.get(settings.columns.get("id", "pid")) or f"#{prepared.total}")
         try:
-            record = validate_record(raw, settings.image_size)
+            mapped = map_record(raw, settings)
+            pid = mapped["pid"]
+            if not passes_filters(mapped, settings):
+                prepared.filtered_out += 1
+                continue
+            record = validate_record(mapped, settings.image_size)
+            if pid in seen_pids:
+                raise DataError("duplicate id (an earlier record has the same id)")
         except DataError as error:
-            if settings.strict:
-                raise DataError(f"record pid={pid}: {error} (data.strict is true)") from None
-            skipped.append(Skipped(pid, str(error)))
+            _reject(prepared, Skipped(pid, str(error), where), settings)
             continue
+        seen_pids.add(pid)
         rows.append(to_row(record, settings.system_prompt))
+    check_mapped_columns(settings, seen_columns)
     if not rows:
         raise DataError(
-            f"no records left after filtering {total} records by data.question_types="
+            f"no records left after filtering {prepared.total} records by data.question_types="
             f"{list(settings.question_types)} and data.answer_types={list(settings.answer_types)}"
-            f" ({len(skipped)} skipped as bad)")
-    train, eval_rows = split_by_pid(rows, settings.eval_size, settings.seed)
-    return PreparedData(train, eval_rows, skipped, filtered_out, total)
+            f" ({len(prepared.skipped)} skipped as bad)")
+    prepared.train, prepared.eval = split_by_pid(rows, settings.eval_size, settings.seed)
+    return prepared
+
+
+def _reject(prepared: PreparedData, skipped: Skipped, settings: DataParams) -> None:
+    if settings.strict:
+        record = "" if skipped.pid == "-" else f"record pid={skipped.pid} "
+        where = f"{skipped.where}: " if skipped.where else ""
+        raise DataError(f"{where}{record}{skipped.reason} (data.strict is true)")
+    prepared.skipped.append(skipped)
+
+
+def check_mapped_columns(settings: DataParams, seen_columns: set[str]) -> None:
+    """A column named in data.columns that no row has is a typo in params, not bad data."""
+    if not seen_columns:
+        return
+    for record_field, column in settings.columns.items():
+        if column not in seen_columns:
+            raise ParamsError(f"params.yaml data.columns.{record_field}: no column {column!r} in the "
+                              f"data; its columns: {sorted(seen_columns)}")
 
 
 def to_row(record: Mapping[str, Any], system_prompt: str) -> dict[str, Any]:
     row = {key: record[key] for key in COLUMNS if key in record}
     row.setdefault("tier", "unknown")  # records from outside validate_record carry none
-    row["prompt"] = build_prompt(record, system_prompt)
+    row.setdefault("image", None)
+    prompt = build_prompt(record, system_prompt)
+    row["prompt"] = prompt if row["image"] is not None else without_image_placeholder(prompt)
     return row
+
+
+def without_image_placeholder(prompt: list[dict]) -> list[dict]:
+    """A text-only record's prompt: the chat template must not reserve image tokens."""
+    return [{**message, "content": [part for part in message["content"]
+                                    if part.get("type") != "image"]} for message in prompt]
 
 
 def split_by_pid(rows: list[dict[str, Any]], eval_size: int, seed: int):
@@ -302,6 +314,7 @@ def data_summary(prepared: PreparedData) -> dict[str, Any]:
             "by_source": dict(Counter(r["source"] for r in rows)),
             "by_category": dict(Counter(r["category"] for r in rows)),
             "by_tier": dict(Counter(r.get("tier", "unknown") for r in rows)),
+            "text_only": sum(r.get("image") is None for r in rows),
         }
 
     skip_reasons = Counter(s.reason.split(" (")[0].split(":")[0] for s in prepared.skipped)
@@ -310,16 +323,29 @@ def data_summary(prepared: PreparedData) -> dict[str, Any]:
             "train": counts(prepared.train), "eval": counts(prepared.eval)}
 
 
+def describe_source(settings: DataParams) -> str:
+    if settings.source == LOCAL_SOURCE:
+        return f"`{settings.path}` (local)"
+    if settings.source == EMBEDDED_SOURCE or Path(settings.source).exists():
+        return f"`{settings.source}`"
+    config = f", config `{settings.config}`" if settings.config else ""
+    revision = f", revision `{settings.revision}`" if settings.revision else ""
+    return f"`{settings.source}` (hub{config}, split `{settings.split}`{revision})"
+
+
 def render_report(prepared: PreparedData, settings: DataParams) -> str:
     summary = data_summary(prepared)
     lines = ["# Data report", "",
-             f"Source: `{settings.source}`; filters: question_types={list(settings.question_types)},"
-             f" answer_types={list(settings.answer_types)}; image size {settings.image_size}.", "",
+             (f"Source: {describe_source(settings)}; filters: question_types="
+              f"{list(settings.question_types)}, answer_types={list(settings.answer_types)}; "
+              f"image size {settings.image_size}."), "",
              "| | count |", "| --- | ---: |",
              f"| records read | {summary['total_records']} |",
              f"| filtered out | {summary['filtered_out']} |",
              f"| skipped (bad) | {summary['skipped']} |",
-             f"| train | {summary['train']['n']} |", f"| eval | {summary['eval']['n']} |", ""]
+             f"| train | {summary['train']['n']} |", f"| eval | {summary['eval']['n']} |",
+             (f"| text-only (no image), train / eval | {summary['train']['text_only']} / "
+              f"{summary['eval']['text_only']} |"), ""]
     for title, key in (("type", "by_type"), ("source", "by_source"), ("category", "by_category")):
         lines += [f"## By {title}", "", f"| {title} | train | eval |", "| --- | ---: | ---: |"]
         names = sorted(set(summary["train"][key]) | set(summary["eval"][key]))
@@ -333,8 +359,8 @@ def render_report(prepared: PreparedData, settings: DataParams) -> str:
          for tier in tiers], align=("left", "right", "right")), ""]
     lines += ["## Skipped records", ""]
     if prepared.skipped:
-        lines += ["| pid | reason |", "| --- | --- |"]
-        lines += [f"| {s.pid} | {s.reason.replace('|', '/')} |" for s in prepared.skipped]
+        lines.append(markdown_table(("pid", "where", "reason"), [
+            (s.pid, s.where or "-", s.reason) for s in prepared.skipped]))
     else:
         lines.append("None.")
     return "\n".join(lines) + "\n"

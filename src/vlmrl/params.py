@@ -49,6 +49,9 @@ QUESTION_TYPES: tuple[str, ...] = get_args(QuestionType)
 ANSWER_TYPES: tuple[str, ...] = get_args(AnswerType)
 CONVERTER_OUTTYPES: tuple[str, ...] = get_args(ConverterOuttype)
 EMBEDDED_SOURCE = "embedded:synthetic"
+LOCAL_SOURCE, LOCAL_DATA_DIR = "local", "data/local"  # data.source: local reads data.path
+RecordField = Literal["id", "question", "answer", "image", "choices", "question_type",
+                      "answer_type", "precision", "unit", "source", "category"]  # data.columns
 
 
 class ParamsError(ValueError):
@@ -150,11 +153,15 @@ class ModelParams(Section):
 
 class DataParams(Section):
     SECTION = "data"
-    source: str = EMBEDDED_SOURCE
+    source: str = EMBEDDED_SOURCE  # or LOCAL_SOURCE, or a hub id (config, split, revision)
+    path: str = LOCAL_DATA_DIR  # a dependency of prepare_data in dvc.yaml, so it must exist
+    config: str | None = None
     split: str = "testmini"
+    revision: str | None = None
+    columns: dict[RecordField, str] = {}  # record field -> the data's column (vlmrl.data_columns)
+    answer_pattern: str | None = None  # checked by vlmrl.data_columns
     synthetic_size: PositiveInteger = 160
-    # embedded:synthetic only: items of the easiest tier, "read", after the regular ones
-    synthetic_read_size: Annotated[int, BeforeValidator(_integer), Field(ge=0)] = 0
+    synthetic_read_size: Annotated[int, BeforeValidator(_integer), Field(ge=0)] = 0  # tier "read"
     seed: Integer = 42
     eval_size: Annotated[int, BeforeValidator(_integer), Field(ge=1)] = 100
     question_types: Annotated[tuple[QuestionType, ...], BeforeValidator(_list)] = ("free_form",)
