@@ -41,7 +41,7 @@ from vlmrl.dvc_records import (
     stage_outcomes,
     stage_seconds,
 )
-from vlmrl.tables import markdown_table
+from vlmrl.tables import flatten, markdown_table
 
 if TYPE_CHECKING:
     from uuid import UUID
@@ -234,16 +234,6 @@ def stage_metrics(repo: Path, name: str) -> dict[str, Any]:
     return json.loads((repo / METRICS_DIR / f"{name}.json").read_text(encoding="utf-8"))
 
 
-def _flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in values.items():
-        if isinstance(value, Mapping):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
 def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
@@ -268,7 +258,7 @@ def verification_markdown(result: Mapping[str, Any]) -> str:
                 else (name, check, "") for name, check in checks.items()]
         parts.append(markdown_table(("check", "passed", "detail"), rows))
     rest = {key: value for key, value in result.items() if key not in {"passed", "checks"}}
-    parts.append(markdown_table(("field", "value"), _flatten(rest).items()))
+    parts.append(markdown_table(("field", "value"), flatten(rest).items()))
     return "\n\n".join(parts)
 
 

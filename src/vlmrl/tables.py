@@ -5,10 +5,10 @@ newline or a model's `<SOLUTION>` tag must look the same wherever it appears."""
 from __future__ import annotations
 
 import html
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["markdown_cell", "markdown_table"]
+__all__ = ["flatten", "markdown_cell", "markdown_table"]
 
 
 def markdown_cell(value: Any) -> str:
@@ -38,3 +38,14 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]],
             raise ValueError(f"row {list(row)!r} has {len(row)} cells for {len(header)} columns")
         lines.append("| " + " | ".join(map(markdown_cell, row)) + " |")
     return "\n".join(lines)
+
+
+def flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested mappings as dotted key -> value (params for a table row or a fingerprint)."""
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat

@@ -28,6 +28,7 @@ from vlmrl.models.processor import save_processor_files, suppressed_generation_k
 from vlmrl.outputs import atomic_dir
 from vlmrl.params import ModelParams, Params, ParamsError
 from vlmrl.rewards import build_rewards
+from vlmrl.tables import flatten
 from vlmrl.trl_compat import (
     enable_compiled_generation,
     install_cpu_fallback,
@@ -105,17 +106,6 @@ NOT_FINGERPRINTED = frozenset({
     "train.grpo.logging_steps", "train.grpo.logging_first_step", "train.grpo.log_completions",
     "train.grpo.num_completions_to_print", "train.grpo.report_to",
 })
-
-
-def flatten(mapping: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in mapping.items():
-        dotted = f"{prefix}{key}"
-        if isinstance(value, Mapping) and value:
-            flat.update(flatten(value, f"{dotted}."))
-        else:
-            flat[dotted] = value
-    return flat
 
 
 def run_settings(params: Mapping[str, Any], init_adapter: str | None,
