@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 from vlmrl.models.backend import model_device
 from vlmrl.models.loading import load_model
 from vlmrl.models.processor import suppressed_generation_kwargs
+from vlmrl.models.sampling import on_cpu, sampling_kwargs, top_k_settings
 from vlmrl.params import EvalParams, ModelParams, RewardsParams
 from vlmrl.rewards import build_rewards, score_completion
 
@@ -65,7 +66,9 @@ def render_prompt(processor, row: Mapping[str, Any]) -> str:
     return text
 
 
-def generation_kwargs(processor, settings: EvalParams) -> dict[str, Any]:
+def generation_kwargs(processor, settings: EvalParams, cpu: bool = False) -> dict[str, Any]:
+    """On a CPU, sampling with a top-k cut goes through `vlmrl.models.sampling` (the same
+    distribution, drawn among k tokens instead of the whole vocabulary)."""
     kwargs: dict[str, Any] = {"max_new_tokens": settings.max_new_tokens,
                               "do_sample": settings.do_sample,
                               "pad_token_id": processor.tokenizer.pad_token_id,
@@ -73,6 +76,9 @@ def generation_kwargs(processor, settings: EvalParams) -> dict[str, Any]:
     if settings.do_sample:
         kwargs.update(temperature=settings.temperature, top_p=settings.top_p,
                       top_k=settings.top_k)  # 0: no top-k cut (None would mean 50)
+        fast = top_k_settings(True, settings.temperature, settings.top_k, settings.top_p)
+        if cpu and fast is not None:
+            kwargs.update(sampling_kwargs(fast))
     return kwargs
 
 
@@ -117,7 +123,7 @@ def generate_responses(model, processor, rows: Sequence[Mapping[str, Any]],
                        settings: EvalParams) -> list[Generation]:
     """One response per row, batched with left padding (generation appends on the right)."""
     processor.tokenizer.padding_side = "left"
-    kwargs = generation_kwargs(processor, settings)
+    kwargs = generation_kwargs(processor, settings, cpu=on_cpu(model))
     eos_ids = eos_token_ids(model, processor)
     if settings.do_sample:
         torch.manual_seed(settings.seed)

@@ -25,6 +25,7 @@ from matplotlib.figure import Figure
 from vlmrl.models.backend import precision_flags
 from vlmrl.models.loading import backend_for, load_policy, starting_adapter
 from vlmrl.models.processor import save_processor_files, suppressed_generation_kwargs
+from vlmrl.models.sampling import sample_top_k_on_cpu, top_k_settings
 from vlmrl.outputs import atomic_dir
 from vlmrl.params import ModelParams, Params, ParamsError
 from vlmrl.rewards import build_rewards
@@ -250,7 +251,8 @@ def make_trainer(model, processor, config, dataset, reward_funcs, *,
                  generation_rows: int | None, callbacks: list):
     """TRL's GRPOTrainer with the project's generation switches: the processor's suppressed
     tokens, compiled decoding when `generation_kwargs.disable_compile` is false (TRL itself
-    always disables it), and generation in chunks of `generation_rows`."""
+    always disables it), generation in chunks of `generation_rows`, and on a CPU top-k sampling
+    among k tokens (`vlmrl.models.sampling`)."""
     generation_kwargs = dict(config.generation_kwargs or {})
     compile_generation = generation_kwargs.pop("disable_compile", True) is False
     config.generation_kwargs = {**suppressed_generation_kwargs(processor), **generation_kwargs}
@@ -260,6 +262,8 @@ def make_trainer(model, processor, config, dataset, reward_funcs, *,
         enable_compiled_generation(trainer)
     if generation_rows is not None:
         limit_generation_rows(trainer, generation_rows)
+    sample_top_k_on_cpu(trainer.model, top_k_settings(True, config.temperature, config.top_k,
+                                                      config.top_p, config.min_p))
     return trainer
 
 
