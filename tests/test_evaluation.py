@@ -380,6 +380,18 @@ def test_sampling_is_reproducible_with_its_seed(eval_set, tiny_model):
     assert generate_responses(model, processor, rows, settings) == first
 
 
+def test_top_k_sampling_on_cpu_repeats_with_its_seed(eval_set, tiny_model):
+    from datasets import load_from_disk
+
+    model, processor = tiny_model
+    rows = load_from_disk(str(eval_set)).select(range(2))
+    settings = EvalParams(max_new_tokens=6, batch_size=2, do_sample=True, temperature=1.0,
+                          top_k=20, top_p=0.8, seed=7)
+    first = generate_responses(model, processor, rows, settings)
+    assert generate_responses(model, processor, rows, settings) == first
+    assert all(0 < g.generated_tokens <= 6 for g in first)
+
+
 # ------------------------------------------------------------------ stages
 
 
