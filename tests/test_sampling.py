@@ -20,6 +20,7 @@ from vlmrl.models.sampling import (
     sample_top_k_on_cpu,
     top_k_settings,
 )
+from vlmrl.models.processor import vision_token_ids
 from vlmrl.params import EvalParams
 
 
@@ -53,9 +54,19 @@ def test_draws_follow_the_candidate_probabilities() -> None:
 
 def test_sampler_leaves_only_the_drawn_token_finite() -> None:
     scores = torch.randn(3, 100)
+    top = torch.topk(scores, 4).indices
     out = TopKSampler(SamplingSettings(1.0, 4))(torch.zeros(3, 1, dtype=torch.long), scores)
     assert (torch.isfinite(out).sum(-1) == 1).all()
-    assert (out.argmax(-1).unsqueeze(1) == torch.topk(scores, 4).indices).any(-1).all()
+    assert (out.argmax(-1).unsqueeze(1) == top).any(-1).all()
+
+
+def test_suppressed_tokens_are_never_drawn() -> None:
+    scores = torch.zeros(2000, 50)
+    scores[:, :3] = 10.0  # the three most likely tokens, suppressed
+    sampler = TopKSampler(SamplingSettings(1.0, 5, suppress=(0, 1, 2)))
+    torch.manual_seed(0)
+    drawn = sampler(torch.zeros(2000, 1, dtype=torch.long), scores).argmax(-1)
+    assert not set(drawn.tolist()) & {0, 1, 2}
 
 
 def test_only_top_k_sampling_takes_the_fast_path() -> None:
@@ -78,7 +89,9 @@ def test_eval_kwargs_switch_to_the_sampler_on_cpu_only() -> None:
     cpu = generation_kwargs(Processor, settings, cpu=True)
     assert cpu["do_sample"] is False and cpu["top_k"] is None
     assert [type(p) for p in cpu["logits_processor"]] == [TopKSampler]
-    assert cpu["logits_processor"][0].settings == SamplingSettings(0.7, 20, 0.8)
+    assert cpu["logits_processor"][0].settings == SamplingSettings(
+        0.7, 20, 0.8, suppress=tuple(vision_token_ids(Processor)))
+    assert cpu["suppress_tokens"] is None  # suppressed by the sampler, not by a vocabulary-wide where
     assert "logits_processor" not in generation_kwargs(Processor, settings, cpu=False)
     no_cut = generation_kwargs(Processor, EvalParams(do_sample=True, top_k=0), cpu=True)
     assert no_cut["do_sample"] is True and "logits_processor" not in no_cut

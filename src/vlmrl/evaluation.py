@@ -76,7 +76,8 @@ def generation_kwargs(processor, settings: EvalParams, cpu: bool = False) -> dic
     if settings.do_sample:
         kwargs.update(temperature=settings.temperature, top_p=settings.top_p,
                       top_k=settings.top_k)  # 0: no top-k cut (None would mean 50)
-        fast = top_k_settings(True, settings.temperature, settings.top_k, settings.top_p)
+        fast = top_k_settings(True, settings.temperature, settings.top_k, settings.top_p,
+                              suppress=kwargs["suppress_tokens"])
         if cpu and fast is not None:
             kwargs.update(sampling_kwargs(fast))
     return kwargs

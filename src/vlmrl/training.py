@@ -262,8 +262,9 @@ def make_trainer(model, processor, config, dataset, reward_funcs, *,
         enable_compiled_generation(trainer)
     if generation_rows is not None:
         limit_generation_rows(trainer, generation_rows)
-    sample_top_k_on_cpu(trainer.model, top_k_settings(True, config.temperature, config.top_k,
-                                                      config.top_p, config.min_p))
+    sample_top_k_on_cpu(trainer.model, top_k_settings(
+        True, config.temperature, config.top_k, config.top_p, config.min_p,
+        suppress=config.generation_kwargs.get("suppress_tokens")))
     return trainer
 
 
