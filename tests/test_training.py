@@ -323,6 +323,8 @@ def test_readme_gpu_profile_is_the_benchmarked_one_and_valid(gspo_step) -> None:
         assert overrides[f"train.grpo.{key}"] == profile[key], key
     assert overrides["train.max_generation_rows"] == profile["max_generation_rows"]
     assert overrides["train.grpo.cache_implementation"] == "static"
+    # the profile's memory figures were measured with it; the tiny default turns it off
+    assert overrides["train.grpo.gradient_checkpointing"] is True
     generation = overrides["train.grpo.generation_kwargs"]
     assert generation["disable_compile"] is False
     # the benchmark's longest prompt with its image is 374 tokens

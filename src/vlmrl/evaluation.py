@@ -122,15 +122,17 @@ def generate_batch(model, processor, batch: list[Mapping[str, Any]], kwargs: dic
 
 def generate_responses(model, processor, rows: Sequence[Mapping[str, Any]],
                        settings: EvalParams) -> list[Generation]:
-    """One response per row, batched with left padding (generation appends on the right)."""
+    """One response per row, batched with left padding (generation appends on the right).
+    Sampling is seeded per batch, so a batch's random draws do not depend on how long the batches
+    before it ran: baseline and post draw the same numbers for the same item and token."""
     processor.tokenizer.padding_side = "left"
     kwargs = generation_kwargs(processor, settings, cpu=on_cpu(model))
     eos_ids = eos_token_ids(model, processor)
-    if settings.do_sample:
-        torch.manual_seed(settings.seed)
     generations: list[Generation] = []
     with tqdm(total=len(rows), desc="generating", unit="sample") as progress:
-        for batch in batches(rows, settings.batch_size):
+        for index, batch in enumerate(batches(rows, settings.batch_size)):
+            if settings.do_sample:
+                torch.manual_seed(settings.seed * 100_003 + index)
             generations += generate_batch(model, processor, batch, kwargs, eos_ids)
             progress.update(len(batch))
     return generations

@@ -17,9 +17,9 @@ TOKEN_CHUNK = 256
 class TorchChunkedLogProb:
     """Same contract as trl.kernels.ChunkedLogProbFunction.apply. Without logit soft-capping it
     runs `_fused_log_prob_function`: per chunk of tokens one matmul and a log-sum-exp forward, the
-    logits recomputed in backward, so no [tokens, vocab] log-softmax is kept for autograd (with
-    the 151,936-token vocabulary, the passes over those tensors cost more than the matmul:
-    2.2 s -> 1.25 s forward, 1.6 s -> 1.3 s backward for 800 tokens on 2 cores)."""
+    logits recomputed in backward, so no [tokens, vocab] log-softmax is kept for autograd: with
+    the 151,936-token vocabulary the passes over those tensors cost more than the matmul
+    (`python benchmarks/cpu_kernels.py`)."""
 
     @staticmethod
     def apply(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None,

@@ -1,12 +1,12 @@
 """On a CPU, transformers' sampling costs more than the tiny model itself: top-p sorts the whole
 151,936-token vocabulary and `torch.multinomial` walks all of it, for every row at every decoding
-step, and suppressing a few tokens is a `torch.where` over all of it (64 rows: 425, 225 and 20 ms,
-against 81 ms for the output layer; `python benchmarks/sampling_speed.py`). With a top-k cut only
-k tokens can ever be drawn, so the very same distribution (suppressed tokens removed, then
-temperature, top-k, and top-p over what top-k kept, in transformers' order) is sampled among those
-k alone. The draw happens in a logits processor that leaves only the drawn token finite, and
-`generate` runs in greedy mode, which then picks it: the rest of generation (stopping, padding,
-caches, TRL's completion masks) is transformers' own.
+step, and suppressing a few tokens is a `torch.where` over all of it; together several times the
+output layer's matmul (`python benchmarks/cpu_kernels.py`). With a top-k cut only k tokens can ever
+be drawn, so the very same distribution (suppressed tokens removed, then temperature, top-k, and
+top-p over what top-k kept, in transformers' order) is sampled among those k alone. The draw
+happens in a logits processor that leaves only the drawn token finite, and `generate` runs in
+greedy mode, which then picks it: the rest of generation (stopping, padding, caches, TRL's
+completion masks) is transformers' own.
 
 The processor overwrites the scores it is given (allocating a new [rows, vocabulary] tensor at
 every step costs more than the draw), so it is never used where `generate` keeps raw logits.
@@ -71,8 +71,26 @@ def candidate_probs(scores: torch.Tensor, settings: SamplingSettings
 
 
 def draw(scores: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
+    """One token per row by the Gumbel-max trick, with each candidate's noise a hash of (a random
+    key per row, the token id). Two policies sampled with the same seed then draw the same token
+    unless their probabilities differ enough to change the race (common random numbers), so a
+    before/after evaluation compares the policies rather than two independent draws."""
     ids, probs = candidate_probs(scores, settings)
-    return ids.gather(1, torch.multinomial(probs, 1)).squeeze(1)
+    keys = torch.randint(0, 2**62, (ids.shape[0], 1), device=ids.device)
+    gumbel = -torch.log(-torch.log(hashed_uniform(keys, ids)))
+    choice = (probs.log() + gumbel).argmax(-1, keepdim=True)  # log(0): never drawn
+    return ids.gather(1, choice).squeeze(1)
+
+
+def hashed_uniform(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Uniform numbers in (0, 1), one per (key, id), from splitmix64's finaliser (int64 arithmetic
+    wraps around, and the shifts are masked to act as unsigned ones)."""
+    z = keys * -7046029254386353131 + ids * -4658895280553007687  # 0x9E37..., 0xBF58... as int64
+    z = (z ^ ((z >> 30) & 0x3FFFFFFFF)) * -7723592293110705685
+    z = (z ^ ((z >> 27) & 0x1FFFFFFFFF)) * 1181783497276652981
+    z = z ^ ((z >> 31) & 0x1FFFFFFFF)
+    mantissa = (z >> 11) & ((1 << 53) - 1)
+    return (mantissa.double() + 0.5) / float(1 << 53)
 
 
 def top_k_settings(do_sample: bool, temperature: float | None, top_k: int | None,
