@@ -59,3 +59,23 @@ def test_soft_capped_logits_take_the_autograd_path() -> None:
                                      ("log_probs",))
     reference = _autograd_outputs(hidden, weight, None, targets, 1.0, 30.0, 1.0, ("log_probs",))
     assert torch.equal(ours[0], reference[0])
+
+
+def test_gradients_match_when_the_logits_are_recomputed(monkeypatch) -> None:
+    import vlmrl.trl_compat as compat
+
+    hidden, weight, _, targets = inputs(300, 3000, False)
+    kept = torch.autograd.grad(TorchChunkedLogProb.apply(hidden, weight, None, targets, 1.0, 256,
+                                                         None, 1.0, OUTPUTS)[0].sum(), hidden)
+    monkeypatch.setattr(compat, "KEEP_LOGITS_BYTES", 0)
+    recomputed = torch.autograd.grad(TorchChunkedLogProb.apply(
+        hidden, weight, None, targets, 1.0, 256, None, 1.0, OUTPUTS)[0].sum(), hidden)
+    assert torch.allclose(kept[0], recomputed[0], atol=1e-6)
+
+
+def test_a_second_backward_recomputes_instead_of_reusing_consumed_logits() -> None:
+    hidden, weight, _, targets = inputs(50, 500, False)
+    loss = TorchChunkedLogProb.apply(hidden, weight, None, targets, 1.0, 256, None, 1.0,
+                                     OUTPUTS)[0].sum()
+    first = torch.autograd.grad(loss, hidden, retain_graph=True)[0]
+    assert torch.allclose(torch.autograd.grad(loss, hidden)[0], first, atol=1e-6)

@@ -16,8 +16,9 @@ TOKEN_CHUNK = 256
 
 class TorchChunkedLogProb:
     """Same contract as trl.kernels.ChunkedLogProbFunction.apply. Without logit soft-capping it
-    runs `_fused_log_prob_function`: per chunk of tokens one matmul and a log-sum-exp forward, the
-    logits recomputed in backward, so no [tokens, vocab] log-softmax is kept for autograd: with
+    runs `_fused_log_prob_function`: per chunk of tokens one matmul and a log-sum-exp forward, and
+    in backward the logits only (kept up to 1 GiB, recomputed beyond), so no log-softmax, softmax
+    or entropy graph over [tokens, vocab] is kept for autograd: with
     the 151,936-token vocabulary the passes over those tensors cost more than the matmul
     (`python benchmarks/cpu_kernels.py`)."""
 
@@ -37,6 +38,7 @@ class TorchChunkedLogProb:
 
 
 EXTRA_OUTPUTS = ("log_sum_sq_probs", "mean_logits", "is_top1")
+KEEP_LOGITS_BYTES = 1 << 30
 
 
 @functools.cache
@@ -58,9 +60,14 @@ def _fused_log_prob_function():
             entropy = hidden.new_empty(n if with_entropy else 0, dtype=torch.float32)
             extra = {name: hidden.new_empty(n, dtype=torch.bool if name == "is_top1" else torch.float32)
                      for name in extras}
+            # Kept for backward where they fit (recomputing them costs a matmul), else recomputed
+            keep = any(ctx.needs_input_grad[:3]) and n * weight.shape[0] * 4 <= KEEP_LOGITS_BYTES
+            ctx.kept = [] if keep else None
             for start in range(0, n, TOKEN_CHUNK):
                 part = slice(start, start + TOKEN_CHUNK)
                 logits = chunk_logits(hidden[part], weight, bias, scale)
+                if keep:
+                    ctx.kept.append(logits)
                 chunk_lse = torch.logsumexp(logits, -1)
                 lse[part] = chunk_lse
                 log_probs[part] = logits.gather(-1, targets[part, None]).squeeze(-1) - chunk_lse
@@ -86,9 +93,11 @@ def _fused_log_prob_function():
             grad_hidden = torch.zeros_like(hidden) if need_hidden else None
             grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight else None
             grad_bias = torch.zeros_like(bias, dtype=torch.float32) if need_bias else None
-            for start in range(0, hidden.shape[0], TOKEN_CHUNK):
+            kept, ctx.kept = ctx.kept, None  # used up in place: a second backward recomputes
+            for index, start in enumerate(range(0, hidden.shape[0], TOKEN_CHUNK)):
                 part = slice(start, start + TOKEN_CHUNK)
-                logits = chunk_logits(hidden[part], weight, bias, ctx.scale)
+                logits = (kept[index] if kept is not None
+                          else chunk_logits(hidden[part], weight, bias, ctx.scale))
                 log_p = logits.sub_(lse[part, None])  # in place: the logits are not needed again
                 probs = log_p.exp()
                 g_lp = (grad_log_probs[part, None] if grad_log_probs is not None
