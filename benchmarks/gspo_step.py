@@ -316,7 +316,8 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
     grpo = dict(params.train.grpo)
     batch = {key: knobs[key] for key in REFERENCE_BATCH}
     grpo.update(max_steps=warmup + steps, **batch, num_generations=NUM_GENERATIONS, max_completion_length=length,
-                gradient_checkpointing=True, log_completions=False, logging_steps=1,
+                gradient_checkpointing=True, top_p=0.8,  # as every row was measured
+                log_completions=False, logging_steps=1,
                 report_to="none", seed=seed, **(VLLM_SETTINGS if knobs.get("vllm") else {}))
     reward_funcs, reward_weights = build_rewards(params.rewards.weights, params.rewards.options)
     out_dir = Path(tempfile.mkdtemp(prefix="gspo-bench-"))

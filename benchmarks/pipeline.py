@@ -70,6 +70,15 @@ def timed_cached_flow(repo: Path) -> dict:
     return {"seconds": round(seconds, 2), "stages_that_ran": ran}
 
 
+def held_out_figures(repo: Path) -> dict:
+    """Format compliance and mean reward before and after GSPO: the same run's learning figures
+    (benchmarks/learning.py measures them over seeds)."""
+    metrics = {name: json.loads((repo / "data/metrics" / f"{name}.json").read_text())
+               for name in ("baseline_eval", "post_eval")}
+    return {f"{name}_{key}": metrics[name][key] for name in metrics
+            for key in ("format_compliance", "mean_reward")}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/pipeline.json"))
@@ -83,6 +92,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="vlmrl-bench-") as tmp:
         repo = make_project_repo(Path(tmp) / "repo")
         first = timed_repro(repo)
+        first["held_out"] = held_out_figures(repo)
         noop = timed_repro(repo)
         update_params(repo, {"train.grpo.learning_rate": 1.0e-4})
         rerun = timed_repro(repo)

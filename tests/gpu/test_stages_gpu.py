@@ -73,6 +73,7 @@ GSPO = {
     "train.grpo.num_generations": 8,
     "train.grpo.max_completion_length": 32,  # the SFT format is 22-30 tokens with <|im_end|>
     "train.grpo.temperature": 0.7,
+    "train.grpo.top_p": 0.8,  # as measured on the device; the CPU default has no top-p cut
     "train.grpo.importance_sampling_level": "sequence",
     "train.grpo.learning_rate": 5.0e-4,
     "train.grpo.lr_scheduler_type": "constant",
@@ -86,11 +87,14 @@ SMALL = {
     "model.name": MODEL,
     "model.dtype": "auto",
     "data.synthetic_size": 24,
+    "data.synthetic_read_size": 40,  # the set these settings were measured on
     "data.eval_size": 4,
     "data.image_size": 512,
     "rewards.weights": {"format_reward": 1.0, "correctness_reward": 1.0},
     "eval.max_new_tokens": 32,
     "eval.batch_size": 4,
+    "eval.temperature": 0.7,
+    "eval.top_p": 0.8,
     "train.save_steps": 2,
     "train.lora.r": 16,
     "train.lora.alpha": 16,
