@@ -33,7 +33,7 @@ from vlmrl.models.loading import load_model
 from vlmrl.models.processor import suppressed_generation_kwargs
 from vlmrl.models.sampling import on_cpu, sampling_kwargs, top_k_settings
 from vlmrl.params import EvalParams, ModelParams, RewardsParams
-from vlmrl.rewards import build_rewards, score_completion
+from vlmrl.rewards import build_rewards, reward_label, score_completion
 
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 REQUIRED_COLUMNS = ("pid", "prompt", "image", "answer", "question_type", "answer_type")
@@ -168,7 +168,8 @@ def score_records(rows: Sequence[Mapping[str, Any]], generations: Sequence[Gener
     """Per-sample records, scored with the rewards (and weights) that training uses."""
     if len(rows) != len(generations):
         raise EvalError(f"{len(generations)} generations for {len(rows)} rows")
-    names, weights, options = list(rewards.weights), rewards.weights, rewards.options
+    names = [reward_label(name) for name in rewards.weights]
+    weights, options = rewards.weights, rewards.options
     records = []
     for row, generation in zip(rows, generations, strict=True):
         if str(row["pid"]) != generation.pid:

@@ -22,21 +22,27 @@ Deliberate choices:
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import math
+import os
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from numbers import Real
 from typing import Any
 
-from vlmrl import scoring
+from vlmrl import scoring, text_rewards
 
 __all__ = [
+    "MODEL_REWARDS",
     "REWARD_FUNCS",
     "build_rewards",
     "completion_text",
     "correctness_reward",
     "format_reward",
     "length_penalty",
+    "reward_label",
+    "rouge_reward",
     "score_completion",
 ]
 
@@ -141,22 +147,88 @@ def length_penalty(
     return [-1.0 if n < min_chars else -0.5 if n > max_chars else 0.0 for n in lengths]
 
 
+def rouge_reward(completions: Sequence[Completion], *, rouge_type: str = "rouge1",
+                 use_stemmer: bool = True, **columns: Any) -> list[float | None]:
+    """ROUGE F1 (`rouge1`, `rouge2`, `rougeL`, `rougeLsum`) of the SOLUTION block against the gold
+    answer: 0 without a SOLUTION block, None without a gold text (`vlmrl.text_rewards`)."""
+    return text_rewards.rouge_values([completion_text(c) for c in completions],
+                                     columns.get("answer"), rouge_type, use_stemmer)
+
+
 REWARD_FUNCS: dict[str, RewardFunc] = {
     "format_reward": format_reward,
     "correctness_reward": correctness_reward,
     "length_penalty": length_penalty,
+    "rouge_reward": rouge_reward,
 }
+# Built-in rewards that need a model, registered by import path: importing them here would pull
+# torch into every user of this module (the CLI, the reward playground).
+MODEL_REWARDS: dict[str, str] = {"bertscore_reward": "vlmrl.models.similarity:bertscore_reward"}
 
 
 # -------------------------------------------------------------------- registry
 
 
+def is_import_path(name: str) -> bool:
+    return ":" in name
+
+
+def reward_label(name: str) -> str:
+    """What logs, metrics and eval records call a reward: its registry name, or the function
+    name of an import path (`my_rewards:brevity` -> `brevity`)."""
+    return name.rsplit(":", 1)[1] if is_import_path(name) else name
+
+
 def _lookup(name: str) -> RewardFunc:
+    if is_import_path(name):
+        return _import_reward(name)
+    if name in MODEL_REWARDS:
+        return _import_reward(MODEL_REWARDS[name])
     if name not in REWARD_FUNCS:
         raise ValueError(
-            f"unknown reward {name!r}; known rewards: {', '.join(sorted(REWARD_FUNCS))}"
+            f"unknown reward {name!r}; known rewards: "
+            f"{', '.join(sorted([*REWARD_FUNCS, *MODEL_REWARDS]))}, "
+            "or an import path `package.module:function`"
         )
     return REWARD_FUNCS[name]
+
+
+def _import_reward(path: str) -> RewardFunc:
+    """`package.module:function`, importable from the installed packages or the project root
+    (the directory the stage runs in), with TRL's signature `f(completions, **columns)`."""
+    module_name, _, attribute = path.partition(":")
+    if not module_name or not attribute.isidentifier():
+        raise ValueError(f"reward {path!r}: an import path is `package.module:function`")
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as error:  # noqa: BLE001 - any import failure is the user's reward's
+        raise ValueError(f"reward {path!r}: cannot import {module_name!r} "
+                         f"({type(error).__name__}: {error})") from error
+    func = getattr(module, attribute, None)
+    if func is None:
+        raise ValueError(f"reward {path!r}: module {module_name!r} has no {attribute!r}")
+    _check_signature(path, func)
+    return func
+
+
+def _check_signature(path: str, func: Any) -> None:
+    if not callable(func):
+        raise ValueError(f"reward {path!r} is a {type(func).__name__}, not a function")
+    try:
+        params = list(inspect.signature(func).parameters.values())
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"reward {path!r}: no inspectable signature ({error})") from error
+    positional = [p for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                  inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    takes_columns = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    required = [p.name for p in positional[1:] if p.default is inspect.Parameter.empty]
+    if not positional or not takes_columns or required:
+        raise ValueError(
+            f"reward {path!r} must have TRL's signature `f(completions, **columns) -> "
+            f"list[float | None]` (the dataset's columns arrive as keyword arguments); it has "
+            f"`{func.__name__}{inspect.signature(func)}`")
 
 
 def _option_names(func: RewardFunc) -> set[str]:
@@ -176,10 +248,21 @@ def _bind(name: str, options: Mapping[str, Any]) -> RewardFunc:
         raise ValueError(
             f"unknown option(s) {', '.join(map(repr, unknown))} for reward {name!r}; known: {known}"
         )
-    if not options:
+    return _named(functools.partial(func, **options) if options else func, reward_label(name))
+
+
+def _named(func: RewardFunc, label: str) -> RewardFunc:
+    """TRL logs each reward under its `__name__` (which a bare partial lacks); metrics and eval
+    records use the same label."""
+    if getattr(func, "__name__", None) == label and not isinstance(func, functools.partial):
         return func
-    # TRL logs each reward under its __name__, which a bare partial lacks.
-    return functools.update_wrapper(functools.partial(func, **options), func)
+
+    @functools.wraps(func.func if isinstance(func, functools.partial) else func)
+    def reward(completions, **columns):
+        return func(completions, **columns)
+
+    reward.__name__ = label
+    return reward
 
 
 def _weight(name: str, weight: Any) -> float:
@@ -212,7 +295,12 @@ def build_rewards(
         raise ValueError(f"reward options must be a mapping, got {type(options).__name__}")
     bound = {name: _bind(name, opts) for name, opts in options.items()}
     table = _weights(weights)
-    funcs = [bound.get(name) or _lookup(name) for name in table]
+    labels = [reward_label(name) for name in table]
+    clashing = sorted({label for label in labels if labels.count(label) > 1})
+    if clashing:
+        raise ValueError(f"two rewards would both be called {clashing[0]!r} in logs and "
+                         "metrics; rename one of the functions")
+    funcs = [bound.get(name) or _bind(name, {}) for name in table]
     return funcs, list(table.values())
 
 
