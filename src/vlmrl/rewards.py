@@ -32,6 +32,7 @@ from numbers import Real
 from typing import Any
 
 from vlmrl import scoring, text_rewards
+from vlmrl.answer_format import DEFAULT_FORMAT, AnswerFormat
 
 __all__ = [
     "MODEL_REWARDS",
@@ -108,33 +109,36 @@ def is_degenerate(text: str) -> bool:
 DEGENERATE_PENALTY = 2.0
 
 
-def _format_value(text: str) -> float:
-    reasoning = scoring.single_block(text, scoring.OPEN_REASONING, scoring.CLOSE_REASONING)
-    solution = scoring.single_block(text, scoring.OPEN_SOLUTION, scoring.CLOSE_SOLUTION)
-    earned = float(reasoning is not None) + float(solution is not None)
+def _format_value(text: str, fmt: AnswerFormat) -> float:
+    reasoning = scoring.single_block(text, fmt.reasoning_open, fmt.reasoning_close)
+    solution = scoring.single_block(text, fmt.solution_open, fmt.solution_close)
+    earned = fmt.format_bonus * ((reasoning is not None) + (solution is not None))
     return earned - DEGENERATE_PENALTY if is_degenerate(text) else earned
 
 
-def format_reward(completions: Sequence[Completion], **columns: Any) -> list[float | None]:
-    """+1 for one REASONING block, +1 for one SOLUTION block, minus 2 for degenerate text."""
-    return [_format_value(completion_text(c)) for c in completions]
+def format_reward(completions: Sequence[Completion], *, answer_format: AnswerFormat = DEFAULT_FORMAT,
+                  **columns: Any) -> list[float | None]:
+    """The format bonus (1 by default) for one reasoning block and again for one solution block,
+    minus 2 for degenerate text."""
+    return [_format_value(completion_text(c), answer_format) for c in completions]
 
 
-def _correctness_value(text: str, record: Mapping[str, Any]) -> float | None:
+def _correctness_value(text: str, record: Mapping[str, Any], fmt: AnswerFormat) -> float | None:
     if not scoring.gold_parseable(record):
         return None
-    result = scoring.score(text, record)
+    result = scoring.score(text, record, fmt)
     if result.correct and result.extracted == str(record["answer"]).strip():
         return 2.0
     return 1.5 if result.correct else 0.0
 
 
-def correctness_reward(completions: Sequence[Completion], **columns: Any) -> list[float | None]:
+def correctness_reward(completions: Sequence[Completion], *,
+                       answer_format: AnswerFormat = DEFAULT_FORMAT,
+                       **columns: Any) -> list[float | None]:
     """2.0 for the gold answer verbatim, 1.5 after normalisation, else 0; None for bad gold."""
     records = _records(len(completions), columns)
-    return [
-        _correctness_value(completion_text(c), r) for c, r in zip(completions, records, strict=True)
-    ]
+    return [_correctness_value(completion_text(c), r, answer_format)
+            for c, r in zip(completions, records, strict=True)]
 
 
 def length_penalty(
@@ -148,11 +152,13 @@ def length_penalty(
 
 
 def rouge_reward(completions: Sequence[Completion], *, rouge_type: str = "rouge1",
-                 use_stemmer: bool = True, **columns: Any) -> list[float | None]:
+                 use_stemmer: bool = True, answer_format: AnswerFormat = DEFAULT_FORMAT,
+                 **columns: Any) -> list[float | None]:
     """ROUGE F1 (`rouge1`, `rouge2`, `rougeL`, `rougeLsum`) of the SOLUTION block against the gold
     answer: 0 without a SOLUTION block, None without a gold text (`vlmrl.text_rewards`)."""
     return text_rewards.rouge_values([completion_text(c) for c in completions],
-                                     columns.get("answer"), rouge_type, use_stemmer)
+                                     columns.get("answer"), rouge_type, use_stemmer,
+                                     answer_format)
 
 
 REWARD_FUNCS: dict[str, RewardFunc] = {
@@ -231,24 +237,38 @@ def _check_signature(path: str, func: Any) -> None:
             f"`{func.__name__}{inspect.signature(func)}`")
 
 
-def _option_names(func: RewardFunc) -> set[str]:
+# A reward that takes this keyword gets the run's answer format (params.yaml `answer_format`)
+FORMAT_KEYWORD = "answer_format"
+
+
+def _keyword_names(func: RewardFunc) -> set[str]:
     params = inspect.signature(func).parameters.values()
     return {p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
 
 
-def _bind(name: str, options: Mapping[str, Any]) -> RewardFunc:
+def _option_names(func: RewardFunc) -> set[str]:
+    return _keyword_names(func) - {FORMAT_KEYWORD}
+
+
+def _bind(name: str, options: Mapping[str, Any], fmt: AnswerFormat | None = None) -> RewardFunc:
     func = _lookup(name)
     if not isinstance(options, Mapping):
         raise ValueError(
             f"options for reward {name!r} must be a mapping, got {type(options).__name__}"
         )
+    if FORMAT_KEYWORD in options:
+        raise ValueError(f"reward {name!r}: the answer format is set in params.yaml's "
+                         "answer_format section, not in a reward's options")
     unknown = sorted(set(options) - _option_names(func))
     if unknown:
         known = ", ".join(sorted(_option_names(func))) or "none"
         raise ValueError(
             f"unknown option(s) {', '.join(map(repr, unknown))} for reward {name!r}; known: {known}"
         )
-    return _named(functools.partial(func, **options) if options else func, reward_label(name))
+    bound = dict(options)
+    if fmt is not None and FORMAT_KEYWORD in _keyword_names(func):
+        bound[FORMAT_KEYWORD] = fmt
+    return _named(functools.partial(func, **bound) if bound else func, reward_label(name))
 
 
 def _named(func: RewardFunc, label: str) -> RewardFunc:
@@ -284,23 +304,26 @@ def _weights(spec: Mapping[str, Any] | Sequence[str]) -> dict[str, float]:
 def build_rewards(
     weights: Mapping[str, float] | Sequence[str],
     options: Mapping[str, Mapping[str, Any]] | None = None,
+    answer_format: AnswerFormat | None = None,
 ) -> tuple[list[RewardFunc], list[float]]:
     """TRL's `reward_funcs` and `reward_weights` from `{name: weight}` (a list means weight 1 each).
 
     `options` maps a reward name to keyword arguments bound into it; options
     for a known reward that carries no weight are checked and then unused.
+    `answer_format` goes to every reward with an `answer_format` keyword (the
+    built-in ones, and any of yours that declares it).
     """
     options = options or {}
     if not isinstance(options, Mapping):
         raise ValueError(f"reward options must be a mapping, got {type(options).__name__}")
-    bound = {name: _bind(name, opts) for name, opts in options.items()}
+    bound = {name: _bind(name, opts, answer_format) for name, opts in options.items()}
     table = _weights(weights)
     labels = [reward_label(name) for name in table]
     clashing = sorted({label for label in labels if labels.count(label) > 1})
     if clashing:
         raise ValueError(f"two rewards would both be called {clashing[0]!r} in logs and "
                          "metrics; rename one of the functions")
-    funcs = [bound.get(name) or _bind(name, {}) for name in table]
+    funcs = [bound.get(name) or _bind(name, {}, answer_format) for name in table]
     return funcs, list(table.values())
 
 
@@ -312,16 +335,18 @@ def score_completion(
     record: Mapping[str, Any],
     weights: Mapping[str, float] | Sequence[str] | None = None,
     options: Mapping[str, Mapping[str, Any]] | None = None,
+    answer_format: AnswerFormat = DEFAULT_FORMAT,
 ) -> dict[str, Any]:
     """Every weighted reward, their weighted total and the scorer's verdict for one completion.
 
     `weights` defaults to every registered reward at weight 1.
     """
-    funcs, factors = build_rewards(list(REWARD_FUNCS) if weights is None else weights, options)
+    funcs, factors = build_rewards(list(REWARD_FUNCS) if weights is None else weights, options,
+                                   answer_format)
     columns = {name: [record.get(name)] for name in RECORD_COLUMNS}
     rewards = {func.__name__: func([text], **columns)[0] for func in funcs}
     total = sum(w * v for w, v in zip(factors, rewards.values(), strict=True) if v is not None)
-    result = scoring.score(completion_text(text), record)
+    result = scoring.score(completion_text(text), record, answer_format)
     return {
         "rewards": rewards,
         "weights": dict(zip(rewards, factors, strict=True)),

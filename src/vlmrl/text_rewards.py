@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from vlmrl import scoring
+from vlmrl.answer_format import DEFAULT_FORMAT, AnswerFormat
 
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL", "rougeLsum")
 
@@ -25,8 +26,8 @@ def _rouge_scorer(rouge_type: str, use_stemmer: bool):
     return rouge_scorer.RougeScorer([rouge_type], use_stemmer=use_stemmer)
 
 
-def solution_and_gold(completions: Sequence[str], answer: Sequence[Any] | None
-                      ) -> list[tuple[str | None, str | None]]:
+def solution_and_gold(completions: Sequence[str], answer: Sequence[Any] | None,
+                      fmt: AnswerFormat = DEFAULT_FORMAT) -> list[tuple[str | None, str | None]]:
     """(the SOLUTION block's text or None, the gold text or None) per completion."""
     if answer is None:
         raise ValueError("this reward needs an 'answer' column")
@@ -34,17 +35,17 @@ def solution_and_gold(completions: Sequence[str], answer: Sequence[Any] | None
         raise ValueError(f"column 'answer' has {len(answer)} values for {len(completions)} "
                          "completions")
     golds = [None if gold is None or not str(gold).strip() else str(gold) for gold in answer]
-    return [(scoring.extract_solution(text), gold) for text, gold in zip(completions, golds)]
+    return [(scoring.extract_solution(text, fmt), gold) for text, gold in zip(completions, golds)]
 
 
 def rouge_values(texts: Sequence[str], answer: Sequence[Any] | None, rouge_type: str,
-                 use_stemmer: bool) -> list[float | None]:
+                 use_stemmer: bool, fmt: AnswerFormat = DEFAULT_FORMAT) -> list[float | None]:
     if rouge_type not in ROUGE_TYPES:
         raise ValueError(f"rouge_reward: rouge_type {rouge_type!r} is not one of "
                          f"{', '.join(ROUGE_TYPES)}")
     scorer = _rouge_scorer(rouge_type, use_stemmer)
     values: list[float | None] = []
-    for solution, gold in solution_and_gold(texts, answer):
+    for solution, gold in solution_and_gold(texts, answer, fmt):
         if gold is None:
             values.append(None)
         elif not solution:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from transformers import AutoModel, AutoTokenizer
 
+from vlmrl.answer_format import DEFAULT_FORMAT, AnswerFormat
 from vlmrl.text_rewards import solution_and_gold
 
 
@@ -49,13 +50,15 @@ def greedy_f1(candidate: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 def bertscore_reward(completions: Sequence[Any], *, model: str, layer: int | None = None,
-                     device: str = "cpu", **columns: Any) -> list[float | None]:
+                     device: str = "cpu", answer_format: AnswerFormat = DEFAULT_FORMAT,
+                     **columns: Any) -> list[float | None]:
     """BERTScore-style F1 of the SOLUTION block against the gold answer, with `model`'s
     embeddings (`layer`: a hidden-state index, default the last); 0 without a SOLUTION block,
     None without a gold text."""
     from vlmrl.rewards import completion_text
 
-    pairs = solution_and_gold([completion_text(c) for c in completions], columns.get("answer"))
+    pairs = solution_and_gold([completion_text(c) for c in completions], columns.get("answer"),
+                              answer_format)
     scored = [i for i, (solution, gold) in enumerate(pairs) if solution and gold]
     values: list[float | None] = [None if gold is None else 0.0 for _, gold in pairs]
     if scored:
