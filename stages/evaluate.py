@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from vlmrl.answer_format import answer_format
 from vlmrl.eval_report import comparison_metrics, find_flips, read_records, write_report
 from vlmrl.evaluation import EvalError, run_evaluation
 from vlmrl.models.loading import starting_adapter
@@ -89,7 +90,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         check_baseline_inputs(args)
     adapter = args.adapter if args.mode == "post" else starting_adapter(args.start_adapter)
     records, metrics = run_evaluation(args.eval_set, params.model, params.eval, params.rewards,
-                                      adapter=adapter)
+                                      adapter=adapter, fmt=answer_format(params))
     if args.mode == "post":
         metrics = write_post_report(args, records, metrics)
     write_jsonl_atomic(args.out / "records.jsonl", records)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from vlmrl.answer_format import answer_format
 from vlmrl.data import (
     DataError,
     data_summary,
@@ -29,9 +30,10 @@ def main() -> None:
 
     outputs = (args.out / "train", args.out / "eval", args.report, args.metrics)
     try:
-        settings = load_params(args.params).data
+        params = load_params(args.params)
+        settings, system_prompt = params.data, answer_format(params).system_text()
         remove_outputs(*outputs)
-        prepared = prepare(load_raw_records(settings), settings)
+        prepared = prepare(load_raw_records(settings), settings, system_prompt)
     except (ParamsError, DataError) as error:
         raise SystemExit(f"prepare_data failed: {error}") from None
     try:

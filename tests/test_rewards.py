@@ -11,12 +11,14 @@ import pytest
 
 from vlmrl.params import RewardsParams
 from vlmrl.rewards import (
+    MODEL_REWARDS,
     REWARD_FUNCS,
     build_rewards,
     completion_text,
     correctness_reward,
     format_reward,
     length_penalty,
+    rouge_reward,
     score_completion,
 )
 
@@ -198,12 +200,14 @@ def test_length_penalty_thresholds() -> None:
 # -------------------------------------------------------------------- registry
 
 
-def test_registry_holds_the_three_rewards() -> None:
+def test_registry_holds_the_built_in_rewards() -> None:
     assert REWARD_FUNCS == {
         "format_reward": format_reward,
         "correctness_reward": correctness_reward,
         "length_penalty": length_penalty,
+        "rouge_reward": rouge_reward,
     }
+    assert MODEL_REWARDS == {"bertscore_reward": "vlmrl.models.similarity:bertscore_reward"}
 
 
 def test_build_rewards_from_weights_and_options() -> None:
@@ -277,7 +281,8 @@ def test_score_completion_defaults_and_unparseable_gold() -> None:
     result = score_completion("<SOLUTION>abc</SOLUTION>", dict(INT_RECORD, answer="abc"))
     assert set(result["rewards"]) == set(REWARD_FUNCS)
     assert result["rewards"]["correctness_reward"] is None
-    assert result["total"] == pytest.approx(1.0 - 1.0)  # format 1, length -1, correctness skipped
+    # format 1, length -1, ROUGE 1 (the block equals the gold text), correctness skipped
+    assert result["total"] == pytest.approx(1.0 - 1.0 + 1.0)
     assert result["correct"] is False and result["format_ok"] is False
 
 

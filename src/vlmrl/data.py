@@ -22,7 +22,7 @@ from PIL import Image
 from vlmrl.data_columns import ORIGIN, DataError, check_mapping, map_record
 from vlmrl.data_sources import BadLine, hub_rows, local_rows
 from vlmrl.params import EMBEDDED_SOURCE, LOCAL_SOURCE, DataParams, ParamsError
-from vlmrl.prompts import build_prompt
+from vlmrl.prompts import SYSTEM_PROMPT, build_prompt
 from vlmrl.tables import markdown_table
 
 COLUMNS = ("pid", "prompt", "image", "answer", "question_type", "answer_type", "choices",
@@ -194,8 +194,9 @@ def passes_filters(raw: Mapping[str, Any], settings: DataParams) -> bool:
 
 
 def prepare(raw_records: Iterable[Mapping[str, Any] | BadLine],
-            settings: DataParams) -> PreparedData:
-    """Map, filter and validate every row; skip (or, under data.strict, fail on) bad ones."""
+            settings: DataParams, system_prompt: str = SYSTEM_PROMPT) -> PreparedData:
+    """Map, filter and validate every row; skip (or, under data.strict, fail on) bad ones.
+    `system_prompt`: the run's answer format's (params.yaml `answer_format`)."""
     check_mapping(settings)
     rows: list[dict[str, Any]] = []
     prepared = PreparedData(train=[], eval=[])
@@ -222,7 +223,7 @@ def prepare(raw_records: Iterable[Mapping[str, Any] | BadLine],
             _reject(prepared, Skipped(pid, str(error), where), settings)
             continue
         seen_pids.add(pid)
-        rows.append(to_row(record, settings.system_prompt))
+        rows.append(to_row(record, system_prompt))
     check_mapped_columns(settings, seen_columns)
     if not rows:
         raise DataError(

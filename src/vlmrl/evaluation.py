@@ -28,12 +28,13 @@ import torch
 from datasets import load_from_disk
 from tqdm.auto import tqdm
 
+from vlmrl.answer_format import DEFAULT_FORMAT, AnswerFormat
 from vlmrl.models.backend import model_device
 from vlmrl.models.loading import load_model
 from vlmrl.models.processor import suppressed_generation_kwargs
 from vlmrl.models.sampling import on_cpu, sampling_kwargs, top_k_settings
 from vlmrl.params import EvalParams, ModelParams, RewardsParams
-from vlmrl.rewards import build_rewards, score_completion
+from vlmrl.rewards import build_rewards, reward_label, score_completion
 
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 REQUIRED_COLUMNS = ("pid", "prompt", "image", "answer", "question_type", "answer_type")
@@ -142,13 +143,14 @@ def generate_responses(model, processor, rows: Sequence[Mapping[str, Any]],
 
 
 def score_record(row: Mapping[str, Any], generation: Generation, weights: Mapping[str, Any],
-                 options: dict[str, Any], names: list[str]) -> dict[str, Any]:
+                 options: dict[str, Any], names: list[str],
+                 fmt: AnswerFormat = DEFAULT_FORMAT) -> dict[str, Any]:
     record = {"pid": str(row["pid"]), "question_type": row.get("question_type"),
               "answer_type": row.get("answer_type"), "category": row.get("category"),
               "source": row.get("source"), "tier": row.get("tier"), "gold": row.get("answer"),
               "response": generation.text}
     try:
-        scored = score_completion(generation.text, row, weights, options)
+        scored = score_completion(generation.text, row, weights, options, fmt)
         record.update(gold_normalized=scored["gold"], extracted=scored["extracted"],
                       normalized=scored["normalized"], correct=bool(scored["correct"]),
                       format_ok=bool(scored["format_ok"]))
@@ -164,16 +166,18 @@ def score_record(row: Mapping[str, Any], generation: Generation, weights: Mappin
 
 
 def score_records(rows: Sequence[Mapping[str, Any]], generations: Sequence[Generation],
-                  rewards: RewardsParams) -> list[dict[str, Any]]:
+                  rewards: RewardsParams, fmt: AnswerFormat = DEFAULT_FORMAT
+                  ) -> list[dict[str, Any]]:
     """Per-sample records, scored with the rewards (and weights) that training uses."""
     if len(rows) != len(generations):
         raise EvalError(f"{len(generations)} generations for {len(rows)} rows")
-    names, weights, options = list(rewards.weights), rewards.weights, rewards.options
+    names = [reward_label(name) for name in rewards.weights]
+    weights, options = rewards.weights, rewards.options
     records = []
     for row, generation in zip(rows, generations, strict=True):
         if str(row["pid"]) != generation.pid:
             raise EvalError(f"generation for pid={generation.pid} paired with row pid={row['pid']}")
-        records.append(score_record(row, generation, weights, options, names))
+        records.append(score_record(row, generation, weights, options, names, fmt))
     return records
 
 
@@ -252,19 +256,20 @@ def load_eval_set(path: Path):
 
 def run_evaluation(eval_set_path: Path | str, model_params: ModelParams, settings: EvalParams,
                    rewards: RewardsParams, adapter: Path | str | None = None,
+                   fmt: AnswerFormat = DEFAULT_FORMAT,
                    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Generates on every eval row with the (optionally adapted) model and scores the responses."""
     eval_set_path = Path(eval_set_path)
     check_eval_set(eval_set_path)
     if adapter is not None:
         check_adapter(Path(adapter))
-    build_rewards(rewards.weights, rewards.options)  # a bad reward fails here, before the model
+    build_rewards(rewards.weights, rewards.options, fmt)  # a bad reward fails here, before the model
     dataset = load_eval_set(eval_set_path)
     model, processor, _backend = load_model(model_params, adapter=adapter)
     start = time.perf_counter()
     generations = generate_responses(model, processor, dataset, settings)
     seconds = time.perf_counter() - start
-    records = score_records(dataset.remove_columns(["image"]), generations, rewards)
+    records = score_records(dataset.remove_columns(["image"]), generations, rewards, fmt)
     metrics = aggregate(records, seconds=seconds,
                         generated_tokens=sum(g.generated_tokens for g in generations))
     return records, metrics

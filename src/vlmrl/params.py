@@ -34,8 +34,6 @@ from pydantic import (
 )
 from pydantic.dataclasses import dataclass as validated_dataclass
 
-from vlmrl.prompts import SYSTEM_PROMPT
-
 PARAMS_FILE = Path("params.yaml")
 
 Backend = Literal["auto", "transformers", "unsloth"]
@@ -169,7 +167,6 @@ class DataParams(Section):
                                                                                  "float")
     image_size: Annotated[int, BeforeValidator(_integer), Field(ge=28)] = 512
     strict: Boolean = False
-    system_prompt: str = SYSTEM_PROMPT
 
 
 class RewardsParams(Section):

@@ -6,11 +6,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-SYSTEM_PROMPT = (
-    "You are a careful visual maths solver. Look at the image and think step by step. "
-    "Write your reasoning between <REASONING> and </REASONING>, then give only the final "
-    "answer between <SOLUTION> and </SOLUTION>."
-)
+from vlmrl.answer_format import DEFAULT_FORMAT
+
+# The default answer format's; a run's own is params.yaml `answer_format.system_prompt`.
+SYSTEM_PROMPT = DEFAULT_FORMAT.system_text()
 
 _ANSWER_HINTS = {
     "integer": "Answer with an integer, e.g. 1, 2, 3.",

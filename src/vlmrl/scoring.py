@@ -33,6 +33,8 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from vlmrl.answer_format import DEFAULT_FORMAT, AnswerFormat
+
 __all__ = [
     "MAX_ANSWER_CHARS",
     "Score",
@@ -48,8 +50,9 @@ __all__ = [
     "single_block",
 ]
 
-OPEN_SOLUTION, CLOSE_SOLUTION = "<SOLUTION>", "</SOLUTION>"
-OPEN_REASONING, CLOSE_REASONING = "<REASONING>", "</REASONING>"
+# The default format's tags; a run's own come from params.yaml's `answer_format`.
+OPEN_SOLUTION, CLOSE_SOLUTION = DEFAULT_FORMAT.solution_open, DEFAULT_FORMAT.solution_close
+OPEN_REASONING, CLOSE_REASONING = DEFAULT_FORMAT.reasoning_open, DEFAULT_FORMAT.reasoning_close
 
 MAX_ANSWER_CHARS = 300
 _INT_TOLERANCE = 1e-6
@@ -75,19 +78,19 @@ def _as_text(text: object) -> str | None:
     return None
 
 
-def extract_solution(text: str) -> str | None:
-    """Stripped content of the last <SOLUTION>...</SOLUTION> block, else None."""
+def extract_solution(text: str, fmt: AnswerFormat = DEFAULT_FORMAT) -> str | None:
+    """Stripped content of the last solution block (<SOLUTION>...</SOLUTION>), else None."""
     text = _as_text(text)
     if text is None:
         return None
     # rfind instead of a regex: linear even on megabytes of unclosed tags.
-    close = text.rfind(CLOSE_SOLUTION)
+    close = text.rfind(fmt.solution_close)
     if close < 0:
         return None
-    start = text.rfind(OPEN_SOLUTION, 0, close)
+    start = text.rfind(fmt.solution_open, 0, close)
     if start < 0:
         return None
-    return text[start + len(OPEN_SOLUTION) : close].strip()
+    return text[start + len(fmt.solution_open) : close].strip()
 
 
 def single_block(text: str, open_tag: str, close_tag: str) -> tuple[int, int] | None:
@@ -98,13 +101,13 @@ def single_block(text: str, open_tag: str, close_tag: str) -> tuple[int, int] | 
     return (start, end) if start < end else None
 
 
-def format_ok(text: str) -> bool:
-    """One REASONING block, then one SOLUTION block, neither nested in the other."""
+def format_ok(text: str, fmt: AnswerFormat = DEFAULT_FORMAT) -> bool:
+    """One reasoning block, then one solution block, neither nested in the other."""
     text = _as_text(text)
     if text is None:
         return False
-    reasoning = single_block(text, OPEN_REASONING, CLOSE_REASONING)
-    solution = single_block(text, OPEN_SOLUTION, CLOSE_SOLUTION)
+    reasoning = single_block(text, fmt.reasoning_open, fmt.reasoning_close)
+    solution = single_block(text, fmt.solution_open, fmt.solution_close)
     return bool(reasoning and solution and reasoning[1] < solution[0])
 
 
@@ -450,10 +453,10 @@ def gold_parseable(record: Mapping) -> bool:
 # -------------------------------------------------------------------- scoring
 
 
-def score(response: str, record: Mapping) -> Score:
+def score(response: str, record: Mapping, fmt: AnswerFormat = DEFAULT_FORMAT) -> Score:
     """Score one model response against one MathVista-schema record."""
     text = _as_text(response) or ""
-    extracted = extract_solution(text)
+    extracted = extract_solution(text, fmt)
     normalized = normalize_response(extracted, record) if extracted is not None else None
     gold = normalize_gold(record)
     correct = normalized is not None and gold is not None and normalized == gold
@@ -462,5 +465,5 @@ def score(response: str, record: Mapping) -> Score:
         extracted=extracted,
         normalized=normalized,
         gold=gold,
-        format_ok=format_ok(text),
+        format_ok=format_ok(text, fmt),
     )

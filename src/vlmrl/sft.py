@@ -32,30 +32,32 @@ from typing import Any
 import trl
 from datasets import load_from_disk
 
+from vlmrl.answer_format import DEFAULT_FORMAT, AnswerFormat, answer_format
 from vlmrl.models.backend import precision_flags
 from vlmrl.models.loading import backend_for, load_policy, write_start_marker
 from vlmrl.models.processor import save_processor_files
 from vlmrl.outputs import atomic_dir
 from vlmrl.params import ModelParams, Params, ParamsError, SftParams
-from vlmrl.scoring import CLOSE_REASONING, CLOSE_SOLUTION, OPEN_REASONING, OPEN_SOLUTION
 from vlmrl.trl_compat import install_cpu_fallback, step_log_rows
 
 DEFAULT_REASONING = SftParams.model_fields["reasoning"].default
 
 
-def sft_completion(answer: str, reasoning: str = DEFAULT_REASONING) -> str:
-    """The target text: exactly one reasoning block, then exactly one solution block."""
-    thought = reasoning.format(answer=answer)
-    return f"{OPEN_REASONING}{thought}{CLOSE_REASONING}{OPEN_SOLUTION}{answer}{CLOSE_SOLUTION}"
+def sft_completion(answer: str, reasoning: str = DEFAULT_REASONING,
+                   fmt: AnswerFormat = DEFAULT_FORMAT) -> str:
+    """The target text: exactly one reasoning block, then exactly one solution block, in the
+    run's answer format (the tags the scorer and the rewards read)."""
+    return fmt.completion(reasoning.format(answer=answer), answer)
 
 
-def sft_dataset(train_rows, reasoning: str = DEFAULT_REASONING):
+def sft_dataset(train_rows, reasoning: str = DEFAULT_REASONING,
+                fmt: AnswerFormat = DEFAULT_FORMAT):
     """TRL's conversational prompt-completion format with one `image` per row (what
     `DataCollatorForVisionLanguageModeling` reads): the same prompt GSPO samples from, and an
     assistant turn holding the formatted gold answer."""
 
     def add_completion(row: Mapping[str, Any]) -> dict[str, Any]:
-        text = sft_completion(str(row["answer"]), reasoning)
+        text = sft_completion(str(row["answer"]), reasoning, fmt)
         return {"completion": [{"role": "assistant", "content": [{"type": "text", "text": text}]}]}
 
     keep = {"prompt", "image", "completion"}
@@ -104,7 +106,8 @@ def _train(settings: SftParams, params: Params, train_set: Path,
     install_cpu_fallback()  # SFTTrainer's loss goes through the same Triton log-prob kernel
     config = build_sft_config(settings, staging / "_trainer", params.model)
     model, processor, _backend = load_policy(params.model, params.train.lora, config.seed)
-    dataset = sft_dataset(load_from_disk(str(train_set)), settings.reasoning)
+    dataset = sft_dataset(load_from_disk(str(train_set)), settings.reasoning,
+                          answer_format(params))
     trainer = trl.SFTTrainer(model=model, args=config, train_dataset=dataset,
                          processing_class=processor)
     started = time.perf_counter()

@@ -22,6 +22,7 @@ import trl
 from datasets import load_from_disk
 from matplotlib.figure import Figure
 
+from vlmrl.answer_format import answer_format
 from vlmrl.models.backend import precision_flags
 from vlmrl.models.loading import backend_for, load_policy, starting_adapter
 from vlmrl.models.processor import save_processor_files, suppressed_generation_kwargs
@@ -114,7 +115,8 @@ def run_settings(params: Mapping[str, Any], init_adapter: str | None,
     """What a checkpoint is only valid for, as dotted key -> value (JSON types)."""
     data = sorted(str(p.relative_to(train_set)) + str(p.stat().st_size)
                   for p in train_set.rglob("*") if p.is_file())
-    flat = flatten({section: params.get(section) or {} for section in ("model", "rewards", "train")})
+    flat = flatten({section: params.get(section) or {}
+                    for section in ("model", "rewards", "answer_format", "train")})
     settings = {key: value for key, value in flat.items() if key not in NOT_FINGERPRINTED}
     settings["init_adapter"] = init_adapter
     settings["train_set"] = hashlib.sha256("\n".join(data).encode()).hexdigest()
@@ -287,7 +289,8 @@ def train(*, train_set: Path, params: Params, adapter_out: Path, checkpoints: Pa
     if not (train_set / "dataset_info.json").is_file():
         raise FileNotFoundError(f"{train_set}: no prepared train set; the prepare_data stage "
                                 "makes it")
-    reward_funcs, reward_weights = build_rewards(rewards.weights, rewards.options)
+    reward_funcs, reward_weights = build_rewards(rewards.weights, rewards.options,
+                                                 answer_format(params))
     config = build_grpo_config(train_params.grpo, output_dir=checkpoints,
                                save_steps=train_params.save_steps,
                                reward_weights=reward_weights, model_settings=model_params)

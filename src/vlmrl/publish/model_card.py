@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from vlmrl.answer_format import answer_format
 from vlmrl.publish.errors import MissingInputError, PublishError
 from vlmrl.tables import markdown_table
 
@@ -112,11 +113,27 @@ def render_model_card(
         [
             *header,
             *_training_section(params),
+            *_answer_format_section(params),
             *_results_section(baseline, post),
             *_files_section(gguf_sizes, export_metrics.get("logit_max_abs_diff") or {}),
             *_usage_section(quant, projector),
         ]
     )
+
+
+def _answer_format_section(params: Mapping[str, Any]) -> list[str]:
+    """The prompt the model was trained on and the tags its answers come in."""
+    fmt = answer_format(params)
+    return [
+        "## Answer format",
+        "",
+        (f"Trained with this system prompt; answers come as `{fmt.reasoning_open}...`"
+         f"`{fmt.reasoning_close}` then `{fmt.solution_open}...{fmt.solution_close}`, and the "
+         "final answer is the solution block's text:"),
+        "",
+        f"> {fmt.system_text()}",
+        "",
+    ]
 
 
 def _training_section(params: Mapping[str, Any]) -> list[str]:

@@ -43,6 +43,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from vlmrl.answer_format import DEFAULT_FORMAT, AnswerFormat, answer_format
 from vlmrl.params import ParamsError, load_params
 from vlmrl.rewards import build_rewards, score_completion
 from vlmrl.ui.browser import EVAL_SET_DIR, EvalSet, eval_view
@@ -106,14 +107,16 @@ def body_too_large(size: int, limit: int) -> ApiError:
                          f"may be at most {MAX_COMPLETION_BYTES:,} bytes", field="completion")
 
 
-def reward_config(repo: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(weights, per-reward options) from params.yaml, checked as training checks them."""
+def reward_config(repo: Path) -> tuple[dict[str, Any], dict[str, Any], AnswerFormat]:
+    """(weights, per-reward options, answer format) from params.yaml, checked as training checks
+    them."""
     try:
-        rewards = load_params(repo / PARAMS_FILE).rewards
-        build_rewards(rewards.weights, rewards.options)
+        params = load_params(repo / PARAMS_FILE)
+        rewards, fmt = params.rewards, answer_format(params)
+        build_rewards(rewards.weights, rewards.options, fmt)
     except (ParamsError, ValueError, TypeError) as error:
         raise ApiError(503, f"{PARAMS_FILE}: {error}", field="params.yaml") from None
-    return dict(rewards.weights), dict(rewards.options)
+    return dict(rewards.weights), dict(rewards.options), fmt
 
 
 # --------------------------------------------------------------------- app
@@ -131,20 +134,21 @@ def create_app(repo_dir: Path) -> Starlette:
 
     def config(request: Request) -> Response:
         try:
-            weights, options = reward_config(repo)
+            weights, options, fmt = reward_config(repo)
         except ApiError as error:
-            weights, options = {}, {"error": error.message}
+            weights, options, fmt = {}, {"error": error.message}, DEFAULT_FORMAT
         return json_response({"repo": str(repo), "weights": weights, "options": options,
-                              "example": worked_example(),
+                              "tags": fmt.tags(), "example": worked_example(fmt),
                               "max_completion_bytes": MAX_COMPLETION_BYTES,
                               "question_types": QUESTION_TYPES, "answer_types": ANSWER_TYPES})
 
     async def score(request: Request) -> Response:
         parsed = parse_score_request(await read_capped_body(request, MAX_BODY_BYTES))
         completion, record = parsed.completion, parsed.record.scoring_record()
-        weights, options = reward_config(repo)
-        result = await run_in_threadpool(score_completion, completion, record, weights, options)
-        return json_response({**result, "options": options, "record": record,
+        weights, options, fmt = reward_config(repo)
+        result = await run_in_threadpool(score_completion, completion, record, weights, options,
+                                         fmt)
+        return json_response({**result, "options": options, "tags": fmt.tags(), "record": record,
                               "completion_chars": len(completion)})
 
     def records(request: Request) -> Response:

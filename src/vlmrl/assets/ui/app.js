@@ -206,7 +206,8 @@ function renderScore(result) {
   total.textContent = formatNumber(result.total);
   total.dataset.value = JSON.stringify(result.total);
   total.dataset.chars = String(result.completion_chars);
-  $("v-extracted").textContent = result.extracted ?? "(no <SOLUTION> block)";
+  const tag = (result.tags && result.tags.solution_open) || "<SOLUTION>";
+  $("v-extracted").textContent = result.extracted ?? `(no ${tag} block)`;
   $("v-normalized").textContent = result.normalized ?? "(cannot be read as the answer type)";
   $("v-gold").textContent = result.gold ?? "(gold answer unreadable)";
   $("v-correct").replaceChildren(yesNo(result.correct));
