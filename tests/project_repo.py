@@ -20,7 +20,7 @@ from vlmrl.dvc_env import dvc_env
 
 PROJECT_FILES = ("dvc.yaml", "params.yaml", "pyproject.toml", "README.md", ".gitignore", ".dvcignore")
 # data/local: the default data.path, a dependency of prepare_data that must exist
-PROJECT_DIRS = ("stages", "src", "flows", "data/local")
+PROJECT_DIRS = ("stages", "src", "flows", "data/local", "recipes")
 
 
 def project_root() -> Path:

@@ -26,7 +26,7 @@ FLOORS: dict[str, tuple[str, ...]] = {
     "models": ("vlmrl.models",),
     "stages": ("vlmrl.evaluation", "vlmrl.training", "vlmrl.verify", "vlmrl.export",
                "vlmrl.sft"),
-    "apps": ("vlmrl.cli", "vlmrl.ui", "vlmrl.publish", "vlmrl.orchestration"),
+    "apps": ("vlmrl.cli", "vlmrl.ui", "vlmrl.publish", "vlmrl.orchestration", "vlmrl.recipes"),
 }
 # Floors whose units (the names listed) must not import one another.
 PEER_FLOORS = {"stages"}

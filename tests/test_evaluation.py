@@ -339,20 +339,23 @@ def tiny_model():
     return model, processor
 
 
-def test_chat_template_renders_exactly_one_image_placeholder(eval_set, tiny_model):
+def test_chat_template_renders_one_image_placeholder_per_image(eval_set, tiny_model):
     from datasets import load_from_disk
 
     _model, processor = tiny_model
     rows = load_from_disk(str(eval_set))
     assert all(render_prompt(processor, r).count(IMAGE_PLACEHOLDER) == 1 for r in rows)
-    prompt = rows[0]["prompt"]
+    prompt, image = rows[0]["prompt"], rows[0]["image"]
     user = prompt[1]
     doubled = [prompt[0], {**user, "content": [user["content"][0], *user["content"]]}]
-    with pytest.raises(EvalError, match="2 image placeholders"):
-        render_prompt(processor, {"pid": "x", "prompt": doubled})
+    with pytest.raises(EvalError, match="2 image placeholders.*expected 1"):
+        render_prompt(processor, {"pid": "x", "prompt": doubled, "image": image})
     text_only = [prompt[0], {**user, "content": user["content"][1:]}]
-    with pytest.raises(EvalError, match="0 image placeholders"):
-        render_prompt(processor, {"pid": "x", "prompt": text_only})
+    with pytest.raises(EvalError, match="0 image placeholders.*expected 1"):
+        render_prompt(processor, {"pid": "x", "prompt": text_only, "image": image})
+    # a text-only record (no image) renders without a placeholder
+    assert IMAGE_PLACEHOLDER not in render_prompt(processor, {"pid": "t", "prompt": text_only,
+                                                              "image": None})
 
 
 def test_batched_generation_matches_one_by_one(eval_set, tiny_model):

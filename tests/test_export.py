@@ -32,7 +32,7 @@ from vlmrl.models.forward import (
     first_eval_row,
     forward_logits,
     hf_last_logits,
-    image_question_inputs,
+    question_inputs,
     text_prompt,
 )
 from vlmrl.models.loading import load_merged
@@ -123,12 +123,12 @@ def test_merged_model_reloads_alone_and_matches_the_adapter_model(exported: Expo
 
     row = exported.row
     merged = AutoModelForImageTextToText.from_pretrained(exported.merged, dtype=torch.bfloat16)
-    merged_logits = forward_logits(merged, image_question_inputs(load_processor(exported.merged),
+    merged_logits = forward_logits(merged, question_inputs(load_processor(exported.merged),
                                                                  row))
     settings = ModelParams(name="embedded:tiny-qwen3-vl", dtype="bfloat16")
     base_path = resolve_model_path(settings)
     with_adapter = attach_adapter(load_transformers_model(base_path, settings), exported.adapter)
-    inputs = image_question_inputs(load_processor(base_path), row)
+    inputs = question_inputs(load_processor(base_path), row)
     adapter_logits = forward_logits(with_adapter, inputs)
     with with_adapter.disable_adapter():
         base_logits = forward_logits(with_adapter, inputs)

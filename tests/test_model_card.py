@@ -104,8 +104,9 @@ def test_usage_examples_use_the_smallest_model_file_and_the_projector() -> None:
     assert gguf_roles(GGUF_SIZES) == ("model-Q4_K_M.gguf", "mmproj-f16.gguf")
     assert gguf_roles({"model-f16.gguf": 9, "model-q8_0.gguf": 5, "mmproj-f16.gguf": 1}) == (
         "model-q8_0.gguf", "mmproj-f16.gguf")
-    with pytest.raises(MissingInputError, match="projector"):
-        gguf_roles({"model-f16.gguf": 9})
+    assert gguf_roles({"model-f16.gguf": 9}) == ("model-f16.gguf", None)  # a text model
+    with pytest.raises(MissingInputError, match="needs a GGUF model file"):
+        gguf_roles({"mmproj-f16.gguf": 1})
 
 
 @pytest.mark.slow

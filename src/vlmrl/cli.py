@@ -48,6 +48,11 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "ui": Subcommand(
         "vlmrl.ui.app", "cli_ui", "open the reward playground and eval browser on 127.0.0.1"
     ),
+    "recipe": Subcommand(
+        "vlmrl.recipes",
+        "cli_recipe",
+        "list the checked-in recipes, or check one and write it over params.yaml",
+    ),
 }
 HELP_FLAGS = ("-h", "--help")
 

@@ -21,7 +21,13 @@ from PIL import Image
 
 from vlmrl.data_columns import ORIGIN, DataError, check_mapping, map_record
 from vlmrl.data_sources import BadLine, hub_rows, local_rows
-from vlmrl.params import EMBEDDED_SOURCE, LOCAL_SOURCE, DataParams, ParamsError
+from vlmrl.params import (
+    EMBEDDED_SOURCE,
+    EMBEDDED_TEXT_SOURCE,
+    LOCAL_SOURCE,
+    DataParams,
+    ParamsError,
+)
 from vlmrl.prompts import SYSTEM_PROMPT, build_prompt
 from vlmrl.tables import markdown_table
 
@@ -56,13 +62,18 @@ def load_raw_records(settings: DataParams) -> Iterator[dict[str, Any] | BadLine]
                             image_size=settings.image_size)
         yield from generate_read(settings.synthetic_read_size, seed=settings.seed,
                                  image_size=settings.image_size)
+    elif settings.source == EMBEDDED_TEXT_SOURCE:
+        from vlmrl.synth.arithmetic import generate_arithmetic
+
+        yield from generate_arithmetic(settings.synthetic_size, seed=settings.seed)
     elif settings.source == LOCAL_SOURCE or Path(settings.source).exists():
         yield from local_rows(local_path(settings))
     elif "/" in settings.source:
         yield from hub_rows(settings)
     else:
         raise ParamsError(f"params.yaml `data.source` {settings.source!r} is neither "
-                          f"{EMBEDDED_SOURCE!r}, {LOCAL_SOURCE!r} (data.path), nor a hub "
+                          f"{EMBEDDED_SOURCE!r}, {EMBEDDED_TEXT_SOURCE!r}, {LOCAL_SOURCE!r} "
+                          f"(data.path), nor a hub "
                           f"dataset id")
 
 
@@ -327,7 +338,7 @@ def data_summary(prepared: PreparedData) -> dict[str, Any]:
 def describe_source(settings: DataParams) -> str:
     if settings.source == LOCAL_SOURCE:
         return f"`{settings.path}` (local)"
-    if settings.source == EMBEDDED_SOURCE or Path(settings.source).exists():
+    if settings.source in (EMBEDDED_SOURCE, EMBEDDED_TEXT_SOURCE) or Path(settings.source).exists():
         return f"`{settings.source}`"
     config = f", config `{settings.config}`" if settings.config else ""
     revision = f", revision `{settings.revision}`" if settings.revision else ""

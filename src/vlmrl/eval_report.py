@@ -317,7 +317,7 @@ def write_report(report_dir: Path | str, baseline_records: Sequence[Record],
     report = build_report(baseline_records, post_records, baseline_metrics, post_metrics)
     flipped = {pid for kind in FLIP_KINDS for pid in report.flips[kind]}
     thumbnails = {pid: thumbnail_png(image) for pid, image in (images or {}).items()
-                  if pid in flipped}
+                  if pid in flipped and image is not None}  # text-only records have none
     plots = render_plots(report)
     report_dir = Path(report_dir)
     report_dir.mkdir(parents=True, exist_ok=True)

@@ -31,7 +31,13 @@ from tqdm.auto import tqdm
 from vlmrl.answer_format import DEFAULT_FORMAT, AnswerFormat
 from vlmrl.models.backend import model_device
 from vlmrl.models.loading import load_model
-from vlmrl.models.processor import suppressed_generation_kwargs
+from vlmrl.models.processor import (
+    has_vision,
+    model_inputs,
+    render_chat,
+    suppressed_generation_kwargs,
+    tokenizer_of,
+)
 from vlmrl.models.sampling import on_cpu, sampling_kwargs, top_k_settings
 from vlmrl.params import EvalParams, ModelParams, RewardsParams
 from vlmrl.rewards import build_rewards, reward_label, score_completion
@@ -57,13 +63,17 @@ class Generation:
 
 
 def render_prompt(processor, row: Mapping[str, Any]) -> str:
-    """The chat-template text of a row's prompt; it must hold exactly one image placeholder,
-    or the processor would pair the wrong number of images with it."""
-    text = processor.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
-    count = text.count(IMAGE_PLACEHOLDER)
-    if count != 1:
+    """The chat-template text of a row's prompt; it must hold exactly one image placeholder for
+    a row with an image and none for a text-only row, or the processor would pair the wrong
+    number of images with it."""
+    if row.get("image") is not None and not has_vision(processor):
+        raise EvalError(f"record pid={row.get('pid')} has an image but the model is a text "
+                        "model; use a vision-language model or text-only data")
+    text = render_chat(processor, row["prompt"])
+    count, expected = text.count(IMAGE_PLACEHOLDER), int(row.get("image") is not None)
+    if count != expected:
         raise EvalError(f"record pid={row.get('pid')}: the chat template rendered {count} image "
-                        f"placeholders ({IMAGE_PLACEHOLDER}), expected exactly 1")
+                        f"placeholders ({IMAGE_PLACEHOLDER}), expected {expected}")
     return text
 
 
@@ -72,7 +82,7 @@ def generation_kwargs(processor, settings: EvalParams, cpu: bool = False) -> dic
     distribution, drawn among k tokens instead of the whole vocabulary)."""
     kwargs: dict[str, Any] = {"max_new_tokens": settings.max_new_tokens,
                               "do_sample": settings.do_sample,
-                              "pad_token_id": processor.tokenizer.pad_token_id,
+                              "pad_token_id": tokenizer_of(processor).pad_token_id,
                               **suppressed_generation_kwargs(processor)}
     if settings.do_sample:
         kwargs.update(temperature=settings.temperature, top_p=settings.top_p,
@@ -87,7 +97,7 @@ def generation_kwargs(processor, settings: EvalParams, cpu: bool = False) -> dic
 def eos_token_ids(model, processor) -> set[int]:
     configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids = set(configured if isinstance(configured, (list, tuple)) else [configured])
-    ids.add(processor.tokenizer.eos_token_id)
+    ids.add(tokenizer_of(processor).eos_token_id)
     return {i for i in ids if isinstance(i, int)}
 
 
@@ -110,12 +120,13 @@ def batches(rows: Sequence[Mapping[str, Any]], size: int) -> Iterator[list[Mappi
 def generate_batch(model, processor, batch: list[Mapping[str, Any]], kwargs: dict[str, Any],
                    eos_ids: set[int]) -> list[Generation]:
     texts = [render_prompt(processor, row) for row in batch]
-    inputs = processor(text=texts, images=[[row["image"]] for row in batch],
-                       return_tensors="pt", padding=True).to(model_device(model))
+    images = [[row["image"]] if row.get("image") is not None else [] for row in batch]
+    inputs = model_inputs(processor, texts, images if any(images) else None
+                          ).to(model_device(model))
     with torch.inference_mode():
         output = model.generate(**inputs, **kwargs)
     new_tokens = output[:, inputs["input_ids"].shape[1]:].cpu()
-    responses = processor.batch_decode(new_tokens, skip_special_tokens=True)
+    responses = tokenizer_of(processor).batch_decode(new_tokens, skip_special_tokens=True)
     counts = count_generated_tokens(new_tokens, eos_ids)
     return [Generation(str(row["pid"]), text, count)
             for row, text, count in zip(batch, responses, counts, strict=True)]
@@ -126,7 +137,7 @@ def generate_responses(model, processor, rows: Sequence[Mapping[str, Any]],
     """One response per row, batched with left padding (generation appends on the right).
     Sampling is seeded per batch, so a batch's random draws do not depend on how long the batches
     before it ran: baseline and post draw the same numbers for the same item and token."""
-    processor.tokenizer.padding_side = "left"
+    tokenizer_of(processor).padding_side = "left"
     kwargs = generation_kwargs(processor, settings, cpu=on_cpu(model))
     eos_ids = eos_token_ids(model, processor)
     generations: list[Generation] = []

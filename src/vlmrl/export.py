@@ -38,11 +38,12 @@ from vlmrl.models.forward import (
     first_eval_row,
     forward_logits,
     hf_last_logits,
-    image_question_inputs,
+    question_inputs,
     max_abs_diff,
     text_prompt,
 )
 from vlmrl.models.loading import load_merged, merge_adapter
+from vlmrl.models.processor import is_text_checkpoint
 from vlmrl.outputs import atomic_dir
 from vlmrl.params import ExportParams, ModelParams, Params, ParamsError
 from vlmrl.prompts import prompt_question
@@ -79,22 +80,27 @@ def check_quantize_types(settings: ExportParams) -> None:
 # ------------------------------------------------------------------------- GGUF
 
 
-def gguf_file_names(settings: ExportParams) -> dict[str, str]:
-    """kind -> file name; kinds are converter outtypes, quantize types and `mmproj`."""
+def gguf_file_names(settings: ExportParams, vision: bool = True) -> dict[str, str]:
+    """kind -> file name; kinds are converter outtypes, quantize types and, for a
+    vision-language model, `mmproj` (a text model has no projector)."""
     names = {kind: f"model-{kind}.gguf" for kind in settings.gguf_outtypes}
     names |= {kind: f"model-{kind}.gguf" for kind in settings.quantize}
-    names["mmproj"] = f"mmproj-{MMPROJ_OUTTYPE}.gguf"
+    if vision:
+        names["mmproj"] = f"mmproj-{MMPROJ_OUTTYPE}.gguf"
     return names
 
 
 def build_gguf_files(merged_dir: Path, gguf_dir: Path, settings: ExportParams, source: Path,
-                     step: StepTimer, base_dir: Path, scratch: Path) -> dict[str, Path]:
-    """Converts the merged model (every outtype and the projector) and, for the control, the
-    base model; then quantizes from the f16 file. Returns kind -> path, the base as `base`."""
-    names = gguf_file_names(settings)
+                     step: StepTimer, base_dir: Path, scratch: Path,
+                     vision: bool = True) -> dict[str, Path]:
+    """Converts the merged model (every outtype, and the projector of a vision-language model)
+    and, for the control, the base model; then quantizes from the f16 file. Returns kind ->
+    path, the base as `base`."""
+    names = gguf_file_names(settings, vision)
     conversions = {kind: (merged_dir, gguf_dir / names[kind], kind, False)
                    for kind in settings.gguf_outtypes}
-    conversions["mmproj"] = (merged_dir, gguf_dir / names["mmproj"], MMPROJ_OUTTYPE, True)
+    if vision:
+        conversions["mmproj"] = (merged_dir, gguf_dir / names["mmproj"], MMPROJ_OUTTYPE, True)
     conversions["base"] = (base_dir, scratch / "base-f16.gguf", "f16", False)
     jobs = {f"convert {kind} {out.name}": partial(convert_hf_to_gguf, model_dir, out, outtype,
                                                   mmproj=mmproj, source=source)
@@ -177,14 +183,18 @@ class _Exporter:
         del adapter_logits, base_logits
         with self.step("find converter"):
             source = converter_source()
+        vision = not is_text_checkpoint(merged_dir)
         files = build_gguf_files(merged_dir, gguf_dir, self.settings, source, self.step,
-                                 base_dir=self.scratch / "base", scratch=self.scratch)
+                                 base_dir=self.scratch / "base", scratch=self.scratch,
+                                 vision=vision)
         base_file = files.pop("base")
         with self.step("check GGUF files"):
             gguf_report = self.check_gguf_files(files, token_ids, text, reference)
-        with self.step("image prompt"):
-            image_reply = image_chat(files["f16"], files["mmproj"], row["image"],
-                                     prompt_question(row["prompt"]))
+        image_reply = None  # a text model has no projector, and text rows no image
+        if vision and row.get("image") is not None:
+            with self.step("image prompt"):
+                image_reply = image_chat(files["f16"], files["mmproj"], row["image"],
+                                         prompt_question(row["prompt"]))
         with self.step("base GGUF control"):
             self.check_base_control(base_file, token_ids, text, reference)
         self.raise_on_failures()
@@ -219,7 +229,7 @@ class _Exporter:
         model, processor = load_merged(merged_dir)
         text, token_ids = text_prompt(processor, row)
         reference = hf_last_logits(model, token_ids)
-        merged_logits = forward_logits(model, image_question_inputs(processor, row))
+        merged_logits = forward_logits(model, question_inputs(processor, row))
         diff = max_abs_diff(merged_logits, adapter_logits)
         effect = max_abs_diff(adapter_logits, base_logits)
         self.diffs["merged_vs_adapter"] = diff

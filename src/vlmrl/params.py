@@ -47,6 +47,7 @@ QUESTION_TYPES: tuple[str, ...] = get_args(QuestionType)
 ANSWER_TYPES: tuple[str, ...] = get_args(AnswerType)
 CONVERTER_OUTTYPES: tuple[str, ...] = get_args(ConverterOuttype)
 EMBEDDED_SOURCE = "embedded:synthetic"
+EMBEDDED_TEXT_SOURCE = "embedded:arithmetic"  # GSM8K-style word problems (vlmrl.synth.arithmetic)
 LOCAL_SOURCE, LOCAL_DATA_DIR = "local", "data/local"  # data.source: local reads data.path
 RecordField = Literal["id", "question", "answer", "image", "choices", "question_type",
                       "answer_type", "precision", "unit", "source", "category"]  # data.columns

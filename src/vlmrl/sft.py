@@ -34,8 +34,9 @@ from datasets import load_from_disk
 
 from vlmrl.answer_format import DEFAULT_FORMAT, AnswerFormat, answer_format
 from vlmrl.models.backend import precision_flags
+from vlmrl.models.embedded import resolve_model_path
 from vlmrl.models.loading import backend_for, load_policy, write_start_marker
-from vlmrl.models.processor import save_processor_files
+from vlmrl.models.processor import is_text_checkpoint, message_text, save_processing
 from vlmrl.outputs import atomic_dir
 from vlmrl.params import ModelParams, Params, ParamsError, SftParams
 from vlmrl.trl_compat import install_cpu_fallback, step_log_rows
@@ -51,24 +52,32 @@ def sft_completion(answer: str, reasoning: str = DEFAULT_REASONING,
 
 
 def sft_dataset(train_rows, reasoning: str = DEFAULT_REASONING,
-                fmt: AnswerFormat = DEFAULT_FORMAT):
-    """TRL's conversational prompt-completion format with one `image` per row (what
-    `DataCollatorForVisionLanguageModeling` reads): the same prompt GSPO samples from, and an
-    assistant turn holding the formatted gold answer."""
+                fmt: AnswerFormat = DEFAULT_FORMAT, vision: bool = True):
+    """TRL's conversational prompt-completion format: the same prompt GSPO samples from, and an
+    assistant turn holding the formatted gold answer. For a vision model with one `image` per
+    row (what `DataCollatorForVisionLanguageModeling` reads); for a text model without it, and
+    with each message's text as one string (Qwen3's chat template concatenates strings)."""
 
     def add_completion(row: Mapping[str, Any]) -> dict[str, Any]:
         text = sft_completion(str(row["answer"]), reasoning, fmt)
+        if not vision:
+            return {"completion": [{"role": "assistant", "content": text}],
+                    "prompt": [{"role": m["role"], "content": message_text(m["content"])}
+                               for m in row["prompt"]]}
         return {"completion": [{"role": "assistant", "content": [{"type": "text", "text": text}]}]}
 
-    keep = {"prompt", "image", "completion"}
+    keep = {"prompt", "image", "completion"} if vision else {"prompt", "completion"}
     # in memory: a cache file next to the prepared set would change a DVC output of prepare_data
-    dataset = train_rows.map(add_completion, keep_in_memory=True)
+    dataset = train_rows.map(add_completion, keep_in_memory=True,
+                             remove_columns=[] if vision else ["prompt"])
     return dataset.remove_columns([c for c in dataset.column_names if c not in keep])
 
 
-def build_sft_config(settings: SftParams, output_dir: Path, model_settings: ModelParams):
+def build_sft_config(settings: SftParams, output_dir: Path, model_settings: ModelParams,
+                     vision: bool = True):
     """`sft.args` as a trl.SFTConfig, with what the pipeline sets: the collator labels only the
-    completion, and vision datasets skip TRL's preparation (so no max_length, all columns)."""
+    completion, and vision datasets skip TRL's preparation (so no max_length, all columns);
+    text datasets are tokenized by TRL as usual."""
     # trl's classes are looked up at call time: Unsloth, when chosen, replaces them on import.
     known = {field.name for field in dataclasses.fields(trl.SFTConfig)}
     for key in settings.args:
@@ -76,7 +85,7 @@ def build_sft_config(settings: SftParams, output_dir: Path, model_settings: Mode
             raise ParamsError(f"params.yaml sft.args.{key} is not a trl.SFTConfig field")
     kwargs = {"report_to": "none", "logging_steps": 1, **settings.args}
     kwargs.update(output_dir=str(output_dir), save_strategy="no", completion_only_loss=True,
-                  max_length=None, remove_unused_columns=False,
+                  **({"max_length": None, "remove_unused_columns": False} if vision else {}),
                   **precision_flags(settings.args, model_settings))
     return trl.SFTConfig(**kwargs)
 
@@ -104,17 +113,18 @@ def _train(settings: SftParams, params: Params, train_set: Path,
            staging: Path) -> dict[str, Any]:
     backend_for(params.model)  # Unsloth, when chosen, must patch TRL before the config is built
     install_cpu_fallback()  # SFTTrainer's loss goes through the same Triton log-prob kernel
-    config = build_sft_config(settings, staging / "_trainer", params.model)
+    vision = not is_text_checkpoint(resolve_model_path(params.model))
+    config = build_sft_config(settings, staging / "_trainer", params.model, vision)
     model, processor, _backend = load_policy(params.model, params.train.lora, config.seed)
     dataset = sft_dataset(load_from_disk(str(train_set)), settings.reasoning,
-                          answer_format(params))
+                          answer_format(params), vision)
     trainer = trl.SFTTrainer(model=model, args=config, train_dataset=dataset,
                          processing_class=processor)
     started = time.perf_counter()
     trainer.train()
     runtime = time.perf_counter() - started
     trainer.model.save_pretrained(str(staging))
-    save_processor_files(staging, processor.image_processor, processor.tokenizer)
+    save_processing(staging, processor)
     shutil.rmtree(staging / "_trainer", ignore_errors=True)
     rows = step_log_rows(trainer.state.log_history)
     losses = [row["loss"] for row in rows if "loss" in row]

@@ -25,7 +25,12 @@ from matplotlib.figure import Figure
 from vlmrl.answer_format import answer_format
 from vlmrl.models.backend import precision_flags
 from vlmrl.models.loading import backend_for, load_policy, starting_adapter
-from vlmrl.models.processor import save_processor_files, suppressed_generation_kwargs
+from vlmrl.models.processor import (
+    chat_messages,
+    has_vision,
+    save_processing,
+    suppressed_generation_kwargs,
+)
 from vlmrl.models.sampling import sample_top_k_on_cpu, top_k_settings
 from vlmrl.outputs import atomic_dir
 from vlmrl.params import ModelParams, Params, ParamsError
@@ -270,6 +275,17 @@ def make_trainer(model, processor, config, dataset, reward_funcs, *,
     return trainer
 
 
+def policy_dataset(dataset, processor):
+    """The prompts GRPOTrainer samples from: as prepared for a vision model; for a text model
+    without the image column and with each message's text as one string, as its chat template
+    takes them."""
+    if has_vision(processor):
+        return dataset
+    dataset = dataset.remove_columns([name for name in ("image",) if name in dataset.column_names])
+    return dataset.map(lambda row: {"prompt": chat_messages(processor, row["prompt"])},
+                       remove_columns=["prompt"], keep_in_memory=True)
+
+
 def adapter_digest(adapter: Path | None) -> str | None:
     """Checkpoints of a GSPO run are only resumed if it continued the very same SFT adapter."""
     if adapter is None:
@@ -304,7 +320,8 @@ def train(*, train_set: Path, params: Params, adapter_out: Path, checkpoints: Pa
     install_cpu_fallback()
     model, processor, _backend = load_policy(model_params, train_params.lora, config.seed,
                                              init_adapter)
-    trainer = make_trainer(model, processor, config, load_from_disk(str(train_set)), reward_funcs,
+    dataset = policy_dataset(load_from_disk(str(train_set)), processor)
+    trainer = make_trainer(model, processor, config, dataset, reward_funcs,
                            generation_rows=rows, callbacks=[])
     started = time.perf_counter()
     if resume_from is not None:
@@ -314,7 +331,7 @@ def train(*, train_set: Path, params: Params, adapter_out: Path, checkpoints: Pa
 
     with atomic_dir(adapter_out) as staging:
         trainer.model.save_pretrained(str(staging))
-        save_processor_files(staging, processor.image_processor, processor.tokenizer)
+        save_processing(staging, processor)
     log_rows, step_seconds = split_step_times(step_log_rows(trainer.state.log_history))
     summary = summarize_training(log_rows, runtime, trainer.state.global_step,
                                  str(resume_from) if resume_from else None, step_seconds)

@@ -18,12 +18,14 @@ import torch
 from peft.tuners.lora import LoraLayer
 
 from vlmrl.checks import Check
-from vlmrl.models.forward import adapter_and_base_logits, first_eval_row, image_question_inputs
+from vlmrl.models.forward import adapter_and_base_logits, first_eval_row, question_inputs
 from vlmrl.models.loading import load_model
+from vlmrl.models.processor import has_vision
 from vlmrl.params import LoraParams, ModelParams
 
 MODULE_GROUPS = ("q", "k", "v", "o", "gate", "up", "down")
 LANGUAGE_MODEL_MARK = ".language_model."
+TEXT_LAYERS_MARK = ".layers."
 
 
 @dataclass(frozen=True)
@@ -158,8 +160,11 @@ def check_target_modules(config: Mapping[str, Any], modules: list[LoraModule],
     return _check("target_modules", problems, f"adapted {sorted(adapted)}")
 
 
-def check_language_model_only(modules: list[LoraModule]) -> Check:
-    outside = [m.name for m in modules if LANGUAGE_MODEL_MARK not in f".{m.name}"]
+def check_language_model_only(modules: list[LoraModule], vision: bool = True) -> Check:
+    """A vision-language model's adapter stays in `.language_model.`; a text model's in its
+    decoder layers (never the embedding or the head)."""
+    mark = LANGUAGE_MODEL_MARK if vision else TEXT_LAYERS_MARK
+    outside = [m.name for m in modules if mark not in f".{m.name}"]
     if outside:
         return Check("language_model_only", False,
                      f"{len(outside)} adapted modules lie outside the language model (vision "
@@ -247,7 +252,7 @@ def verify_adapter(model_settings: ModelParams, adapter: Path | str, eval_set: P
     row = first_eval_row(eval_set)
     model, processor, _backend = load_model(model_settings, adapter=adapter)
     adapted_logits, base_logits = adapter_and_base_logits(model,
-                                                          image_question_inputs(processor, row))
+                                                          question_inputs(processor, row))
     modules = lora_modules(model)
     delta = logit_delta(base_logits, adapted_logits)
     checks = [
@@ -256,7 +261,7 @@ def verify_adapter(model_settings: ModelParams, adapter: Path | str, eval_set: P
         check_alpha(config, spec),
         check_dropout(config, spec),
         check_target_modules(config, modules, spec),
-        check_language_model_only(modules),
+        check_language_model_only(modules, has_vision(processor)),
         check_logit_delta(delta, logit_tolerance),
     ]
     return VerifyReport(

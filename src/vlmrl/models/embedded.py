@@ -21,6 +21,8 @@ import transformers
 from transformers import (
     AutoTokenizer,
     GenerationConfig,
+    Qwen3Config,
+    Qwen3ForCausalLM,
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
 )
@@ -84,6 +86,24 @@ SHAPES: dict[str, EmbeddedShape] = {
 }
 
 
+@dataclass(frozen=True)
+class EmbeddedTextShape:
+    """A Qwen3 text model (no vision tower), built like the tiny Qwen3-VL: real classes, Qwen3's
+    real tokenizer with its own chat template, random weights, the same output-norm scale."""
+
+    text: dict[str, Any]
+    output_norm_scale: float = 1.0
+
+
+TEXT_SHAPES: dict[str, EmbeddedTextShape] = {
+    "tiny-qwen3": EmbeddedTextShape(
+        text=dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=64),
+        output_norm_scale=6.0,
+    ),
+}
+
+
 def is_embedded(name: str) -> bool:
     return name.startswith(EMBEDDED_PREFIX)
 
@@ -95,12 +115,12 @@ def tokenizer_files_dir() -> Path:
     return Path(spec.submodule_search_locations[0]) / "tokenizer_files"
 
 
-def shape_for(name: str) -> EmbeddedShape:
+def shape_for(name: str) -> EmbeddedShape | EmbeddedTextShape:
     key = name.removeprefix(EMBEDDED_PREFIX)
-    if key not in SHAPES:
+    if key not in SHAPES and key not in TEXT_SHAPES:
         raise ValueError(f"unknown embedded model {name!r}; known: "
-                         + ", ".join(EMBEDDED_PREFIX + k for k in SHAPES))
-    return SHAPES[key]
+                         + ", ".join(EMBEDDED_PREFIX + k for k in [*SHAPES, *TEXT_SHAPES]))
+    return SHAPES.get(key) or TEXT_SHAPES[key]
 
 
 def embedded_model_dir(name: str, seed: int = 0) -> Path:
@@ -114,7 +134,9 @@ def embedded_model_dir(name: str, seed: int = 0) -> Path:
 _LATER_FIELDS = ("tie_word_embeddings", "saved_dtype", "output_norm_scale")
 
 
-def _identity(shape: EmbeddedShape) -> dict[str, Any]:
+def _identity(shape: EmbeddedShape | EmbeddedTextShape) -> dict[str, Any]:
+    if isinstance(shape, EmbeddedTextShape):
+        return {"kind": "text", **asdict(shape)}
     defaults = {f.name: f.default for f in fields(EmbeddedShape)}
     return {key: value for key, value in asdict(shape).items()
             if key not in _LATER_FIELDS or value != defaults[key]}
@@ -136,8 +158,12 @@ def ensure_embedded_model(name: str, seed: int = 0, device: str = "cpu") -> Path
     target = embedded_model_dir(name, seed)
     if (target / "config.json").is_file():
         return target
+    shape = shape_for(name)
     with atomic_dir(target) as staging:
-        build_model(shape_for(name), seed, staging, device=device)
+        if isinstance(shape, EmbeddedTextShape):
+            build_text_model(shape, seed, staging)
+        else:
+            build_model(shape, seed, staging, device=device)
     return target
 
 
@@ -185,6 +211,23 @@ def build_model(shape: EmbeddedShape, seed: int, out_dir: Path, device: str = "c
         do_sample=False)
     model.save_pretrained(out_dir)
     save_processor_files(out_dir, build_image_processor(shape), load_base_tokenizer())
+
+
+def build_text_model(shape: EmbeddedTextShape, seed: int, out_dir: Path) -> None:
+    torch.manual_seed(seed)
+    config = Qwen3Config(**shape.text, vocab_size=151936, max_position_embeddings=32768,
+                         rms_norm_eps=1e-6, hidden_act="silu", tie_word_embeddings=True,
+                         rope_theta=1_000_000.0, bos_token_id=151643, eos_token_id=151645,
+                         pad_token_id=151643)
+    config.architectures = ["Qwen3ForCausalLM"]
+    model = Qwen3ForCausalLM(config)
+    with torch.no_grad():
+        model.model.norm.weight.fill_(shape.output_norm_scale)
+    model.generation_config = GenerationConfig(
+        bos_token_id=151643, eos_token_id=[151645, 151643], pad_token_id=151643,
+        do_sample=False)
+    model.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(tokenizer_files_dir()).save_pretrained(out_dir)
 
 
 def load_base_tokenizer():

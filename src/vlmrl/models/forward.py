@@ -19,6 +19,7 @@ import torch
 from datasets import load_from_disk
 
 from vlmrl.models.backend import model_device
+from vlmrl.models.processor import message_text, model_inputs, render_chat, tokenizer_of
 
 
 def first_eval_row(eval_set: Path | str) -> dict[str, Any]:
@@ -32,11 +33,12 @@ def first_eval_row(eval_set: Path | str) -> dict[str, Any]:
     return dataset[0]
 
 
-def image_question_inputs(processor, row: Mapping[str, Any]):
-    """Model inputs (batch of one) for the row's image and question, as evaluation builds them."""
-    text = processor.apply_chat_template(row["prompt"], add_generation_prompt=True,
-                                         tokenize=False)
-    return processor(text=[text], images=[row["image"]], return_tensors="pt")
+def question_inputs(processor, row: Mapping[str, Any]):
+    """Model inputs (batch of one) for the row's image (if it has one) and question, as
+    evaluation builds them."""
+    image = row.get("image")
+    return model_inputs(processor, [render_chat(processor, row["prompt"])],
+                        None if image is None else [image])
 
 
 def forward_logits(model, inputs) -> torch.Tensor:
@@ -57,10 +59,9 @@ def adapter_and_base_logits(model, inputs) -> tuple[torch.Tensor, torch.Tensor]:
 def text_prompt(processor, row: Mapping) -> tuple[str, list[int]]:
     """The row's question without its image, as chat-template text and its token ids; llama.cpp
     is fed these very ids, so both models see identical tokens."""
-    messages = [{"role": message["role"],
-                 "content": [part for part in message["content"] if part["type"] == "text"]}
+    messages = [{"role": message["role"], "content": message_text(message["content"])}
                 for message in row["prompt"]]
-    tokenizer = processor.tokenizer
+    tokenizer = tokenizer_of(processor)
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
 

@@ -3,7 +3,7 @@ place that dispatches on `model.backend`, and each backend does the same three j
 for evaluation (optionally with the LoRA adapter), the LoRA policy for training (language model
 only, never the vision tower), and the 16-bit merge for export. The embedded default resolves to
 a local directory and then goes through the same `AutoModelForImageTextToText`/`AutoProcessor`
-calls as a hub id.
+calls as a hub id (`AutoModelForCausalLM` and the tokenizer for a text model).
 
 The policy may start from the cold-start SFT's adapter (`init_adapter`, issue 19): it is loaded
 trainable and GSPO continues it. The SFT stage's output directory says whether it holds an
@@ -20,12 +20,12 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import AutoConfig, AutoModelForImageTextToText, set_seed
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, set_seed
 
 from vlmrl.models.backend import bnb_4bit_config, cuda_available, pick_backend, resolve_dtype
 from vlmrl.models.embedded import resolve_model_path
-from vlmrl.models.forward import adapter_and_base_logits, image_question_inputs
-from vlmrl.models.processor import load_processor, save_with_processor
+from vlmrl.models.forward import adapter_and_base_logits, question_inputs
+from vlmrl.models.processor import is_text_checkpoint, load_processor, save_with_processor
 from vlmrl.models.unsloth import UnslothBackend
 from vlmrl.params import LoraParams, ModelParams, ParamsError
 
@@ -65,9 +65,11 @@ class TransformersBackend:
             model = PeftModel.from_pretrained(model, str(init_adapter), is_trainable=True)
             model.train()
             return model, load_processor(path)
+        vision = any(".visual." in f".{name}." for name, _ in model.named_modules())
         config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                             target_modules=language_model_targets(model, lora.target_modules),
-                            exclude_modules=r".*\.visual\..*", bias="none", task_type="CAUSAL_LM")
+                            exclude_modules=r".*\.visual\..*" if vision else None, bias="none",
+                            task_type="CAUSAL_LM")
         return get_peft_model(model, config), load_processor(path)
 
     def merge(self, path: str, settings: ModelParams, adapter: Path, row: Mapping,
@@ -78,7 +80,7 @@ class TransformersBackend:
         save_with_processor(model, processor, base_dir)
         dtype = model.dtype
         model = attach_adapter(model, adapter).float()
-        logits = adapter_and_base_logits(model, image_question_inputs(processor, row))
+        logits = adapter_and_base_logits(model, question_inputs(processor, row))
         save_with_processor(model.merge_and_unload().to(dtype), processor, out_dir)
         return logits
 
@@ -168,7 +170,8 @@ def load_transformers_model(path: str, settings: ModelParams, device: str | None
         kwargs["device_map"] = {"": 0}
     elif device or cuda_available():
         kwargs["device_map"] = {"": device or 0}
-    model = AutoModelForImageTextToText.from_pretrained(path, **kwargs)
+    auto = AutoModelForCausalLM if is_text_checkpoint(path) else AutoModelForImageTextToText
+    model = auto.from_pretrained(path, **kwargs)
     model.eval()
     return model
 

@@ -5,7 +5,12 @@ has no CPU build here. Images are all this project feeds the model, so where tor
 missing `ImageOnlyQwen3VLProcessor` keeps Qwen3-VL's image and text handling and leaves video
 out. Processors are always saved the hub's way, so `AutoProcessor` (where torchvision exists) and
 llama.cpp's converter read every directory the project writes. Generation never emits vision
-tokens: a completion holding `<|image_pad|>` breaks the next forward pass."""
+tokens: a completion holding `<|image_pad|>` breaks the next forward pass.
+
+A text model (a checkpoint without a vision config, such as Qwen3) has its tokenizer for a
+processor. Prompts are stored in the conversational form both kinds share (content as a list of
+parts); a text model's chat template (Qwen3's concatenates strings) gets them with each message's
+text parts joined into one string (`chat_messages`)."""
 
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoProcessor, AutoTokenizer, Qwen3VLProcessor
+from transformers import AutoConfig, AutoProcessor, AutoTokenizer, Qwen3VLProcessor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.processing_utils import ProcessorMixin
 
@@ -41,9 +46,16 @@ class ImageOnlyQwen3VLProcessor(Qwen3VLProcessor):
         return []
 
 
+def is_text_checkpoint(path: str | Path) -> bool:
+    """Whether the checkpoint is a language model without a vision tower."""
+    return getattr(AutoConfig.from_pretrained(str(path)), "vision_config", None) is None
+
+
 def load_processor(path: str | Path):
     """`AutoProcessor`, or a Qwen3-VL processor without its video part where torchvision is
-    missing (there `AutoProcessor` silently returns a bare tokenizer)."""
+    missing (there `AutoProcessor` silently returns a bare tokenizer); a text model's tokenizer."""
+    if is_text_checkpoint(path):
+        return load_text_tokenizer(path)
     if importlib.util.find_spec("torchvision") is None:
         return _image_only_processor(path)
     processor = AutoProcessor.from_pretrained(str(path))
@@ -57,6 +69,51 @@ def _image_only_processor(path: str | Path) -> ImageOnlyQwen3VLProcessor:
     image_processor = Qwen2VLImageProcessorPil.from_pretrained(str(path))
     return ImageOnlyQwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
                                      chat_template=tokenizer.chat_template)
+
+
+def load_text_tokenizer(path: str | Path):
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if not tokenizer.chat_template:
+        raise ValueError(f"{path}: the tokenizer has no chat template; prompts are chats")
+    return tokenizer
+
+
+def has_vision(processor) -> bool:
+    return getattr(processor, "image_processor", None) is not None
+
+
+def tokenizer_of(processor):
+    """The tokenizer of a multimodal processor, or the text model's tokenizer itself."""
+    return getattr(processor, "tokenizer", processor)
+
+
+def chat_messages(processor, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as the processor's chat template takes them: unchanged for a vision processor,
+    each message's text parts joined into one string for a text model's template."""
+    if has_vision(processor):
+        return messages
+    return [{**message, "content": message_text(message["content"])} for message in messages]
+
+
+def message_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    return "\n".join(part.get("text") or "" for part in content if part.get("type") == "text")
+
+
+def render_chat(processor, messages: list[dict[str, Any]]) -> str:
+    """The chat-template text of a prompt, ready for the assistant's answer."""
+    return processor.apply_chat_template(chat_messages(processor, messages),
+                                         add_generation_prompt=True, tokenize=False)
+
+
+def model_inputs(processor, texts: list[str], images: list | None = None):
+    """Tensors for rendered prompts: through the processor with one image per prompt, or the
+    tokenizer alone for text-only prompts."""
+    if images is None:
+        return tokenizer_of(processor)(texts, return_tensors="pt", padding=True,
+                                       add_special_tokens=False)
+    return processor(text=texts, images=images, return_tensors="pt", padding=True)
 
 
 def vision_token_ids(processor) -> list[int]:
@@ -97,8 +154,18 @@ def save_processor_files(out_dir: Path | str, image_processor, tokenizer) -> Non
     (out_dir / "chat_template.jinja").write_text(template)
 
 
+def save_processing(out_dir: Path | str, processor) -> None:
+    """A vision processor the hub's way (`save_processor_files`), a text model's tokenizer as
+    it is (with its chat template)."""
+    if has_vision(processor):
+        save_processor_files(out_dir, processor.image_processor, processor.tokenizer)
+    else:
+        processor.save_pretrained(str(out_dir))
+
+
 def save_with_processor(model, processor, out_dir: Path) -> None:
     """safetensors plus tokenizer, chat template and image processor: a directory that
-    AutoModelForImageTextToText, AutoProcessor and llama.cpp's converter each read alone."""
+    AutoModelForImageTextToText (AutoModelForCausalLM for a text model), AutoProcessor and
+    llama.cpp's converter each read alone."""
     model.save_pretrained(out_dir)
-    save_processor_files(out_dir, processor.image_processor, processor.tokenizer)
+    save_processing(out_dir, processor)

@@ -1,14 +1,16 @@
 """The Unsloth backend: the same three jobs as the transformers backend in
 `vlmrl.models.loading` (a model for evaluation, the LoRA policy, the 16-bit merge), done by
-Unsloth's `FastVisionModel`. Unsloth patches torch, transformers, PEFT and TRL when imported
-and refuses to import without an NVIDIA GPU, so `unsloth` is imported only when this backend is
-chosen (`UnslothBackend()`), and is this project's only lazy import of a library.
+Unsloth's `FastVisionModel` (`FastLanguageModel` for a text model). Unsloth patches torch,
+transformers, PEFT and TRL when imported and refuses to import without an NVIDIA GPU, so
+`unsloth` is imported only when this backend is chosen (`UnslothBackend()`), and is this
+project's only lazy import of a library.
 
 History: was `vlmrl.unsloth_backend`, whose functions the loaders of training and export each
 called."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -17,8 +19,14 @@ from peft import PeftModel
 
 from vlmrl.merged_weights import cast_floating_tensors
 from vlmrl.models.backend import resolve_dtype
-from vlmrl.models.forward import adapter_and_base_logits, image_question_inputs
-from vlmrl.models.processor import load_processor, save_processor_files, save_with_processor
+from vlmrl.models.forward import adapter_and_base_logits, question_inputs
+from vlmrl.models.processor import (
+    is_text_checkpoint,
+    load_processor,
+    save_processing,
+    save_with_processor,
+    tokenizer_of,
+)
 from vlmrl.params import LoraParams, ModelParams
 
 
@@ -31,28 +39,24 @@ class UnslothBackend:
     def load(self, path: str, settings: ModelParams, adapter: Path | str | None = None,
              device: str | None = None) -> tuple[Any, Any]:
         """For inference; `device` is Unsloth's choice (the GPU)."""
-        from unsloth import FastVisionModel
-
         model = self._base(path, settings, for_training=False)
         if adapter is not None:
             model = PeftModel.from_pretrained(model, str(adapter), is_trainable=False)
-        FastVisionModel.for_inference(model)
+        fast_model_class(path).for_inference(model)
         return model, load_processor(path)
 
     def load_policy(self, path: str, settings: ModelParams, lora: LoraParams, seed: int,
                     init_adapter: Path | None = None) -> tuple[Any, Any]:
-        from unsloth import FastVisionModel
-
         if init_adapter is not None:  # the SFT stage's adapter, continued
             model = PeftModel.from_pretrained(self._base(path, settings, for_training=True),
                                               str(init_adapter), is_trainable=True)
             return model, load_processor(path)
-        model = FastVisionModel.get_peft_model(
+        vision = {} if is_text_checkpoint(path) else {
+            "finetune_vision_layers": False, "finetune_language_layers": True,
+            "finetune_attention_modules": True, "finetune_mlp_modules": True}
+        model = fast_model_class(path).get_peft_model(
             self._base(path, settings, for_training=True),
-            finetune_vision_layers=False,
-            finetune_language_layers=True,
-            finetune_attention_modules=True,
-            finetune_mlp_modules=True,
+            **vision,
             r=lora.r,
             lora_alpha=lora.alpha,
             lora_dropout=lora.dropout,
@@ -71,20 +75,18 @@ class UnslothBackend:
         save_with_processor(model, processor, base_dir)
         del model
         model = self._adapter_model(adapter, settings)
-        logits = adapter_and_base_logits(model, image_question_inputs(processor, row))
+        logits = adapter_and_base_logits(model, question_inputs(processor, row))
         if hasattr(model, "save_pretrained_merged"):
-            model.save_pretrained_merged(str(out_dir), processor.tokenizer,
+            model.save_pretrained_merged(str(out_dir), tokenizer_of(processor),
                                          save_method="merged_16bit")
             cast_floating_tensors(out_dir, settings.dtype)
-            save_processor_files(out_dir, processor.image_processor, processor.tokenizer)
+            save_processing(out_dir, processor)
         else:
             save_with_processor(model.merge_and_unload(), processor, out_dir)
         return logits
 
     def _base(self, path: str, settings: ModelParams, *, for_training: bool):
-        from unsloth import FastVisionModel
-
-        model, _tokenizer = FastVisionModel.from_pretrained(
+        model, _tokenizer = fast_model_class(path).from_pretrained(
             model_name=path,
             load_in_4bit=settings.load_in_4bit,
             dtype=resolve_dtype(settings.dtype),
@@ -97,9 +99,16 @@ class UnslothBackend:
         """The adapter loaded by Unsloth itself (base from adapter_config.json): only such a
         model has Unsloth's `save_pretrained_merged`; one attached afterwards with PEFT is
         refused."""
-        from unsloth import FastVisionModel
-
-        model, _tokenizer = FastVisionModel.from_pretrained(
+        base = json.loads((Path(adapter) / "adapter_config.json").read_text())["base_model_name_or_path"]
+        model, _tokenizer = fast_model_class(base).from_pretrained(
             model_name=str(adapter), load_in_4bit=False, dtype=resolve_dtype(settings.dtype),
             max_seq_length=settings.max_seq_length, use_gradient_checkpointing=False)
         return model
+
+
+def fast_model_class(path: str):
+    """Unsloth's loader for the checkpoint: FastLanguageModel for a text model, FastVisionModel
+    for a vision-language one."""
+    from unsloth import FastLanguageModel, FastVisionModel
+
+    return FastLanguageModel if is_text_checkpoint(path) else FastVisionModel

@@ -64,17 +64,19 @@ def card_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:
     return flat
 
 
-def gguf_roles(gguf_sizes: Mapping[str, int], where: str = "the GGUF folder") -> tuple[str, str]:
-    """(model file, projector file) for the usage examples: the smallest language-model file,
-    which is the most quantized one, and the vision projector."""
+def gguf_roles(gguf_sizes: Mapping[str, int],
+               where: str = "the GGUF folder") -> tuple[str, str | None]:
+    """(model file, projector file or None) for the usage examples: the smallest language-model
+    file, which is the most quantized one, and the vision projector (a text model has none)."""
     projectors = [name for name in gguf_sizes if name.startswith(PROJECTOR_PREFIX)]
     models = [name for name in gguf_sizes if not name.startswith(PROJECTOR_PREFIX)]
-    if not projectors or not models:
+    if not models:
         raise MissingInputError(
-            f"{where} needs a GGUF model file and a {PROJECTOR_PREFIX}-*.gguf projector, "
-            f"has {sorted(gguf_sizes)}; they are made by export"
+            f"{where} needs a GGUF model file (and a {PROJECTOR_PREFIX}-*.gguf projector for a "
+            f"vision-language model), has {sorted(gguf_sizes)}; they are made by export"
         )
-    return min(models, key=lambda name: (gguf_sizes[name], name)), projectors[0]
+    return (min(models, key=lambda name: (gguf_sizes[name], name)),
+            projectors[0] if projectors else None)
 
 
 def _size(num_bytes: int) -> str:
@@ -92,20 +94,22 @@ def render_model_card(
 ) -> str:
     model = params.get("model", {})
     quant, projector = gguf_roles(gguf_sizes)
+    vision = projector is not None
     header = [
         "---",
         f"base_model: {model.get('name')}",
         "library_name: transformers",
-        "pipeline_tag: image-text-to-text",
-        "tags: [qwen3-vl, lora, gspo, grpo, gguf, visual-math]",
+        f"pipeline_tag: {'image-text-to-text' if vision else 'text-generation'}",
+        ("tags: [qwen3-vl, lora, gspo, grpo, gguf, visual-math]" if vision
+         else "tags: [qwen3, lora, gspo, grpo, gguf, math]"),
         "---",
         "",
-        f"# {model.get('name')} + GSPO LoRA for visual maths (merged)",
+        f"# {model.get('name')} + GSPO LoRA for {'visual ' if vision else ''}maths (merged)",
         "",
         (
             "The base model with the GSPO-trained LoRA adapter merged in "
             f"({export_metrics.get('dtype')}), saved as safetensors with its tokenizer, chat "
-            "template and image processor, plus GGUF files for llama.cpp."
+            f"template{' and image processor' if vision else ''}, plus GGUF files for llama.cpp."
         ),
         "",
     ]
@@ -116,7 +120,7 @@ def render_model_card(
             *_answer_format_section(params),
             *_results_section(baseline, post),
             *_files_section(gguf_sizes, export_metrics.get("logit_max_abs_diff") or {}),
-            *_usage_section(quant, projector),
+            *(_usage_section(quant, projector) if vision else _text_usage_section(quant)),
         ]
     )
 
@@ -194,6 +198,33 @@ def _files_section(gguf_sizes: Mapping[str, int], diffs: Mapping[str, float]) ->
         markdown_table(["GGUF file", "size"], [(name, _size(size)) for name, size in gguf_sizes.items()]),
         "",
         markdown_table(["check (max abs logit difference)", "value"], list(diffs.items())),
+        "",
+    ]
+
+
+def _text_usage_section(quant: str) -> list[str]:
+    return [
+        "## Running it",
+        "",
+        "llama.cpp (a text model: no projector):",
+        "",
+        "```sh",
+        f"llama-cli -m {quant} -p 'Tom has 3 apples and buys 4 more. How many apples?'",
+        "```",
+        "",
+        "llama-cpp-python:",
+        "",
+        "```python",
+        "from llama_cpp import Llama",
+        "",
+        f"llm = Llama(model_path='{quant}', n_ctx=4096)",
+        "reply = llm.create_chat_completion(messages=[{'role': 'user', 'content': 'Tom has 3 "
+        "apples and buys 4 more. How many apples?'}])",
+        "llm.close()",
+        "```",
+        "",
+        ("transformers: `AutoModelForCausalLM.from_pretrained(this_dir)` and "
+         "`AutoTokenizer.from_pretrained(this_dir)`."),
         "",
     ]
 

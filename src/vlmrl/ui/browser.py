@@ -212,7 +212,10 @@ class EvalSet:
                 return self._images[pid]
         if pid not in self._index:
             raise ApiError(404, f"no record with pid {pid!r} in {EVAL_SET_DIR}", field="pid")
-        png = png_bytes(dataset[self._index[pid]]["image"])
+        image = dataset[self._index[pid]]["image"]
+        if image is None:
+            raise ApiError(404, f"record {pid!r} is text-only: it has no image", field="pid")
+        png = png_bytes(image)
         with self._lock:
             self._images[pid] = png
             if len(self._images) > IMAGE_CACHE_SIZE:
