@@ -109,24 +109,24 @@ def log_prob_pass(repeats: int) -> dict[str, float]:
 def render(results: dict) -> str:
     s, lp = results["sampling"], results["log_probs"]
     return "\n".join([
-        f"Measured {results['date']} on {results['machine']}, torch {results['torch']}, "
-        f"{results['threads']} threads; median of {results['repeats']}.",
+        (f"Measured {results['date']} on {results['machine']}, torch {results['torch']}, "
+         f"{results['threads']} threads; median of {results['repeats']}."),
         "",
         f"| one decoding step, {ROWS} rows | ms |",
         "| --- | ---: |",
-        f"| output layer matmul ({ROWS} x {HIDDEN} x {VOCAB:,}), for scale "
-        f"| {s['output_layer_matmul_ms']} |",
-        "| transformers: suppress, temperature, top-k 20, top-p 0.8, multinomial "
-        f"| {s['transformers_sampling_ms']} |",
+        (f"| output layer matmul ({ROWS} x {HIDDEN} x {VOCAB:,}), for scale "
+         f"| {s['output_layer_matmul_ms']} |"),
+        ("| transformers: suppress, temperature, top-k 20, top-p 0.8, multinomial "
+         f"| {s['transformers_sampling_ms']} |"),
         f"| `TopKSampler`, the same distribution | {s['vlmrl_sampling_ms']} |",
         "",
-        f"| log-probabilities + entropy of {TOKENS} tokens | forward ms | backward ms "
-        "| no-grad ms |",
+        (f"| log-probabilities + entropy of {TOKENS} tokens | forward ms | backward ms "
+         "| no-grad ms |"),
         "| --- | ---: | ---: | ---: |",
-        f"| autograd over a log-softmax | {lp['autograd_forward_ms']} "
-        f"| {lp['autograd_backward_ms']} | {lp['autograd_no_grad_ms']} |",
-        f"| `vlmrl.trl_compat` fused | {lp['fused_forward_ms']} | {lp['fused_backward_ms']} "
-        f"| {lp['fused_no_grad_ms']} |",
+        (f"| autograd over a log-softmax | {lp['autograd_forward_ms']} "
+         f"| {lp['autograd_backward_ms']} | {lp['autograd_no_grad_ms']} |"),
+        (f"| `vlmrl.trl_compat` fused | {lp['fused_forward_ms']} | {lp['fused_backward_ms']} "
+         f"| {lp['fused_no_grad_ms']} |"),
     ])
 
 

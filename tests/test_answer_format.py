@@ -80,9 +80,9 @@ def test_sft_targets_are_written_in_the_runs_format() -> None:
 
 
 def test_playground_and_model_card_show_the_runs_format(tmp_path) -> None:
+    from conftest import ROOT
     from starlette.testclient import TestClient
 
-    from conftest import ROOT
     from vlmrl.publish.model_card import _answer_format_section
     from vlmrl.ui.app import create_app
 

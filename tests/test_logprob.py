@@ -43,7 +43,7 @@ def test_outputs_and_gradients_match_autograd(tokens, vocab, temperature, scale,
 
 def test_unrequested_outputs_are_none_and_empty_input_stays_connected() -> None:
     hidden, weight, _, targets = inputs(5, 100, False)
-    log_probs, entropy, *extras = TorchChunkedLogProb.apply(hidden, weight, None, targets, 1.0,
+    _log_probs, entropy, *extras = TorchChunkedLogProb.apply(hidden, weight, None, targets, 1.0,
                                                             256, None, 1.0, ("log_probs",))
     assert entropy is None and extras == [None, None, None]
     empty = TorchChunkedLogProb.apply(hidden[:0], weight, None, targets[:0], 1.0, 256, None,

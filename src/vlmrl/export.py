@@ -38,8 +38,8 @@ from vlmrl.models.forward import (
     first_eval_row,
     forward_logits,
     hf_last_logits,
-    question_inputs,
     max_abs_diff,
+    question_inputs,
     text_prompt,
 )
 from vlmrl.models.loading import load_merged, merge_adapter

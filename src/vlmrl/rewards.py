@@ -209,7 +209,7 @@ def _import_reward(path: str) -> RewardFunc:
         sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
-    except Exception as error:  # noqa: BLE001 - any import failure is the user's reward's
+    except Exception as error:
         raise ValueError(f"reward {path!r}: cannot import {module_name!r} "
                          f"({type(error).__name__}: {error})") from error
     func = getattr(module, attribute, None)

@@ -218,8 +218,8 @@ def _text_usage_section(quant: str) -> list[str]:
         "from llama_cpp import Llama",
         "",
         f"llm = Llama(model_path='{quant}', n_ctx=4096)",
-        "reply = llm.create_chat_completion(messages=[{'role': 'user', 'content': 'Tom has 3 "
-        "apples and buys 4 more. How many apples?'}])",
+        ("reply = llm.create_chat_completion(messages=[{'role': 'user', 'content': 'Tom has 3 "
+         "apples and buys 4 more. How many apples?'}])"),
         "llm.close()",
         "```",
         "",

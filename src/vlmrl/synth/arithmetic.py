@@ -43,16 +43,18 @@ def _share(rng: random.Random) -> tuple[str, str, int]:
     name, thing = rng.choice(NAMES), rng.choice(THINGS)
     friends, each = rng.randint(2, 8), rng.randint(2, 9)
     total = friends * each
-    return (f"{name} shares {total} {thing} equally among {friends} friends. How many does each "
-            f"friend get?", f"{total} / {friends} = {each} {thing} each.", each)
+    question = (f"{name} shares {total} {thing} equally among {friends} friends. How many does "
+                "each friend get?")
+    return question, f"{total} / {friends} = {each} {thing} each.", each
 
 
 def _two_steps(rng: random.Random) -> tuple[str, str, int]:
     name, thing = rng.choice(NAMES), rng.choice(THINGS)
     packs, each, extra = rng.randint(2, 6), rng.randint(3, 10), rng.randint(1, 15)
     total = packs * each + extra
-    return (f"{name} buys {packs} packs of {each} {thing} and finds {extra} more. How many "
-            f"{thing} does {name} have?",
+    question = (f"{name} buys {packs} packs of {each} {thing} and finds {extra} more. How many "
+                f"{thing} does {name} have?")
+    return (question,
             f"{packs} x {each} = {packs * each}, and {packs * each} + {extra} = {total}.", total)
 
 
