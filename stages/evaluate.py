@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmrl.answer_format import answer_format
+from vlmrl.errors import run_stage
 from vlmrl.eval_report import comparison_metrics, find_flips, read_records, write_report
 from vlmrl.evaluation import EvalError, run_evaluation
 from vlmrl.models.loading import starting_adapter
@@ -121,4 +122,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_stage("_".join([*sys.argv[1:2], "eval"]), main))

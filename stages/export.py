@@ -12,6 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from vlmrl.errors import run_stage
 from vlmrl.export import ExportError, run_export
 from vlmrl.gguf_tools import GGUFError
 from vlmrl.outputs import remove_outputs, write_json_atomic
@@ -57,4 +58,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_stage("export", main))

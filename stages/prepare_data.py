@@ -16,6 +16,7 @@ from vlmrl.data import (
     render_report,
     to_dataset,
 )
+from vlmrl.errors import run_stage
 from vlmrl.outputs import atomic_dir, remove_outputs, write_json_atomic, write_text_atomic
 from vlmrl.params import ParamsError, load_params
 
@@ -50,4 +51,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_stage("prepare_data", main))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from vlmrl.errors import run_stage
 from vlmrl.outputs import remove_outputs, write_json_atomic, write_jsonl_atomic
 from vlmrl.params import load_params
 from vlmrl.sft import run_sft
@@ -38,4 +39,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_stage("sft_cold_start", main))

@@ -6,6 +6,7 @@ import argparse
 import shutil
 from pathlib import Path
 
+from vlmrl.errors import run_stage
 from vlmrl.outputs import atomic_dir, remove_outputs, write_json_atomic, write_jsonl_atomic
 from vlmrl.params import load_params
 from vlmrl.timing import split_wall_clock
@@ -51,4 +52,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_stage("train_gspo", main))

@@ -13,6 +13,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from vlmrl.errors import run_stage
 from vlmrl.outputs import remove_outputs, write_json_atomic, write_text_atomic
 from vlmrl.params import ParamsError, load_params
 from vlmrl.publish import PublishError, S3Location, UploadResult, params_hash, publish
@@ -116,4 +117,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_stage("upload", main))

@@ -11,6 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from vlmrl.errors import run_stage
 from vlmrl.outputs import remove_outputs, write_json_atomic
 from vlmrl.params import ParamsError, load_params
 from vlmrl.verify import report_summary, verify_adapter
@@ -46,4 +47,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_stage("verify_lora", main))

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, get_args
 
+from vlmrl.errors import UserError
 from vlmrl.params import DataParams, ParamsError, RecordField
 
 # The record fields `data.columns` maps dataset columns onto (`id` becomes the record's pid).
@@ -34,7 +35,7 @@ _INTEGER = re.compile(r"[-+]?\d+")
 _FLOAT = re.compile(r"[-+]?(\d+\.(\d*)|\.(\d+))")
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A record or the data set cannot be used; the message names the record or the param."""
 
 

@@ -29,6 +29,7 @@ from datasets import load_from_disk
 from tqdm.auto import tqdm
 
 from vlmrl.answer_format import DEFAULT_FORMAT, AnswerFormat
+from vlmrl.errors import UserError
 from vlmrl.models.backend import model_device
 from vlmrl.models.loading import load_model
 from vlmrl.models.processor import (
@@ -48,7 +49,7 @@ GROUP_COLUMNS = {"answer_type": "accuracy_by_answer_type", "category": "accuracy
                  "source": "accuracy_by_source", "tier": "accuracy_by_tier"}
 
 
-class EvalError(ValueError):
+class EvalError(UserError, ValueError):
     """The eval set or a prompt cannot be evaluated; the message names the record or path."""
 
 

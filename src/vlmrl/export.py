@@ -20,6 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 from vlmrl.checks import Check
+from vlmrl.errors import UserError
 from vlmrl.gguf_tools import (
     GGUFError,
     convert_hf_to_gguf,
@@ -64,7 +65,7 @@ MMPROJ_OUTTYPE = "f16"
 CONVERTER_WORKERS = 2
 
 
-class ExportError(RuntimeError):
+class ExportError(UserError, RuntimeError):
     """An export check failed; the message lists every failed check."""
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmrl.cache import cache_root
+from vlmrl.errors import UserError
 from vlmrl.outputs import atomic_dir
 from vlmrl.params import CONVERTER_OUTTYPES
 
@@ -33,7 +34,7 @@ CONVERTER_PARTS = (CONVERTER, "conversion/", "gguf-py/", "models/templates/", "L
 GGUF_MAGIC = b"GGUF"
 
 
-class GGUFError(RuntimeError):
+class GGUFError(UserError, RuntimeError):
     """Converting, quantizing or loading a GGUF file failed; the message names the file."""
 
 

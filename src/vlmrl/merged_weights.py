@@ -16,13 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vlmrl.errors import UserError
+
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # One rounding of W + scale*B@A to 16 bits is half a step; a merge from a float32 checkpoint
 # (Unsloth merges into the checkpoint it was loaded from) against the 16-bit base adds another.
 MAX_ULPS = 2.0
 
 
-class MergeCheckError(RuntimeError):
+class MergeCheckError(UserError, RuntimeError):
     """A checkpoint or adapter could not be read or lined up with the other."""
 
 

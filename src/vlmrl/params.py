@@ -244,7 +244,7 @@ class SftParams(Section):
 
     @property
     def trains(self) -> bool:
-        return self.enabled and int(self.args.get("max_steps", -1)) != 0
+        return self.enabled and self.args.get("max_steps", -1) != 0  # type checked in vlmrl.sft
 
 
 class LoraParams(Section):

@@ -24,6 +24,7 @@ from pathlib import Path
 import yaml
 
 from vlmrl.answer_format import answer_format
+from vlmrl.errors import UserError
 from vlmrl.outputs import write_text_atomic
 from vlmrl.params import PARAMS_FILE, Params, ParamsError
 from vlmrl.rewards import build_rewards
@@ -32,7 +33,7 @@ RECIPES_DIR = Path("recipes")
 SECTIONS = ("model", "data", "rewards", "eval", "sft", "train", "verify", "export", "upload")
 
 
-class RecipeError(ValueError):
+class RecipeError(UserError, ValueError):
     """A recipe is missing or invalid; the message names the recipe and the key."""
 
 

@@ -39,7 +39,7 @@ from vlmrl.models.loading import backend_for, load_policy, write_start_marker
 from vlmrl.models.processor import is_text_checkpoint, message_text, save_processing
 from vlmrl.outputs import atomic_dir
 from vlmrl.params import ModelParams, Params, ParamsError, SftParams
-from vlmrl.trl_compat import install_cpu_fallback, step_log_rows
+from vlmrl.trl_compat import config_values, install_cpu_fallback, step_log_rows
 
 DEFAULT_REASONING = SftParams.model_fields["reasoning"].default
 
@@ -83,11 +83,15 @@ def build_sft_config(settings: SftParams, output_dir: Path, model_settings: Mode
     for key in settings.args:
         if key not in known:
             raise ParamsError(f"params.yaml sft.args.{key} is not a trl.SFTConfig field")
-    kwargs = {"report_to": "none", "logging_steps": 1, **settings.args}
+    args = config_values(trl.SFTConfig, settings.args, "sft.args")
+    kwargs = {"report_to": "none", "logging_steps": 1, **args}
     kwargs.update(output_dir=str(output_dir), save_strategy="no", completion_only_loss=True,
                   **({"max_length": None, "remove_unused_columns": False} if vision else {}),
                   **precision_flags(settings.args, model_settings))
-    return trl.SFTConfig(**kwargs)
+    try:
+        return trl.SFTConfig(**kwargs)
+    except ValueError as error:  # TrainingArguments' own checks of the values
+        raise ParamsError(f"params.yaml sft.args: {error}") from None
 
 
 def run_sft(*, train_set: Path, params: Params, out: Path) -> dict[str, Any]:

@@ -37,6 +37,7 @@ from vlmrl.params import ModelParams, Params, ParamsError
 from vlmrl.rewards import build_rewards
 from vlmrl.tables import flatten
 from vlmrl.trl_compat import (
+    config_values,
     enable_compiled_generation,
     install_cpu_fallback,
     limit_generation_rows,
@@ -75,6 +76,7 @@ def build_grpo_config(grpo: Mapping[str, Any], *, output_dir: Path, save_steps: 
         if key in MANAGED_GRPO_KEYS:
             raise ParamsError(f"params.yaml train.grpo.{key} is set by the pipeline "
                               f"(dvc.yaml paths, train.save_steps or rewards); remove it")
+    grpo = config_values(trl.GRPOConfig, grpo, "train.grpo")
     if grpo.get("use_vllm") and not vllm_installed():
         raise ParamsError("params.yaml train.grpo.use_vllm is true but vllm is not installed; "
                           "pip install vllm (a build matching this torch) or set it to false")
@@ -82,7 +84,10 @@ def build_grpo_config(grpo: Mapping[str, Any], *, output_dir: Path, save_steps: 
     kwargs.update(output_dir=str(output_dir), save_strategy="steps", save_steps=save_steps,
                   reward_weights=reward_weights, **precision_flags(grpo, model_settings))
     warn_if_on_policy(kwargs)
-    return trl.GRPOConfig(**kwargs)
+    try:
+        return trl.GRPOConfig(**kwargs)
+    except ValueError as error:  # TrainingArguments' and GRPOConfig's own checks of the values
+        raise ParamsError(f"params.yaml train.grpo: {error}") from None
 
 
 def vllm_installed() -> bool:

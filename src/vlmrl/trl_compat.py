@@ -4,12 +4,21 @@ Triton is missing, a plain-torch function with the same call signature and outpu
 place, chunked over tokens so the [tokens, vocab] logits never exist all at once. The other
 adaptations here are for speed and memory on a GPU: compiled decoding (which TRL switches off) and
 generation in chunks of rows (TRL generates a whole generation batch at once). `step_log_rows`
-flattens a trainer's log history (GRPOTrainer's and SFTTrainer's) into rows for DVC plots."""
+flattens a trainer's log history (GRPOTrainer's and SFTTrainer's) into rows for DVC plots.
+`config_values` checks `sft.args` and `train.grpo` against the config's field types: TRL
+takes `learning_rate: abc` and fails only once training has started."""
 
 from __future__ import annotations
 
+import enum
 import functools
+import math
+import types
+import typing
+from collections.abc import Mapping
 from typing import Any
+
+from vlmrl.params import ParamsError
 
 TOKEN_CHUNK = 256
 
@@ -270,3 +279,75 @@ def step_log_rows(log_history: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def flat_key(key: str) -> str:
     return key.replace("/", "_").replace("-", "_")
+
+
+def config_values(config_class: type, values: Mapping[str, Any], key_path: str) -> dict[str, Any]:
+    """`values` checked against the field types of `config_class` (a TrainingArguments
+    dataclass): a ParamsError names `key_path.<key>` for the first value of none of the types its
+    field accepts. A float written as text is read as the number: DVC writes `-S lr=5e-6` to
+    params.yaml as `5e-06`, a float in YAML 1.2 but text to PyYAML. Types it cannot check (a
+    class of its own, a generic other than list or dict) pass; TRL checks those itself."""
+    try:
+        hints = typing.get_type_hints(config_class)
+    except (NameError, TypeError):  # an annotation this Python cannot resolve: TRL checks it
+        return dict(values)
+    checked = {}
+    for key, value in values.items():
+        hint = hints.get(key)
+        if hint is not None and float in _members(hint) and isinstance(value, str):
+            value = _float_text(value, value)
+        if hint is not None and not _accepts(hint, value):
+            raise ParamsError(f"params.yaml {key_path}.{key}: must be {_type_name(hint)}, "
+                              f"got {value!r}")
+        checked[key] = value
+    return checked
+
+
+def _float_text(text: str, default: Any) -> Any:
+    try:
+        number = float(text)
+    except ValueError:
+        return default
+    return number if math.isfinite(number) else default
+
+
+def _members(hint: Any) -> tuple[Any, ...]:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return typing.get_args(hint)
+    return (hint,)
+
+
+def _accepts(hint: Any, value: Any) -> bool:
+    return any(_accepts_one(member, value) for member in _members(hint))
+
+
+def _accepts_one(member: Any, value: Any) -> bool:
+    origin = typing.get_origin(member) or member
+    if member is type(None):
+        return value is None
+    if origin is typing.Literal:
+        return value in typing.get_args(member)
+    if isinstance(origin, type) and issubclass(origin, enum.Enum):
+        return value in {item.value for item in origin}
+    simple = {bool: lambda v: isinstance(v, bool),
+              int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+              float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+              str: lambda v: isinstance(v, str),
+              dict: lambda v: isinstance(v, Mapping),
+              list: lambda v: isinstance(v, (list, tuple))}
+    return simple[origin](value) if origin in simple else True
+
+
+def _type_name(hint: Any) -> str:
+    names = []
+    for member in _members(hint):
+        origin = typing.get_origin(member) or member
+        if member is type(None):
+            names.append("null")
+        elif origin is typing.Literal:
+            names.append(" or ".join(repr(arg) for arg in typing.get_args(member)))
+        elif isinstance(origin, type) and issubclass(origin, enum.Enum):
+            names.append("one of " + ", ".join(str(item.value) for item in origin))
+        else:
+            names.append(getattr(origin, "__name__", str(origin)))
+    return " or ".join(dict.fromkeys(names))

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from vlmrl.errors import UserError
 
-class PublishError(RuntimeError):
+
+class PublishError(UserError, RuntimeError):
     """Anything that stops an upload or a pull; the message is meant for the person at the CLI."""
 
 
