@@ -5,7 +5,10 @@ The line between the two: `UserError` is the base of every error the project rai
 with a message for the user (`ParamsError`, `DataError`, `EvalError`, `ExportError`, `GGUFError`,
 `MergeCheckError`, `PublishError`, `RecipeError`): its message names the key path, record or file
 and what is wrong. A missing file or folder (`FileNotFoundError`, `NotADirectoryError`) is the
-other bad input every stage meets, and its message names the path. Anything else (a `TypeError`,
+other bad input every stage meets, and its message names the path; so is a file that is not
+valid YAML (PyYAML's message names the file, line and column), or not valid JSON (a corrupt
+artifact, read here by datasets, PEFT or the project: the line names the file the innermost
+reader had open or named, `json_source`). Anything else (a `TypeError`,
 a `KeyError`, an error from a library on input the project did not check) is a bug, here or
 upstream, and keeps its traceback. `VLMRL_DEBUG=1` shows the traceback of user errors too.
 
@@ -13,9 +16,15 @@ A stage script's entry point is `raise SystemExit(run_stage("<stage>", main))`."
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+
+import yaml
 
 DEBUG_ENV = "VLMRL_DEBUG"
 # The exit status of a stage refused for bad input: what the stages' own checks have always used.
@@ -26,7 +35,8 @@ class UserError(Exception):
     """Bad params, data or inputs; the message names the key, record or file and what is wrong."""
 
 
-USER_FACING: tuple[type[BaseException], ...] = (UserError, FileNotFoundError, NotADirectoryError)
+USER_FACING: tuple[type[BaseException], ...] = (UserError, FileNotFoundError, NotADirectoryError,
+                                                 yaml.YAMLError, json.JSONDecodeError)
 
 
 def debugging() -> bool:
@@ -34,9 +44,32 @@ def debugging() -> bool:
 
 
 def one_line(error: BaseException) -> str:
-    """The error's message on one line: a multi-line message's lines joined by `; `."""
+    """The error's message on one line: a multi-line message's lines joined by `; `; a JSON
+    error prefixed with the file it was read from."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return "; ".join(lines) or type(error).__name__
+    message = "; ".join(lines) or type(error).__name__
+    if isinstance(error, json.JSONDecodeError):
+        source = json_source(error.__traceback__)
+        message = f"{source or 'an input file'}: not valid JSON ({message})"
+    return message
+
+
+def json_source(trace: TracebackType | None) -> str | None:
+    """The file a JSON decoder failed on, from the frames that read it, innermost first: an open
+    file (`json.load(handle)`), else a local path ending in .json (`json.loads(path.read_text())`)."""
+    frames = []
+    while trace is not None:
+        frames.append(trace.tb_frame)
+        trace = trace.tb_next
+    for frame in reversed(frames):
+        values = list(frame.f_locals.values())
+        for value in values:
+            if isinstance(value, io.IOBase) and isinstance(getattr(value, "name", None), str):
+                return value.name
+        for value in values:
+            if isinstance(value, (str, Path)) and str(value).endswith(".json"):
+                return str(value)
+    return None
 
 
 def run_stage(stage: str, main: Callable[[], int | None]) -> int:
