@@ -15,10 +15,10 @@ from typing import Any
 from vlmrl.answer_format import answer_format
 from vlmrl.errors import run_stage
 from vlmrl.eval_report import comparison_metrics, find_flips, read_records, write_report
-from vlmrl.evaluation import EvalError, run_evaluation
+from vlmrl.evaluation import run_evaluation
 from vlmrl.models.loading import starting_adapter
 from vlmrl.outputs import atomic_dir, remove_outputs, write_json_atomic, write_jsonl_atomic
-from vlmrl.params import ParamsError, load_params
+from vlmrl.params import load_params
 from vlmrl.timing import split_wall_clock
 
 POST_ONLY = ("adapter", "baseline", "baseline_metrics", "report")
@@ -107,10 +107,6 @@ def main(argv: list[str] | None = None) -> int:
     remove_outputs(*outputs)
     try:
         metrics = evaluate(args)
-    except (FileNotFoundError, ParamsError, EvalError) as error:
-        remove_outputs(*outputs)
-        print(f"{args.mode}_eval failed: {error}", file=sys.stderr)
-        return 1
     except BaseException:
         remove_outputs(*outputs)
         raise

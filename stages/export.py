@@ -9,14 +9,12 @@ first; the merged model, the GGUF files and the metrics appear only when every c
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from vlmrl.errors import run_stage
-from vlmrl.export import ExportError, run_export
-from vlmrl.gguf_tools import GGUFError
+from vlmrl.export import run_export
 from vlmrl.outputs import remove_outputs, write_json_atomic
-from vlmrl.params import ParamsError, load_params
+from vlmrl.params import load_params
 from vlmrl.timing import split_wall_clock
 
 
@@ -43,10 +41,6 @@ def main(argv: list[str] | None = None) -> int:
         kept, timings = split_wall_clock(metrics)
         write_json_atomic(args.metrics, kept)
         write_json_atomic(args.timings, timings)
-    except (ParamsError, FileNotFoundError, ExportError, GGUFError) as error:
-        remove_outputs(*outputs)
-        print(f"export failed: {error}", file=sys.stderr)
-        return 1
     except BaseException:
         remove_outputs(*outputs)
         raise

@@ -9,7 +9,6 @@ from pathlib import Path
 
 from vlmrl.answer_format import answer_format
 from vlmrl.data import (
-    DataError,
     data_summary,
     load_raw_records,
     prepare,
@@ -18,7 +17,7 @@ from vlmrl.data import (
 )
 from vlmrl.errors import run_stage
 from vlmrl.outputs import atomic_dir, remove_outputs, write_json_atomic, write_text_atomic
-from vlmrl.params import ParamsError, load_params
+from vlmrl.params import load_params
 
 
 def main() -> None:
@@ -30,13 +29,10 @@ def main() -> None:
     args = parser.parse_args()
 
     outputs = (args.out / "train", args.out / "eval", args.report, args.metrics)
-    try:
-        params = load_params(args.params)
-        settings, system_prompt = params.data, answer_format(params).system_text()
-        remove_outputs(*outputs)
-        prepared = prepare(load_raw_records(settings), settings, system_prompt)
-    except (ParamsError, DataError) as error:
-        raise SystemExit(f"prepare_data failed: {error}") from None
+    params = load_params(args.params)
+    settings, system_prompt = params.data, answer_format(params).system_text()
+    remove_outputs(*outputs)
+    prepared = prepare(load_raw_records(settings), settings, system_prompt)
     try:
         for name, rows in (("train", prepared.train), ("eval", prepared.eval)):
             with atomic_dir(args.out / name) as staging:

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 from pathlib import Path
 
 from vlmrl.errors import run_stage
 from vlmrl.outputs import remove_outputs, write_json_atomic, write_text_atomic
-from vlmrl.params import ParamsError, load_params
-from vlmrl.publish import PublishError, S3Location, UploadResult, params_hash, publish
+from vlmrl.params import load_params
+from vlmrl.publish import S3Location, UploadResult, params_hash, publish
 from vlmrl.publish.model_card import build_model_card
 
 
@@ -92,10 +91,6 @@ def main(argv: list[str] | None = None) -> int:
             params_digest=params_hash(all_params.raw),
             model_card=args.model_card,
         )
-    except (ParamsError, PublishError) as exc:
-        remove_outputs(*outputs)
-        print(f"upload failed: {exc}", file=sys.stderr)
-        return 1
     except BaseException:
         remove_outputs(*outputs)
         raise

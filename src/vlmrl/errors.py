@@ -35,6 +35,11 @@ class UserError(Exception):
     """Bad params, data or inputs; the message names the key, record or file and what is wrong."""
 
 
+class ParamsError(UserError, ValueError):
+    """A params value is missing or wrong; the message names the key path. (Imported from
+    vlmrl.params, which raises it; defined here so that params.py stays one job's length.)"""
+
+
 USER_FACING: tuple[type[BaseException], ...] = (UserError, FileNotFoundError, NotADirectoryError,
                                                  yaml.YAMLError, json.JSONDecodeError)
 

@@ -34,6 +34,8 @@ from pydantic import (
 )
 from pydantic.dataclasses import dataclass as validated_dataclass
 
+from vlmrl.errors import ParamsError  # defined there, beside the other user errors
+
 PARAMS_FILE = Path("params.yaml")
 
 Backend = Literal["auto", "transformers", "unsloth"]
@@ -51,10 +53,6 @@ EMBEDDED_TEXT_SOURCE = "embedded:arithmetic"  # GSM8K-style word problems (vlmrl
 LOCAL_SOURCE, LOCAL_DATA_DIR = "local", "data/local"  # data.source: local reads data.path
 RecordField = Literal["id", "question", "answer", "image", "choices", "question_type",
                       "answer_type", "precision", "unit", "source", "category"]  # data.columns
-
-
-class ParamsError(ValueError):
-    """A params value is missing or wrong; the message names the key path."""
 
 
 # ------------------------------------------------------------------ value types

@@ -1,0 +1,162 @@
+"""Issue 24 point 4: every stage refuses bad params or a corrupt input with one line on stderr
+that names the key path or the file, and a non-zero exit; the traceback only with VLMRL_DEBUG=1.
+Each stage script runs as DVC runs it (dvc.yaml's command) in a copy of the project whose data is
+prepared; every case fails before a model is loaded."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from conftest import TEST_PARAMS
+from project_repo import copy_project, run, stage_command, update_params
+
+from vlmrl.dvc_env import dvc_env
+from vlmrl.errors import USER_ERROR_STATUS, json_source, one_line, run_stage
+from vlmrl.params import ParamsError
+
+SMALL_DATA = {**TEST_PARAMS, "data.synthetic_size": 16, "data.synthetic_read_size": 4}
+
+
+@pytest.fixture(scope="module")
+def prepared_project(tmp_path_factory) -> Path:
+    project = copy_project(tmp_path_factory.mktemp("errors") / "project", SMALL_DATA)
+    run(stage_command("prepare_data", project), project)
+    return project
+
+
+@pytest.fixture
+def project(prepared_project: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(prepared_project, tmp_path / "project"))
+
+
+def write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def pass_through_sft(project: Path) -> None:
+    write(project / "data/models/sft/vlmrl_sft.json", json.dumps({"adapter": False}))
+
+
+def baseline_files(project: Path) -> None:
+    write(project / "data/eval/baseline/records.jsonl", "")
+    write(project / "data/metrics/baseline_eval.json", "{}")
+
+
+def corrupt_adapter(project: Path) -> None:
+    write(project / "data/models/adapter/adapter_config.json", '{"peft_type": "LORA",')
+    write(project / "data/models/adapter/adapter_model.safetensors", "not weights")
+
+
+def params(update: dict) -> Callable[[Path], None]:
+    return lambda project: update_params(project, update)
+
+
+def then(*steps: Callable[[Path], None]) -> Callable[[Path], None]:
+    def setup(project: Path) -> None:
+        for step in steps:
+            step(project)
+    return setup
+
+
+# (stage, how its input is broken, what the one line must name)
+CASES = [
+    ("prepare_data", params({"data.eval_size": 0}), "data.eval_size"),
+    ("sft_cold_start", params({"sft.args.learning_rate": "fast"}), "sft.args.learning_rate"),
+    ("baseline_eval", then(pass_through_sft, params({"eval.temperature": 0})), "eval.temperature"),
+    ("train_gspo", params({"train.grpo.max_steps": "ten"}), "train.grpo.max_steps"),
+    ("post_eval", then(baseline_files, params({"eval.top_p": 1.5})), "eval.top_p"),
+    ("verify_lora", corrupt_adapter, "data/models/adapter/adapter_config.json: not valid JSON"),
+    ("export", params({"export.gguf_outtypes": ["q8_0"]}), "export.gguf_outtypes"),
+    ("upload", params({"upload.max_attempts": 0}), "upload.max_attempts"),
+]
+
+
+def run_stage_script(project: Path, stage: str, debug: bool = False):
+    env = dvc_env()
+    env.pop("VLMRL_DEBUG", None)
+    if debug:
+        env["VLMRL_DEBUG"] = "1"
+    return run(stage_command(stage, project), project, check=False, env=env)
+
+
+@pytest.mark.parametrize(("stage", "setup", "named"), CASES, ids=[case[0] for case in CASES])
+def test_stage_refuses_bad_input_in_one_line(project: Path, stage, setup, named) -> None:
+    setup(project)
+    result = run_stage_script(project, stage)
+    assert result.returncode == USER_ERROR_STATUS, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()], result.stderr[-3000:]
+    line = result.stderr.strip()
+    assert line.startswith(f"{stage} failed: "), line
+    assert named in line, line
+
+
+def test_malformed_params_file_names_file_and_line(project: Path) -> None:
+    params_file = project / "params.yaml"
+    params_file.write_text(params_file.read_text().replace("seed: 0", "seed: [0", 1))
+    result = run_stage_script(project, "train_gspo")
+    assert result.returncode == USER_ERROR_STATUS
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("train_gspo failed: ") and '"params.yaml", line' in line, line
+
+
+def test_debug_shows_the_traceback(project: Path) -> None:
+    update_params(project, {"upload.max_attempts": 0})
+    result = run_stage_script(project, "upload", debug=True)
+    assert result.returncode != 0
+    assert "Traceback" in result.stderr and "ParamsError" in result.stderr
+    assert "upload.max_attempts" in result.stderr
+
+
+def test_a_bug_keeps_its_traceback() -> None:
+    def buggy() -> int:
+        return {}["missing"]
+
+    with pytest.raises(KeyError):
+        run_stage("some_stage", buggy)
+
+
+def test_user_error_is_one_line_and_status(capsys, monkeypatch) -> None:
+    monkeypatch.delenv("VLMRL_DEBUG", raising=False)
+
+    def refuses() -> int:
+        raise ParamsError("params.yaml eval.top_k: first\nsecond")
+
+    assert run_stage("baseline_eval", refuses) == USER_ERROR_STATUS
+    assert capsys.readouterr().err == "baseline_eval failed: params.yaml eval.top_k: first; second\n"
+    monkeypatch.setenv("VLMRL_DEBUG", "1")
+    with pytest.raises(ParamsError):
+        run_stage("baseline_eval", refuses)
+
+
+def test_missing_file_is_a_user_error(capsys, tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("VLMRL_DEBUG", raising=False)
+    missing = tmp_path / "records.jsonl"
+    assert run_stage("post_eval", missing.read_text) == USER_ERROR_STATUS
+    assert str(missing) in capsys.readouterr().err
+
+
+def test_stage_exit_status_passes_through() -> None:
+    assert run_stage("verify_lora", lambda: 3) == 3
+    assert run_stage("prepare_data", lambda: None) == 0
+
+
+def test_json_error_names_the_open_file(tmp_path) -> None:
+    path = tmp_path / "dataset_info.json"
+    path.write_text("{bad")
+    with pytest.raises(json.JSONDecodeError) as caught, path.open() as handle:
+        json.load(handle)
+    assert json_source(caught.value.__traceback__) == str(path)
+    assert one_line(caught.value).startswith(f"{path}: not valid JSON (")
+
+
+def test_json_error_names_the_path_its_reader_held(tmp_path) -> None:
+    marker = tmp_path / "vlmrl_sft.json"
+    marker.write_text("{bad")
+    with pytest.raises(json.JSONDecodeError) as caught:
+        json.loads(marker.read_text())
+    assert json_source(caught.value.__traceback__) == str(marker)
