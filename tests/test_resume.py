@@ -9,7 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from vlmrl.params import TrainParams
 from vlmrl.training import (
+    IO_ONLY,
+    MEMORY_ONLY,
     changed_settings,
     last_complete_checkpoint,
     mark_checkpoints,
@@ -49,14 +52,35 @@ def settings_with(params: dict, train_set: Path, dotted: str, value) -> dict:
     ("train.grpo.logging_steps", 5),
     ("train.grpo.generation_kwargs", {"max_cache_len": 512, "disable_compile": False}),
     ("train.save_steps", 10),
+    ("train.grpo.gradient_checkpointing_kwargs", {"use_reentrant": False}),  # a sub-key
+    ("train.grpo.per_device_eval_batch_size", 64),
+    ("train.grpo.report_to", ["tensorboard"]),
+    ("train.resume", False),
 ])
 def test_memory_only_settings_keep_the_fingerprint(params, train_set, key, value) -> None:
     before = run_settings(params, "adapter-sha", train_set)
     assert run_fingerprint(settings_with(params, train_set, key, value)) == run_fingerprint(before)
 
 
+def test_every_unfingerprinted_key_is_a_real_setting() -> None:
+    """A typo in the lists would fingerprint the real key: each names a GRPOConfig field (or a
+    key under one) or a train param."""
+    import dataclasses
+
+    import trl
+
+    grpo_fields = {field.name for field in dataclasses.fields(trl.GRPOConfig)}
+    for key in [*MEMORY_ONLY, *IO_ONLY]:
+        section, name, *_ = key.removeprefix("train.").split(".") + [""]
+        if section == "grpo":
+            assert name in grpo_fields, key
+        else:
+            assert section in TrainParams.model_fields, key
+
+
 @pytest.mark.parametrize(("key", "value"), [
     ("train.grpo.learning_rate", 1.0e-5),
+    ("train.grpo.generation_kwargs", {"max_cache_len": 512, "top_p": 0.9}),  # a sampling key
     ("train.lora.r", 16),
     ("rewards.weights.format_reward", 0.5),
     ("model.seed", 3),
@@ -111,6 +135,7 @@ def test_changed_settings_move_checkpoints_aside(tmp_path, capsys) -> None:
     out = capsys.readouterr().out
     assert str(moved) in out
     assert "train.grpo.learning_rate: 0.0003 -> 0.0001" in out
+    assert "nothing was deleted" in out
 
 
 def test_resume_false_moves_checkpoints_aside_too(tmp_path, capsys) -> None:

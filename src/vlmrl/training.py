@@ -107,17 +107,57 @@ def warn_if_on_policy(kwargs: Mapping[str, Any]) -> None:
 
 # ---------------------------------------------------------------- checkpoints
 
-# Settings that change speed, memory or logging, never what is learned (issue 24): changing one
-# after an out-of-memory error must not throw away hours of training.
-NOT_FINGERPRINTED = frozenset({
-    "train.max_generation_rows", "train.save_steps", "train.resume",
-    "train.grpo.gradient_checkpointing", "train.grpo.gradient_checkpointing_kwargs",
-    "train.grpo.cache_implementation", "train.grpo.generation_kwargs.max_cache_len",
-    "train.grpo.generation_kwargs.disable_compile", "train.grpo.torch_compile",
-    "train.grpo.torch_empty_cache_steps", "train.grpo.dataloader_num_workers",
-    "train.grpo.logging_steps", "train.grpo.logging_first_step", "train.grpo.log_completions",
-    "train.grpo.num_completions_to_print", "train.grpo.report_to",
-})
+# Settings that change speed, memory, logging or where files go, never what is learned (issue
+# 24): lowering the rows per generate call after an out-of-memory error, or switching gradient
+# checkpointing on, must not throw away hours of training. A key also covers its sub-keys
+# (`gradient_checkpointing_kwargs.use_reentrant`). Everything else in model, rewards,
+# answer_format and train is fingerprinted, with the starting adapter and the train set: when in
+# doubt a key changes the result. Each group says why it cannot.
+MEMORY_ONLY = {  # the same updates, computed in more or fewer pieces or with recomputation
+    "train.max_generation_rows": "rows per generate call: the same rollouts, in chunks",
+    "train.grpo.gradient_checkpointing": "recomputes activations instead of keeping them",
+    "train.grpo.gradient_checkpointing_kwargs": "how the recomputation runs",
+    "train.grpo.torch_empty_cache_steps": "frees the CUDA cache between steps",
+    "train.grpo.cache_implementation": "the KV cache's layout during generation",
+    "train.grpo.generation_kwargs.max_cache_len": "the static KV cache's size",
+    "train.grpo.generation_kwargs.disable_compile": "compiled or eager decoding, same tokens",
+    "train.grpo.torch_compile": "compiled or eager training step",
+    "train.grpo.torch_compile_backend": "the compiler of that step",
+    "train.grpo.torch_compile_mode": "the compiler's mode",
+    "train.grpo.ds3_gather_for_generation": "DeepSpeed ZeRO-3 gathers weights for generation",
+    "train.grpo.vllm_gpu_memory_utilization": "vLLM's share of GPU memory",
+    "train.grpo.vllm_enable_sleep_mode": "vLLM frees its memory between generations",
+    "train.grpo.per_device_eval_batch_size": "eval batch: GRPOTrainer is given no eval set",
+    "train.grpo.dataloader_num_workers": "processes that load the same batches",
+    "train.grpo.dataloader_pin_memory": "page-locked host memory for the same batches",
+    "train.grpo.dataloader_persistent_workers": "keeps those processes alive",
+    "train.grpo.dataloader_prefetch_factor": "batches loaded ahead",
+    "train.grpo.skip_memory_metrics": "memory figures in the log",
+}
+IO_ONLY = {  # what is logged, saved or printed, and where; not what training computes
+    "train.save_steps": "how often a checkpoint is written",
+    "train.resume": "whether to resume at all (false moves the checkpoints aside)",
+    "train.grpo.save_total_limit": "how many checkpoints are kept",
+    "train.grpo.save_only_model": "whether the optimizer state is saved too",
+    "train.grpo.logging_steps": "how often a log row is written",
+    "train.grpo.logging_first_step": "whether step 1 is logged",
+    "train.grpo.logging_strategy": "when log rows are written",
+    "train.grpo.logging_nan_inf_filter": "what the logged loss averages",
+    "train.grpo.log_level": "console verbosity",
+    "train.grpo.log_completions": "whether sample completions are logged",
+    "train.grpo.num_completions_to_print": "how many are printed",
+    "train.grpo.log_unique_prompts": "how they are printed",
+    "train.grpo.log_multimodal": "whether their images are logged",
+    "train.grpo.report_to": "tensorboard, trackio or none",
+    "train.grpo.run_name": "the run's name in those trackers",
+    "train.grpo.disable_tqdm": "progress bars",
+}
+NOT_FINGERPRINTED = frozenset(MEMORY_ONLY) | frozenset(IO_ONLY)
+
+
+def fingerprinted(key: str) -> bool:
+    """Whether a dotted settings key can change the training result (see MEMORY_ONLY, IO_ONLY)."""
+    return not any(key == name or key.startswith(name + ".") for name in NOT_FINGERPRINTED)
 
 
 def run_settings(params: Mapping[str, Any], init_adapter: str | None,
@@ -127,7 +167,7 @@ def run_settings(params: Mapping[str, Any], init_adapter: str | None,
                   for p in train_set.rglob("*") if p.is_file())
     flat = flatten({section: params.get(section) or {}
                     for section in ("model", "rewards", "answer_format", "train")})
-    settings = {key: value for key, value in flat.items() if key not in NOT_FINGERPRINTED}
+    settings = {key: value for key, value in flat.items() if fingerprinted(key)}
     settings["init_adapter"] = init_adapter
     settings["train_set"] = hashlib.sha256("\n".join(data).encode()).hexdigest()
     return json.loads(json.dumps(settings, sort_keys=True, default=str))
@@ -200,6 +240,8 @@ def last_complete_checkpoint(checkpoints: Path, settings: Mapping[str, Any],
     print(f"not resuming: old checkpoints moved to {moved}, because:")
     for line in reasons:
         print(f"  {line}")
+    print(f"  (nothing was deleted: with those settings back, move it back to {checkpoints} to "
+          f"resume from it; `rm -rf {checkpoints}.stale-*` frees the space)")
     return None
 
 
