@@ -8,12 +8,14 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import dvc_repro, update_params
 
 from vlmrl.params import TrainParams
 from vlmrl.training import (
     IO_ONLY,
     MEMORY_ONLY,
     changed_settings,
+    finished_run,
     last_complete_checkpoint,
     mark_checkpoints,
     run_fingerprint,
@@ -156,3 +158,75 @@ def test_old_marker_without_settings_is_a_mismatch(tmp_path, capsys) -> None:
     assert last_complete_checkpoint(checkpoints, {"a": 1}) is None
     assert "no settings" in capsys.readouterr().out
     assert len(list(tmp_path.glob("train_gspo.stale-*"))) == 1
+
+
+def test_a_checkpoint_of_the_last_step_is_a_finished_run(tmp_path) -> None:
+    """transformers 5.17 trains a step past max_steps when resumed from the last step's
+    checkpoint, so such a checkpoint is taken as it is instead."""
+    checkpoint = make_checkpoint(tmp_path, 4)
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": 4}))
+    assert finished_run(checkpoint, 4)
+    assert not finished_run(checkpoint, 6)
+    assert not finished_run(checkpoint, -1)  # no max_steps: the epochs bound the run
+    assert not finished_run(None, 4)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def checkpoint_states(checkpoints: Path) -> dict[str, int]:
+    """Each checkpoint's trainer state and when it was written: a step redone rewrites one."""
+    return {path.parent.name: path.stat().st_mtime_ns
+            for path in checkpoints.glob("checkpoint-*/trainer_state.json")}
+
+
+def adapter_tensors(directory: Path) -> dict[str, list]:
+    from safetensors.torch import load_file
+
+    weights = load_file(str(directory / "adapter_model.safetensors"))
+    return {name: tensor.tolist() for name, tensor in weights.items()}
+
+
+@pytest.mark.slow
+def test_dvc_repro_resumes_after_a_memory_only_change_and_moves_aside_after_another(
+        fresh_repo: Path) -> None:
+    """The user's path after an out-of-memory error: lower the rows per generate call, switch
+    gradient checkpointing on, `dvc repro` again. DVC reruns train_gspo (its params changed) and
+    the checkpoints survive (`persist: true`); the stage resumes from the last one and redoes no
+    step. A learning-rate change then starts over, with the old checkpoints moved aside."""
+    checkpoints = fresh_repo / "data/checkpoints/train_gspo"
+    dvc_repro(fresh_repo, "train_gspo")
+    first_log = read_jsonl(fresh_repo / "data/metrics/train_log.jsonl")
+    states = checkpoint_states(checkpoints)
+    assert sorted(states) == ["checkpoint-2", "checkpoint-4"]
+
+    update_params(fresh_repo, {"train.max_generation_rows": 4,
+                               "train.grpo.gradient_checkpointing": True})
+    result = dvc_repro(fresh_repo, "train_gspo")
+    out = result.stdout + result.stderr
+    assert "Running stage 'train_gspo'" in out
+    assert "resuming from data/checkpoints/train_gspo/checkpoint-4" in out
+    assert "not resuming" not in out
+    assert checkpoint_states(checkpoints) == states  # no step redone, no checkpoint rewritten
+    summary = json.loads((fresh_repo / "data/metrics/train.json").read_text())
+    assert summary["steps"] == 4
+    assert summary["resumed_from"].endswith("checkpoint-4")
+    assert read_jsonl(fresh_repo / "data/metrics/train_log.jsonl") == first_log
+    assert "finished all 4 steps: nothing left to train" in out
+    assert adapter_tensors(fresh_repo / "data/models/adapter") == adapter_tensors(
+        checkpoints / "checkpoint-4")
+    assert not list(checkpoints.parent.glob("train_gspo.stale-*"))
+
+    update_params(fresh_repo, {"train.grpo.learning_rate": 1.0e-4})
+    result = dvc_repro(fresh_repo, "train_gspo")
+    out = result.stdout + result.stderr
+    [moved] = checkpoints.parent.glob("train_gspo.stale-*")
+    assert f"not resuming: old checkpoints moved to {moved.relative_to(fresh_repo)}" in out
+    assert "train.grpo.learning_rate: 0.0003 -> 0.0001" in out
+    assert "train.max_generation_rows" not in out  # a memory-only key is never a reason
+    assert sorted(checkpoint_states(moved)) == ["checkpoint-2", "checkpoint-4"]
+    summary = json.loads((fresh_repo / "data/metrics/train.json").read_text())
+    assert summary["steps"] == 4
+    assert summary["resumed_from"] is None
+    assert sorted(checkpoint_states(checkpoints)) == ["checkpoint-2", "checkpoint-4"]

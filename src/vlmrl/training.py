@@ -245,6 +245,35 @@ def last_complete_checkpoint(checkpoints: Path, settings: Mapping[str, Any],
     return None
 
 
+def finished_run(checkpoint: Path | None, max_steps: int) -> bool:
+    """Whether the checkpoint already holds all `max_steps` steps (a rerun after a memory-only
+    change, or of a finished run)."""
+    if checkpoint is None or max_steps <= 0:
+        return False
+    state = json.loads((checkpoint / "trainer_state.json").read_text(encoding="utf-8"))
+    return state.get("global_step", 0) >= max_steps
+
+
+def train_or_restore(trainer, resume_from: Path | None, max_steps: int) -> None:
+    """Trains from `resume_from` (None: from the start), or, where that checkpoint finished the
+    run, takes its adapter and state as they are: transformers 5.17, resumed from the checkpoint
+    of step `max_steps`, trains one step more (step max_steps + 1) before it checks the limit."""
+    if not finished_run(resume_from, max_steps):
+        trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+        return
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+    from transformers import TrainerState
+
+    print(f"{resume_from} finished all {max_steps} steps: nothing left to train")
+    trainer.state = TrainerState.load_from_json(str(resume_from / "trainer_state.json"))
+    weights = load_file(str(resume_from / "adapter_model.safetensors"))
+    unexpected = set_peft_model_state_dict(trainer.model, weights).unexpected_keys
+    if unexpected:  # the fingerprint covers train.lora, so this is a bug, not a user's error
+        raise RuntimeError(f"{resume_from}: adapter weights the model has no place for: "
+                           f"{sorted(unexpected)[:3]}")
+
+
 def mark_checkpoints(checkpoints: Path, settings: Mapping[str, Any]) -> None:
     checkpoints.mkdir(parents=True, exist_ok=True)
     marker = {"fingerprint": run_fingerprint(settings), "settings": settings}
@@ -373,7 +402,7 @@ def train(*, train_set: Path, params: Params, adapter_out: Path, checkpoints: Pa
     started = time.perf_counter()
     if resume_from is not None:
         print(f"resuming from {resume_from}")
-    trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+    train_or_restore(trainer, resume_from, config.max_steps)
     runtime = time.perf_counter() - started
 
     with atomic_dir(adapter_out) as staging:
