@@ -14,6 +14,7 @@ import yaml
 from conftest import ROOT, dvc_repro, run
 from PIL import Image
 
+from vlmrl.errors import run_stage
 from vlmrl.eval_report import (
     PLOT_BEFORE_AFTER,
     PLOT_BY_CATEGORY,
@@ -294,11 +295,12 @@ def test_stage_failure_removes_stale_outputs_and_names_the_stage(eval_set, tmp_p
         path.write_text("stale")
     baseline = tmp_path / "baseline.jsonl"
     baseline.write_text("")
-    rc = stage.main(["post", "--eval-set", str(eval_set), "--adapter", str(tmp_path / "no-adapter"),
-                     "--out", str(out), "--metrics", str(metrics), "--baseline", str(baseline),
-                     "--timings", str(tmp_path / "timings.json"),
-                     "--baseline-metrics", str(tmp_path / "no-baseline.json"), "--report",
-                     str(report), "--params", str(ROOT / "params.yaml")])
+    argv = ["post", "--eval-set", str(eval_set), "--adapter", str(tmp_path / "no-adapter"),
+            "--out", str(out), "--metrics", str(metrics), "--baseline", str(baseline),
+            "--timings", str(tmp_path / "timings.json"),
+            "--baseline-metrics", str(tmp_path / "no-baseline.json"), "--report",
+            str(report), "--params", str(ROOT / "params.yaml")]
+    rc = run_stage("post_eval", lambda: stage.main(argv))  # as the script's entry point runs it
     assert rc == 1
     error = capsys.readouterr().err
     assert "no-baseline.json" in error and "baseline_eval" in error
