@@ -160,3 +160,19 @@ def test_json_error_names_the_path_its_reader_held(tmp_path) -> None:
     with pytest.raises(json.JSONDecodeError) as caught:
         json.loads(marker.read_text())
     assert json_source(caught.value.__traceback__) == str(marker)
+
+
+def test_trl_config_values_are_checked_against_the_field_types() -> None:
+    import trl
+
+    from vlmrl.trl_compat import config_values
+
+    checked = config_values(trl.GRPOConfig, {"learning_rate": "5e-06", "max_steps": 4,
+                                             "report_to": ["tensorboard"], "top_k": 20},
+                            "train.grpo")
+    assert checked["learning_rate"] == 5e-06  # DVC's `-S lr=5e-6` reads back as text
+    assert checked["max_steps"] == 4
+    for key, value in [("learning_rate", "fast"), ("max_steps", 4.5), ("seed", True),
+                       ("gradient_checkpointing", "yes")]:
+        with pytest.raises(ParamsError, match=rf"^params\.yaml train\.grpo\.{key}: must be "):
+            config_values(trl.GRPOConfig, {key: value}, "train.grpo")
