@@ -8,9 +8,9 @@ and what is wrong. A missing file or folder (`FileNotFoundError`, `NotADirectory
 other bad input every stage meets, and its message names the path; so is a file that is not
 valid YAML (PyYAML's message names the file, line and column), or not valid JSON (a corrupt
 artifact, read here by datasets, PEFT or the project: the line names the file the innermost
-reader had open or named, `json_source`). Anything else (a `TypeError`,
-a `KeyError`, an error from a library on input the project did not check) is a bug, here or
-upstream, and keeps its traceback. `VLMRL_DEBUG=1` shows the traceback of user errors too.
+reader had open or named, `json_source`). Anything else (a `TypeError`, a `KeyError`, an
+error from a library on input the project did not check) is a bug, here or upstream, and keeps
+its traceback. `VLMRL_DEBUG=1` shows the traceback of user errors too.
 
 A stage script's entry point is `raise SystemExit(run_stage("<stage>", main))`."""
 
