@@ -16,7 +16,13 @@ from typing import Any
 from vlmrl.answer_format import answer_format
 from vlmrl.eval_report import comparison_metrics, find_flips, read_records, write_report
 from vlmrl.evaluation import EvalError, run_evaluation
-from vlmrl.launch import evaluation_launch, is_main_process, launched_worker, run_launched
+from vlmrl.launch import (
+    die_with_launcher,
+    evaluation_launch,
+    is_main_process,
+    launched_worker,
+    run_launched,
+)
 from vlmrl.models.loading import starting_adapter
 from vlmrl.outputs import atomic_dir, remove_outputs, write_json_atomic, write_jsonl_atomic
 from vlmrl.params import Params, ParamsError, load_params
@@ -115,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         launch = evaluation_launch(params.eval.num_processes)
         if launch is not None and not launched_worker():
             return run_launched(launch, __file__, sys.argv[1:] if argv is None else argv)
+        die_with_launcher()
         metrics = evaluate(args, params)
     except (FileNotFoundError, ParamsError, EvalError) as error:
         if main_process:

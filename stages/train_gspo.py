@@ -10,7 +10,13 @@ import shutil
 import sys
 from pathlib import Path
 
-from vlmrl.launch import is_main_process, launched_worker, run_launched, training_launch
+from vlmrl.launch import (
+    die_with_launcher,
+    is_main_process,
+    launched_worker,
+    run_launched,
+    training_launch,
+)
 from vlmrl.models.backend import mixed_precision
 from vlmrl.outputs import atomic_dir, remove_outputs, write_json_atomic, write_jsonl_atomic
 from vlmrl.params import load_params
@@ -42,6 +48,7 @@ def main() -> int:
     if launch is not None and not launched_worker():
         remove_outputs(*outputs)
         return run_launched(launch, __file__, sys.argv[1:])
+    die_with_launcher()
     main_process = is_main_process()
     if main_process:
         remove_outputs(*outputs)

@@ -75,6 +75,21 @@ def launched_worker() -> bool:
     return os.environ.get(WORKER_ENV) == "1" or "LOCAL_RANK" in os.environ
 
 
+def die_with_launcher() -> None:
+    """torchrun starts each worker in a session of its own, so killing the stage (Ctrl-C on
+    `dvc repro`, a killed job) would leave the workers training and writing checkpoints beside
+    the next run; here a worker asks Linux to kill it when its launcher dies."""
+    if not launched_worker() or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    launcher = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != launcher:  # it died before the request
+        os._exit(1)
+
+
 def process_index() -> int:
     """This process's global rank as torchrun (or an MPI launcher) set it; 0 when not launched."""
     for name in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK"):

@@ -111,7 +111,9 @@ def build_grpo_config(grpo: Mapping[str, Any], *, output_dir: Path, save_steps: 
     if grpo.get("use_vllm") and not vllm_installed():
         raise ParamsError("params.yaml train.grpo.use_vllm is true but vllm is not installed; "
                           "pip install vllm (a build matching this torch) or set it to false")
-    kwargs = dict(grpo)
+    # LoRA on the language model: every trainable parameter takes part in each forward, so DDP
+    # need not search the graph for unused ones (transformers' default does)
+    kwargs = {"ddp_find_unused_parameters": False, **grpo}
     kwargs.update(output_dir=str(output_dir), save_strategy="steps", save_steps=save_steps,
                   reward_weights=reward_weights, **precision_flags(grpo, model_settings))
     warn_if_on_policy(kwargs)
