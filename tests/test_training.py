@@ -371,6 +371,20 @@ def test_use_vllm_without_vllm_names_the_param() -> None:
                           model_settings=ModelParams(name="x"))
 
 
+def test_use_vllm_colocate_reaches_grpo_config(monkeypatch) -> None:
+    """Where vllm is installed the switches pass through to TRL as they are (vllm itself is
+    faked as present: it cannot be installed here; TRL imports it only in the trainer)."""
+    import vlmrl.training
+
+    monkeypatch.setattr(vlmrl.training, "vllm_installed", lambda: True)
+    config = build_grpo_config({"use_vllm": True, "vllm_mode": "colocate",
+                                "vllm_gpu_memory_utilization": 0.3},
+                               output_dir=Path("/tmp/x"), save_steps=50, reward_weights=[1.0],
+                               model_settings=ModelParams(name="x"))
+    assert (config.use_vllm, config.vllm_mode, config.vllm_gpu_memory_utilization) == (
+        True, "colocate", 0.3)
+
+
 def test_benchmark_vllm_profile_is_skipped_without_vllm(gspo_step, tmp_path) -> None:
     """The vLLM candidate is the profile's settings plus TRL's colocate switches; where vllm is
     missing (the offline test GPU, this machine) the run is recorded as skipped, not failed."""

@@ -100,3 +100,30 @@ def gathered_state_dict(trainer) -> dict[str, Any] | None:
     if accelerator.distributed_type not in (DistributedType.DEEPSPEED, DistributedType.FSDP):
         return None
     return accelerator.get_state_dict(trainer.model_wrapped)
+
+
+def resume_on_cpu_processes(trainer) -> None:
+    """transformers loads a resumed optimizer state onto `args.device` when several processes
+    train, and on a CPU that is `cpu:<rank>`, a location `torch.load` refuses ("don't know how to
+    restore data location ... cpu:0"); the load is pointed at plain `cpu` while it lasts."""
+    import torch
+
+    if trainer.args.world_size <= 1 or trainer.args.device.type != "cpu":
+        return
+    original = trainer._load_optimizer_and_scheduler
+
+    def load(checkpoint):
+        torch_load = torch.load
+
+        def load_on_cpu(*args, **kwargs):
+            if isinstance(kwargs.get("map_location"), torch.device):
+                kwargs["map_location"] = "cpu"
+            return torch_load(*args, **kwargs)
+
+        torch.load = load_on_cpu
+        try:
+            return original(checkpoint)
+        finally:
+            torch.load = torch_load
+
+    trainer._load_optimizer_and_scheduler = load

@@ -28,6 +28,7 @@ from vlmrl.data_parallel import (
     gathered_state_dict,
     main_decides,
     record_trained_rows,
+    resume_on_cpu_processes,
     save_rng_states_on_main,
 )
 from vlmrl.launch import DistributedParams, distributed_settings
@@ -363,6 +364,7 @@ def train(*, train_set: Path, params: Params, adapter_out: Path, checkpoints: Pa
     trainer = make_trainer(model, processor, config, dataset, reward_funcs,
                            generation_rows=rows, callbacks=[])
     save_rng_states_on_main(trainer)
+    resume_on_cpu_processes(trainer)
     trained_rows = record_trained_rows(trainer)
     started = time.perf_counter()
     if resume_from is not None:

@@ -17,24 +17,24 @@ def _install(log_dir: str, rank: str) -> None:
     # open for the process's lifetime: the hook writes to it until the interpreter exits
     log = open(os.path.join(log_dir, f"rank{rank}-{os.getpid()}.txt"), "a", buffering=1)  # noqa: SIM115
 
-    def written(event: str, args: tuple) -> str | None:
+    def written(event: str, args: tuple) -> list:
+        """The paths an event writes (both ends of a rename or copy)."""
         if event == "open":
             path, mode, flags = args
-            if path is None or isinstance(path, int):
-                return None
             mode = mode if isinstance(mode, str) else ""
-            return path if any(c in mode for c in "wax+") or (flags or 0) & WRITE_FLAGS else None
+            writes = any(c in mode for c in "wax+") or (flags or 0) & WRITE_FLAGS
+            return [path] if writes and path is not None and not isinstance(path, int) else []
         if event == "os.mkdir":
-            return None if os.path.exists(os.fsdecode(args[0])) else args[0]
-        if event in PATH_EVENTS:
-            return args[1] if event == "shutil.copyfile" else args[0]
-        return None
+            return [] if os.path.exists(os.fsdecode(args[0])) else [args[0]]
+        if event in ("os.rename", "os.replace", "shutil.copyfile", "os.link", "os.symlink"):
+            return [args[0], args[1]]
+        return [args[0]] if event in PATH_EVENTS else []
 
     def hook(event: str, args: tuple) -> None:
-        path = written(event, args)
-        if (path is not None and not isinstance(path, int)
-                and os.path.realpath(os.fsdecode(path)).startswith(data)):
-            log.write(f"{event} {os.fsdecode(path)}\n")
+        paths = [os.fsdecode(path) for path in written(event, args)
+                 if not isinstance(path, int)]
+        if any(os.path.realpath(path).startswith(data) for path in paths):
+            log.write(f"{event} {' -> '.join(paths)}\n")
 
     sys.addaudithook(hook)
 
