@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from doc_blocks import write_doc_block
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -77,10 +78,6 @@ def train_once(repo: Path, variant: str, warmup: int, log: Path) -> dict[str, An
             "runtime_seconds": timings["runtime_seconds"], "batch": batch}
 
 
-MARK_BEGIN = "<!-- benchmarks/launch_one_process.py:begin -->"
-MARK_END = "<!-- benchmarks/launch_one_process.py:end -->"
-
-
 def table(result: dict[str, Any]) -> str:
     lines = [(f"{result['device']}, `{result['model']}`, {result['recipe']}'s training settings, "
              f"{result['completion_length']}-token completions, {result['timed_steps']} timed "
@@ -96,13 +93,7 @@ def table(result: dict[str, Any]) -> str:
 
 
 def render(result_file: Path, doc: Path) -> None:
-    text = doc.read_text(encoding="utf-8")
-    if MARK_BEGIN not in text or MARK_END not in text:
-        raise SystemExit(f"{doc}: add the markers {MARK_BEGIN} and {MARK_END} where the table goes")
-    head, rest = text.split(MARK_BEGIN, 1)
-    block = table(json.loads(result_file.read_text()))
-    doc.write_text(f"{head}{MARK_BEGIN}\n{block}\n{MARK_END}{rest.split(MARK_END, 1)[1]}",
-                   encoding="utf-8")
+    write_doc_block(doc, table(json.loads(result_file.read_text())), Path(__file__).name)
 
 
 def device_name() -> str:

@@ -7,14 +7,20 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import TEST_PARAMS, dvc_env, dvc_repro, make_project_repo, run, stage_command
+from conftest import (
+    TEST_PARAMS,
+    dvc_env,
+    dvc_repro,
+    kill_repro_when,
+    make_project_repo,
+    run,
+    stage_command,
+)
 
 from vlmrl.launch import (
     ACCELERATE_CONFIGS,
@@ -115,20 +121,6 @@ def audit_lines(audit: Path, rank: int) -> list[str]:
             for line in path.read_text().splitlines()]
 
 
-def kill_after(repo: Path, marker: Path, env: dict[str, str]) -> None:
-    """Starts `dvc repro train_gspo` and kills its whole process group once `marker` exists."""
-    process = subprocess.Popen(["dvc", "repro", "train_gspo"], cwd=repo, env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               start_new_session=True)
-    deadline = time.monotonic() + 400
-    while not marker.exists() and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    time.sleep(0.5)  # let the checkpoint's files land
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
-    assert marker.exists(), "no checkpoint was written before the kill"
-
-
 @pytest.mark.slow
 def test_two_process_training_on_cpu_writes_from_rank_0_and_resumes(tmp_path: Path) -> None:
     repo = make_project_repo(tmp_path / "repo", {**TEST_PARAMS, **TWO_PROCESSES})
@@ -137,7 +129,7 @@ def test_two_process_training_on_cpu_writes_from_rank_0_and_resumes(tmp_path: Pa
     audit.mkdir()
     env = audited_env(audit)
     checkpoint = repo / "data/checkpoints/train_gspo/checkpoint-2"
-    kill_after(repo, checkpoint / "trainer_state.json", env)
+    kill_repro_when(repo, checkpoint / "trainer_state.json", env)
     time.sleep(2)  # the workers die with their launcher: nothing may be written after the kill
     assert not (repo / "data/checkpoints/train_gspo/checkpoint-4").exists()
     assert sorted(p.name for p in checkpoint.glob("rng_state_*.pth")) == [
