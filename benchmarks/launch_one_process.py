@@ -79,14 +79,17 @@ def train_once(repo: Path, variant: str, warmup: int, log: Path) -> dict[str, An
 
 
 def table(result: dict[str, Any]) -> str:
+    warmup = result["warmup_steps"]
     lines = [(f"{result['device']}, `{result['model']}`, {result['recipe']}'s training settings, "
-             f"{result['completion_length']}-token completions, {result['timed_steps']} timed "
-             f"steps after {result['warmup_steps']} warm-up steps, {result['rounds']} round(s):"),
-             "", "| path | s/step (each run) | mean s/step |", "| --- | --- | ---: |"]
+              f"{result['completion_length']}-token completions, {result['timed_steps']} timed "
+              f"steps after {warmup} warm-up steps, {result['rounds']} round(s); a generation "
+              "of 32 rows serves two optimizer steps, so timed steps alternate between one "
+              "that generates and one that only trains:"),
+             "", "| path | timed step seconds (each run) | mean s/step |", "| --- | --- | ---: |"]
     for variant, label in (("in_process", "in process (`strategy: none`)"),
                            ("accelerate_launch_1", "`accelerate launch`, 1 process (`ddp`)")):
-        each = ", ".join(str(r["seconds_per_step"]) for r in result["runs"]
-                         if r["variant"] == variant)
+        each = "; ".join(", ".join(f"{t:.1f}" for t in r["step_seconds"][warmup:])
+                         for r in result["runs"] if r["variant"] == variant)
         lines.append(f"| {label} | {each} | {result['seconds_per_step'][variant]} |")
     lines += ["", f"Launched over in-process: **{result['launched_over_in_process']}x**."]
     return "\n".join(lines)
@@ -125,6 +128,7 @@ def main() -> None:
                    args.warmup + args.steps, args.length)
     log = args.out.with_suffix(".stages.log")  # run_on_device.sh tees stdout to <out>.log
     run_stage(repo, "prepare_data", log)
+    run_stage(repo, "sft_cold_start", log)  # sft.enabled false: the marker train_gspo reads
     runs = []
     for round_index in range(args.rounds):
         order = list(VARIANTS) if round_index % 2 == 0 else list(reversed(VARIANTS))
