@@ -120,7 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         params = load_params(args.params)
         launch = evaluation_launch(params.eval.num_processes)
         if launch is not None and not launched_worker():
-            return run_launched(launch, __file__, sys.argv[1:] if argv is None else argv)
+            code = run_launched(launch, __file__, sys.argv[1:] if argv is None else argv)
+            if code:  # a worker that was killed cleaned nothing up
+                remove_outputs(*outputs)
+            return code
         die_with_launcher()
         metrics = evaluate(args, params)
     except (FileNotFoundError, ParamsError, EvalError) as error:

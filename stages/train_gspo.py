@@ -42,16 +42,17 @@ def main() -> int:
     args = parser.parse_args()
 
     outputs = (args.out, args.metrics, args.log, args.completions, args.curves, args.timings)
-    params = load_params(args.params)
-    launch = training_launch(params.train,
-                             mixed_precision(params.train.grpo, params.model))
-    if launch is not None and not launched_worker():
-        remove_outputs(*outputs)
-        return run_launched(launch, __file__, sys.argv[1:])
-    die_with_launcher()
-    main_process = is_main_process()
+    main_process = is_main_process()  # also the launcher, which is no rank
     if main_process:
         remove_outputs(*outputs)
+    params = load_params(args.params)
+    launch = training_launch(params.train, mixed_precision(params.train.grpo, params.model))
+    if launch is not None and not launched_worker():
+        code = run_launched(launch, __file__, sys.argv[1:])
+        if code:  # a worker that was killed cleaned nothing up
+            remove_outputs(*outputs)
+        return code
+    die_with_launcher()
     try:
         result = train(train_set=args.train_set, params=params, adapter_out=args.out,
                        checkpoints=args.checkpoints, sft_out=args.start_adapter)
