@@ -27,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from doc_blocks import write_doc_block
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     SuppressTokensLogitsProcessor,
@@ -41,8 +42,6 @@ from vlmrl.trl_compat import TorchChunkedLogProb, _autograd_outputs
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB, HIDDEN, ROWS, TOKENS = 151_936, 256, 64, 800
 SUPPRESSED = (151652, 151653, 151654, 151655, 151656)  # Qwen's vision tokens
-MARK_BEGIN = "<!-- benchmarks/cpu_kernels.py:begin -->"
-MARK_END = "<!-- benchmarks/cpu_kernels.py:end -->"
 
 
 def median_ms(work: Callable[[], object], repeats: int) -> float:
@@ -130,15 +129,6 @@ def render(results: dict) -> str:
     ])
 
 
-def write_doc_block(doc: Path, table: str) -> None:
-    text = doc.read_text(encoding="utf-8")
-    if MARK_BEGIN not in text or MARK_END not in text:
-        raise SystemExit(f"{doc}: add the markers {MARK_BEGIN} and {MARK_END} where the table goes")
-    head, rest = text.split(MARK_BEGIN, 1)
-    tail = rest.split(MARK_END, 1)[1]
-    doc.write_text(f"{head}{MARK_BEGIN}\n{table}\n{MARK_END}{tail}", encoding="utf-8")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -156,7 +146,7 @@ def main() -> None:
     args.out.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     table = render(results)
     if not args.no_doc:
-        write_doc_block(args.doc, table)
+        write_doc_block(args.doc, table, Path(__file__).name)
     print(table)
 
 

@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from doc_blocks import write_doc_block
+
 from vlmrl.dvc_env import dvc_env
 
 # The tests' copy of the project (tests/project_repo.py), so the benchmark times the repo they use.
@@ -30,7 +32,6 @@ from project_repo import make_project_repo, update_params
 STAGE_LINE = re.compile(r"Running stage '([^']+)'")
 SKIP_LINE = re.compile(r"Stage '([^']+)' didn't change, skipping")
 TARGETS = {"full_run_s": 300.0, "noop_s": 3.0, "cached_flow_s": 15.0}
-MARK_BEGIN, MARK_END = "<!-- benchmarks/pipeline.py:begin -->", "<!-- benchmarks/pipeline.py:end -->"
 
 
 def timed_repro(repo: Path, *args: str) -> dict:
@@ -87,7 +88,8 @@ def main() -> None:
                         help="write the table of an earlier run's JSON into --doc; measure nothing")
     args = parser.parse_args()
     if args.render:
-        write_doc_block(args.doc, render_table(json.loads(args.render.read_text())))
+        write_doc_block(args.doc, render_table(json.loads(args.render.read_text())),
+                        Path(__file__).name)
         return
     with tempfile.TemporaryDirectory(prefix="vlmrl-bench-") as tmp:
         repo = make_project_repo(Path(tmp) / "repo")
@@ -105,7 +107,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     table = render_table(results)
-    write_doc_block(args.doc, table)
+    write_doc_block(args.doc, table, Path(__file__).name)
     print(table)
 
 
@@ -124,15 +126,6 @@ def render_table(results: dict) -> str:
     lines.append(f"| Prefect flow, all cached (test server already up) | {flow['seconds']} "
                  f"| < {TARGETS['cached_flow_s']:.0f} |")
     return "\n".join(lines)
-
-
-def write_doc_block(doc: Path, table: str) -> None:
-    text = doc.read_text(encoding="utf-8")
-    if MARK_BEGIN not in text or MARK_END not in text:
-        raise SystemExit(f"{doc}: add the markers {MARK_BEGIN} and {MARK_END} where the table goes")
-    head, rest = text.split(MARK_BEGIN, 1)
-    tail = rest.split(MARK_END, 1)[1]
-    doc.write_text(f"{head}{MARK_BEGIN}\n{table}\n{MARK_END}{tail}", encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """DVC stages baseline_eval and post_eval: score the base model, or the model with the trained
 adapter, on the prepared eval set; post also writes the before/after report.
 
-Thin on purpose: the work is in vlmrl.evaluation and vlmrl.eval_report. Stale outputs are removed
+Thin on purpose: the work is in vlmrl.evaluation and vlmrl.eval_report. With `eval.num_processes`
+> 1 the script relaunches itself under `accelerate launch` (vlmrl.launch); rank 0 writes. Stale outputs are removed
 first and every output appears atomically, so a failed run leaves none behind for DVC to trust.
 """
 
@@ -16,9 +17,16 @@ from vlmrl.answer_format import answer_format
 from vlmrl.errors import run_stage
 from vlmrl.eval_report import comparison_metrics, find_flips, read_records, write_report
 from vlmrl.evaluation import run_evaluation
+from vlmrl.launch import (
+    die_with_launcher,
+    evaluation_launch,
+    is_main_process,
+    launched_worker,
+    run_launched,
+)
 from vlmrl.models.loading import starting_adapter
 from vlmrl.outputs import atomic_dir, remove_outputs, write_json_atomic, write_jsonl_atomic
-from vlmrl.params import load_params
+from vlmrl.params import Params, load_params
 from vlmrl.timing import split_wall_clock
 
 POST_ONLY = ("adapter", "baseline", "baseline_metrics", "report")
@@ -85,13 +93,15 @@ def write_post_report(args: argparse.Namespace, records: list[dict[str, Any]],
     return {**metrics, "vs_baseline": comparison_metrics(report)}
 
 
-def evaluate(args: argparse.Namespace) -> dict[str, Any]:
-    params = load_params(args.params)
+def evaluate(args: argparse.Namespace, params: Params) -> dict[str, Any] | None:
     if args.mode == "post":
         check_baseline_inputs(args)
     adapter = args.adapter if args.mode == "post" else starting_adapter(args.start_adapter)
-    records, metrics = run_evaluation(args.eval_set, params.model, params.eval, params.rewards,
-                                      adapter=adapter, fmt=answer_format(params))
+    result = run_evaluation(args.eval_set, params.model, params.eval, params.rewards,
+                            adapter=adapter, fmt=answer_format(params))
+    if result is None:
+        return None  # another rank of a launched run: rank 0 writes
+    records, metrics = result
     if args.mode == "post":
         metrics = write_post_report(args, records, metrics)
     write_jsonl_atomic(args.out / "records.jsonl", records)
@@ -104,12 +114,25 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     outputs = [args.out / "records.jsonl", args.metrics, args.timings, *([args.report] if args.report else [])]
-    remove_outputs(*outputs)
-    try:
-        metrics = evaluate(args)
-    except BaseException:
+    main_process = is_main_process()
+    if main_process:
         remove_outputs(*outputs)
+    try:
+        params = load_params(args.params)
+        launch = evaluation_launch(params.eval.num_processes)
+        if launch is not None and not launched_worker():
+            code = run_launched(launch, __file__, sys.argv[1:] if argv is None else argv)
+            if code:  # a worker that was killed cleaned nothing up
+                remove_outputs(*outputs)
+            return code
+        die_with_launcher()
+        metrics = evaluate(args, params)
+    except BaseException:
+        if main_process:
+            remove_outputs(*outputs)
         raise
+    if metrics is None:
+        return 0
     print(f"{args.mode}_eval: {metrics['n']} records, accuracy {metrics['accuracy']:.3f}, "
           f"format compliance {metrics['format_compliance']:.3f}, mean reward "
           f"{metrics['mean_reward']:.3f}, {metrics['samples_per_second']:.2f} samples/s, "

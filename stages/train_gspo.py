@@ -1,19 +1,31 @@
-"""train_gspo: LoRA on the language model with TRL's GRPOTrainer in GSPO mode."""
+"""train_gspo: LoRA on the language model with TRL's GRPOTrainer in GSPO mode.
+
+With `train.distributed.strategy` other than none the script relaunches itself under `accelerate
+launch` (vlmrl.launch) and rank 0 alone writes the outputs."""
 
 from __future__ import annotations
 
 import argparse
 import shutil
+import sys
 from pathlib import Path
 
 from vlmrl.errors import run_stage
+from vlmrl.launch import (
+    die_with_launcher,
+    is_main_process,
+    launched_worker,
+    run_launched,
+    training_launch,
+)
+from vlmrl.models.backend import mixed_precision
 from vlmrl.outputs import atomic_dir, remove_outputs, write_json_atomic, write_jsonl_atomic
 from vlmrl.params import load_params
 from vlmrl.timing import split_wall_clock
-from vlmrl.training import plot_training_curves, train
+from vlmrl.training import TrainResult, plot_training_curves, train
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--train-set", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True, help="adapter directory")
@@ -31,24 +43,44 @@ def main() -> None:
     args = parser.parse_args()
 
     outputs = (args.out, args.metrics, args.log, args.completions, args.curves, args.timings)
-    remove_outputs(*outputs)
-    try:
-        result = train(train_set=args.train_set, params=load_params(args.params),
-                       adapter_out=args.out, checkpoints=args.checkpoints,
-                       sft_out=args.start_adapter)
-        with atomic_dir(args.completions) as staging:
-            for parquet in sorted(result.completions_dir.glob("*.parquet")):
-                shutil.copy2(parquet, staging / parquet.name)
-        write_jsonl_atomic(args.log, result.log_rows)
-        summary, timings = split_wall_clock(result.summary)
-        write_json_atomic(args.metrics, summary)
-        write_json_atomic(args.timings, timings)
-        plot_training_curves(result.log_rows, args.curves)
-    except BaseException:
+    main_process = is_main_process()  # also the launcher, which is no rank
+    if main_process:
         remove_outputs(*outputs)
+    params = load_params(args.params)
+    launch = training_launch(params.train, mixed_precision(params.train.grpo, params.model))
+    if launch is not None and not launched_worker():
+        code = run_launched(launch, __file__, sys.argv[1:])
+        if code:  # a worker that was killed cleaned nothing up
+            remove_outputs(*outputs)
+        return code
+    die_with_launcher()
+    try:
+        result = train(train_set=args.train_set, params=params, adapter_out=args.out,
+                       checkpoints=args.checkpoints, sft_out=args.start_adapter)
+        if result is not None:
+            write_outputs(args, result)
+    except BaseException:
+        if main_process:
+            remove_outputs(*outputs)
         raise
-    print(f"trained {result.summary['steps']} steps in {result.summary['runtime_seconds']} s; "
-          f"adapter in {args.out}")
+    if result is not None:
+        batch = result.summary["batch"]
+        print(f"trained {result.summary['steps']} steps in {result.summary['runtime_seconds']} s "
+              f"on {batch['num_processes']} process(es), global batch {batch['global_batch_size']} "
+              f"({batch['num_processes']} x {batch['per_device_train_batch_size']} x "
+              f"{batch['gradient_accumulation_steps']} accumulation); adapter in {args.out}")
+    return 0
+
+
+def write_outputs(args: argparse.Namespace, result: TrainResult) -> None:
+    with atomic_dir(args.completions) as staging:
+        for parquet in sorted(result.completions_dir.glob("*.parquet")):
+            shutil.copy2(parquet, staging / parquet.name)
+    write_jsonl_atomic(args.log, result.log_rows)
+    summary, timings = split_wall_clock(result.summary)
+    write_json_atomic(args.metrics, summary)
+    write_json_atomic(args.timings, timings)
+    plot_training_curves(result.log_rows, args.curves)
 
 
 if __name__ == "__main__":

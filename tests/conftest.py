@@ -32,6 +32,27 @@ def dvc_repro(repo: Path, *targets: str, check: bool = True, extra: tuple[str, .
     return run(["dvc", "repro", *extra, *targets], repo, check=check)
 
 
+def kill_repro_when(repo: Path, marker: Path, env: dict[str, str] | None = None,
+                    target: str = "train_gspo") -> None:
+    """Starts `dvc repro target` and kills its whole process group with SIGKILL once `marker`
+    exists (half a second later, so the files written with it land)."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    process = subprocess.Popen(["dvc", "repro", target], cwd=repo, env=env or dvc_env(),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)
+    deadline = time.monotonic() + 400
+    while not marker.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(0.5)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    assert marker.exists(), f"{marker} was not written before the kill"
+
+
 # The stage tests check mechanics, not learning: a 2-step cold-start SFT and 4 GSPO steps of 4
 # prompts' worth of rows keep the shared pipeline short (the default runs the full SFT and GSPO).
 # Stage tests check mechanics (clipping, non-zero lora_B, reruns), not learning: after a 2-step

@@ -17,7 +17,8 @@ PACKAGE = ROOT / "src" / "vlmrl"
 IGNORED = {PACKAGE / "__init__.py"}
 # Package data read at run time by the modules that name it.
 ASSET_READERS = {"qwen3_vl_chat_template.jinja":
-                 PACKAGE / "assets" / "qwen3_vl_chat_template.jinja"}
+                 PACKAGE / "assets" / "qwen3_vl_chat_template.jinja",
+                 '"accelerate_configs"': PACKAGE / "assets" / "accelerate_configs"}
 
 
 def module_file(name: str) -> Path | None:

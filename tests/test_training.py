@@ -4,18 +4,14 @@ train, and an interrupted run must resume instead of starting over."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import time
 import warnings
 from pathlib import Path
 
 import pytest
 from conftest import (
     TEST_PARAMS,
-    dvc_env,
     dvc_repro,
+    kill_repro_when,
     make_project_repo,
     run,
     stage_command,
@@ -66,17 +62,7 @@ def test_train_gspo_through_dvc(pipeline_repo: Path) -> None:
 def test_interrupted_training_resumes(tmp_path: Path) -> None:
     repo = make_project_repo(tmp_path / "repo", {**TEST_PARAMS, "train.grpo.max_steps": 6})
     dvc_repro(repo, "prepare_data")
-    checkpoint_state = repo / "data/checkpoints/train_gspo/checkpoint-2/trainer_state.json"
-    process = subprocess.Popen(["dvc", "repro", "train_gspo"], cwd=repo, env=dvc_env(),
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               start_new_session=True)
-    deadline = time.monotonic() + 300
-    while not checkpoint_state.exists() and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    time.sleep(0.5)  # let the checkpoint's files land
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
-    assert checkpoint_state.exists(), "no checkpoint was written before the kill"
+    kill_repro_when(repo, repo / "data/checkpoints/train_gspo/checkpoint-2/trainer_state.json")
     assert not (repo / "data/models/adapter").exists(), "adapter written before training finished"
 
     result = dvc_repro(repo, "train_gspo")
@@ -369,6 +355,20 @@ def test_use_vllm_without_vllm_names_the_param() -> None:
         build_grpo_config({"use_vllm": True, "vllm_mode": "colocate"}, output_dir=Path("/tmp/x"),
                           save_steps=50, reward_weights=[1.0],
                           model_settings=ModelParams(name="x"))
+
+
+def test_use_vllm_colocate_reaches_grpo_config(monkeypatch) -> None:
+    """Where vllm is installed the switches pass through to TRL as they are (vllm itself is
+    faked as present: it cannot be installed here; TRL imports it only in the trainer)."""
+    import vlmrl.training
+
+    monkeypatch.setattr(vlmrl.training, "vllm_installed", lambda: True)
+    config = build_grpo_config({"use_vllm": True, "vllm_mode": "colocate",
+                                "vllm_gpu_memory_utilization": 0.3},
+                               output_dir=Path("/tmp/x"), save_steps=50, reward_weights=[1.0],
+                               model_settings=ModelParams(name="x"))
+    assert (config.use_vllm, config.vllm_mode, config.vllm_gpu_memory_utilization) == (
+        True, "colocate", 0.3)
 
 
 def test_benchmark_vllm_profile_is_skipped_without_vllm(gspo_step, tmp_path) -> None:

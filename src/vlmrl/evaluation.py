@@ -29,6 +29,7 @@ from datasets import load_from_disk
 from tqdm.auto import tqdm
 
 from vlmrl.answer_format import DEFAULT_FORMAT, AnswerFormat
+from vlmrl.data_parallel import gather_lists, start_processes
 from vlmrl.errors import UserError
 from vlmrl.models.backend import model_device
 from vlmrl.models.loading import load_model
@@ -134,21 +135,34 @@ def generate_batch(model, processor, batch: list[Mapping[str, Any]], kwargs: dic
 
 
 def generate_responses(model, processor, rows: Sequence[Mapping[str, Any]],
-                       settings: EvalParams) -> list[Generation]:
+                       settings: EvalParams, shard: tuple[int, int] = (0, 1)
+                       ) -> list[Generation]:
     """One response per row, batched with left padding (generation appends on the right).
     Sampling is seeded per batch, so a batch's random draws do not depend on how long the batches
-    before it ran: baseline and post draw the same numbers for the same item and token."""
+    before it ran: baseline and post draw the same numbers for the same item and token.
+
+    `shard` (index, count) splits the batches among processes: this one generates batches index,
+    index + count, ...; every process gets all of them back in batch order. The batches and their
+    seeds are those of one process, so the responses are too."""
+    index, count = shard
     tokenizer_of(processor).padding_side = "left"
     kwargs = generation_kwargs(processor, settings, cpu=on_cpu(model))
     eos_ids = eos_token_ids(model, processor)
-    generations: list[Generation] = []
-    with tqdm(total=len(rows), desc="generating", unit="sample") as progress:
-        for index, batch in enumerate(batches(rows, settings.batch_size)):
+    starts = list(range(0, len(rows), settings.batch_size))
+    mine: list[tuple[int, list[Generation]]] = []
+    with tqdm(total=sum(min(settings.batch_size, len(rows) - starts[b])
+                        for b in range(index, len(starts), count)),
+              desc="generating", unit="sample") as progress:
+        for batch_index in range(index, len(starts), count):
+            start = starts[batch_index]
+            batch = [rows[i] for i in range(start, min(start + settings.batch_size, len(rows)))]
             if settings.do_sample:
-                torch.manual_seed(settings.seed * 100_003 + index)
-            generations += generate_batch(model, processor, batch, kwargs, eos_ids)
+                torch.manual_seed(settings.seed * 100_003 + batch_index)
+            mine.append((batch_index, generate_batch(model, processor, batch, kwargs, eos_ids)))
             progress.update(len(batch))
-    return generations
+    parts = gather_lists(mine) if count > 1 else [mine]
+    ordered = sorted((part for process in parts for part in process), key=lambda part: part[0])
+    return [generation for _, generations in ordered for generation in generations]
 
 
 # --------------------------------------------------------------------- scoring
@@ -266,21 +280,38 @@ def load_eval_set(path: Path):
     return dataset
 
 
+def eval_shard(num_processes: int) -> tuple[int, int]:
+    """(this process's index, the process count) of a launched evaluation, checked against
+    `eval.num_processes`; (0, 1) in one process."""
+    if num_processes == 1:
+        return 0, 1
+    index, count = start_processes(cpu=not torch.cuda.is_available())
+    if count != num_processes:
+        raise EvalError(f"params.yaml eval.num_processes is {num_processes} but {count} "
+                        "processes were launched; let the stage launch itself")
+    return index, count
+
+
 def run_evaluation(eval_set_path: Path | str, model_params: ModelParams, settings: EvalParams,
                    rewards: RewardsParams, adapter: Path | str | None = None,
                    fmt: AnswerFormat = DEFAULT_FORMAT,
-                   ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Generates on every eval row with the (optionally adapted) model and scores the responses."""
+                   ) -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
+    """Generates on every eval row with the (optionally adapted) model and scores the responses.
+    With `eval.num_processes` > 1 (a launched run) each process generates its share of the
+    batches; rank 0 gets them all, scores and returns; the other ranks return None."""
     eval_set_path = Path(eval_set_path)
     check_eval_set(eval_set_path)
     if adapter is not None:
         check_adapter(Path(adapter))
     build_rewards(rewards.weights, rewards.options, fmt)  # a bad reward fails here, before the model
     dataset = load_eval_set(eval_set_path)
+    shard = eval_shard(settings.num_processes)
     model, processor, _backend = load_model(model_params, adapter=adapter)
     start = time.perf_counter()
-    generations = generate_responses(model, processor, dataset, settings)
+    generations = generate_responses(model, processor, dataset, settings, shard)
     seconds = time.perf_counter() - start
+    if shard[0] != 0:
+        return None  # rank 0 scores and writes
     records = score_records(dataset.remove_columns(["image"]), generations, rewards, fmt)
     metrics = aggregate(records, seconds=seconds,
                         generated_tokens=sum(g.generated_tokens for g in generations))

@@ -206,6 +206,7 @@ class EvalParams(Section):
     top_p: Annotated[float, BeforeValidator(_number), Field(gt=0, le=1)] = 1.0
     top_k: Annotated[int, BeforeValidator(_integer), Field(ge=0)] = 0  # 0: no top-k cut
     seed: Integer = 0
+    num_processes: PositiveInteger = 1  # > 1: the eval set split across processes (vlmrl.launch)
 
 
 class SftParams(Section):
@@ -264,6 +265,7 @@ class TrainParams(Section):
     save_steps: PositiveInteger
     resume: Boolean = True
     max_generation_rows: PositiveInteger | None = None
+    distributed: dict[str, Any] = {}  # checked by vlmrl.launch.DistributedParams
     lora: LoraParams
     grpo: dict[str, Any] = {}
 

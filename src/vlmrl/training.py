@@ -23,6 +23,15 @@ from datasets import load_from_disk
 from matplotlib.figure import Figure
 
 from vlmrl.answer_format import answer_format
+from vlmrl.data_parallel import (
+    gather_lists,
+    gathered_state_dict,
+    main_decides,
+    record_trained_rows,
+    resume_on_cpu_processes,
+    save_rng_states_on_main,
+)
+from vlmrl.launch import DistributedParams, distributed_settings
 from vlmrl.models.backend import precision_flags
 from vlmrl.models.loading import backend_for, load_policy, starting_adapter
 from vlmrl.models.processor import (
@@ -51,14 +60,39 @@ FINGERPRINT_FILE = "vlmrl_run.json"
 
 
 def generation_rows(rows: int | None, config) -> int | None:
-    """`train.max_generation_rows`, checked against the generation batch it splits."""
-    if rows is not None and config.generation_batch_size % rows:
+    """`train.max_generation_rows`, checked against the generation batch it splits (one
+    process's share of it: each process generates its own rows)."""
+    local_batch = config.generation_batch_size // config.world_size
+    if rows is not None and local_batch % rows:
         raise ParamsError(
             f"params.yaml train.max_generation_rows ({rows}) must divide the generation batch "
-            f"(per_device_train_batch_size x steps_per_generation = "
-            f"{config.generation_batch_size}): every chunk then has the same shape, so compiled "
-            "decoding and its static cache are built once")
+            f"of one process (per_device_train_batch_size x steps_per_generation / "
+            f"train.distributed.num_processes = {local_batch}): every chunk then has the same "
+            "shape, so compiled decoding and its static cache are built once")
     return rows
+
+
+def split_batch(grpo: Mapping[str, Any], num_processes: int) -> dict[str, Any]:
+    """`train.grpo` with the global `per_device_train_batch_size` of params.yaml shared among
+    `num_processes` processes (accelerate's `split_batches`): the optimizer batch (x gradient
+    accumulation) and the generation batch (x steps_per_generation) stay what params say."""
+    default = trl.GRPOConfig.__dataclass_fields__["per_device_train_batch_size"].default
+    batch = int(grpo.get("per_device_train_batch_size", default))
+    if batch % num_processes:
+        raise ParamsError(
+            f"params.yaml train.grpo.per_device_train_batch_size ({batch}) is the batch of all "
+            f"processes together and must be divisible by train.distributed.num_processes "
+            f"({num_processes})")
+    return {**grpo, "per_device_train_batch_size": batch // num_processes}
+
+
+def batch_report(config) -> dict[str, Any]:
+    """The batch shape training ran with, for train.json and the stage's output."""
+    per_device, processes = config.per_device_train_batch_size, config.world_size
+    return {"num_processes": processes, "per_device_train_batch_size": per_device,
+            "gradient_accumulation_steps": config.gradient_accumulation_steps,
+            "global_batch_size": per_device * processes * config.gradient_accumulation_steps,
+            "generation_batch_size": config.generation_batch_size}
 
 
 def grpo_field_names() -> set[str]:
@@ -80,7 +114,9 @@ def build_grpo_config(grpo: Mapping[str, Any], *, output_dir: Path, save_steps: 
     if grpo.get("use_vllm") and not vllm_installed():
         raise ParamsError("params.yaml train.grpo.use_vllm is true but vllm is not installed; "
                           "pip install vllm (a build matching this torch) or set it to false")
-    kwargs = dict(grpo)
+    # LoRA on the language model: every trainable parameter takes part in each forward, so DDP
+    # need not search the graph for unused ones (transformers' default does)
+    kwargs = {"ddp_find_unused_parameters": False, **grpo}
     kwargs.update(output_dir=str(output_dir), save_strategy="steps", save_steps=save_steps,
                   reward_weights=reward_weights, **precision_flags(grpo, model_settings))
     warn_if_on_policy(kwargs)
@@ -371,8 +407,9 @@ def adapter_digest(adapter: Path | None) -> str | None:
 
 
 def train(*, train_set: Path, params: Params, adapter_out: Path, checkpoints: Path,
-          sft_out: Path | None = None) -> TrainResult:
-    """Runs GSPO and writes the adapter; returns the per-step log and the summary.
+          sft_out: Path | None = None) -> TrainResult | None:
+    """Runs GSPO and writes the adapter; returns the per-step log and the summary (on rank 0;
+    None on the other ranks of a launched run, which write nothing).
     `sft_out`: the sft_cold_start stage's output, whose adapter is continued (None, or a
     pass-through SFT: a fresh adapter). Read after the params are checked, so a params error is
     reported first."""
@@ -383,15 +420,18 @@ def train(*, train_set: Path, params: Params, adapter_out: Path, checkpoints: Pa
                                 "makes it")
     reward_funcs, reward_weights = build_rewards(rewards.weights, rewards.options,
                                                  answer_format(params))
-    config = build_grpo_config(train_params.grpo, output_dir=checkpoints,
-                               save_steps=train_params.save_steps,
+    distributed = distributed_settings(train_params)
+    check_distributed(distributed, model_params)
+    config = build_grpo_config(split_batch(train_params.grpo, distributed.num_processes),
+                               output_dir=checkpoints, save_steps=train_params.save_steps,
                                reward_weights=reward_weights, model_settings=model_params)
+    check_world(config, distributed.num_processes)
     rows = generation_rows(train_params.max_generation_rows, config)
     init_adapter = starting_adapter(sft_out)
     settings = run_settings(params.raw, adapter_digest(init_adapter), train_set)
-    resume_from = last_complete_checkpoint(checkpoints, settings, train_params.resume)
-    mark_checkpoints(checkpoints, settings)
-    (checkpoints / "completions").mkdir(exist_ok=True)
+    resume_from = main_decides(lambda: prepare_checkpoints(checkpoints, settings,
+                                                           train_params.resume),
+                               lambda: newest_checkpoint(checkpoints))
 
     install_cpu_fallback()
     model, processor, _backend = load_policy(model_params, train_params.lora, config.seed,
@@ -399,19 +439,76 @@ def train(*, train_set: Path, params: Params, adapter_out: Path, checkpoints: Pa
     dataset = policy_dataset(load_from_disk(str(train_set)), processor)
     trainer = make_trainer(model, processor, config, dataset, reward_funcs,
                            generation_rows=rows, callbacks=[])
+    save_rng_states_on_main(trainer)
+    resume_on_cpu_processes(trainer)
+    trained_rows = record_trained_rows(trainer)
     started = time.perf_counter()
     if resume_from is not None:
         print(f"resuming from {resume_from}")
     train_or_restore(trainer, resume_from, config.max_steps)
     runtime = time.perf_counter() - started
 
+    rows_per_process = gather_lists(trained_rows)
+    state_dict = gathered_state_dict(trainer)
+    if not trainer.accelerator.is_main_process:
+        return None
     with atomic_dir(adapter_out) as staging:
-        trainer.model.save_pretrained(str(staging))
+        trainer.model.save_pretrained(str(staging), **({"state_dict": state_dict}
+                                                       if state_dict is not None else {}))
         save_processing(staging, processor)
     log_rows, step_seconds = split_step_times(step_log_rows(trainer.state.log_history))
     summary = summarize_training(log_rows, runtime, trainer.state.global_step,
                                  str(resume_from) if resume_from else None, step_seconds)
+    summary["batch"] = {**batch_report(config), "strategy": distributed.strategy,
+                        **rows_report(rows_per_process)}
     return TrainResult(log_rows, summary, checkpoints / "completions")
+
+
+def check_distributed(distributed: DistributedParams, model_params: ModelParams) -> None:
+    """Settings the launched path does not support, named before anything loads."""
+    if distributed.strategy == "none":
+        return
+    if backend_for(model_params).name == "unsloth":
+        raise ParamsError("params.yaml train.distributed.strategy "
+                          f"{distributed.strategy}: Unsloth trains on one GPU; set "
+                          "model.backend: transformers (or strategy: none)")
+    if model_params.load_in_4bit and distributed.strategy in ("zero3", "fsdp"):
+        raise ParamsError(f"params.yaml model.load_in_4bit with train.distributed.strategy "
+                          f"{distributed.strategy}: sharding 4-bit weights is not supported "
+                          "here; use ddp or zero2")
+
+
+def check_world(config, num_processes: int) -> None:
+    if config.world_size != num_processes:
+        raise ParamsError(f"params.yaml train.distributed.num_processes is {num_processes} but "
+                          f"{config.world_size} processes were launched; let train_gspo launch "
+                          "itself (python stages/train_gspo.py ...)")
+
+
+def prepare_checkpoints(checkpoints: Path, settings: Mapping[str, Any],
+                        resume: bool) -> Path | None:
+    """Rank 0: the checkpoint to resume from (others moved aside) and the folder's marker."""
+    resume_from = last_complete_checkpoint(checkpoints, settings, resume)
+    mark_checkpoints(checkpoints, settings)
+    (checkpoints / "completions").mkdir(exist_ok=True)
+    return resume_from
+
+
+def newest_checkpoint(checkpoints: Path) -> Path | None:
+    """The other ranks, once rank 0 has prepared the folder: what is left there is resumable."""
+    complete = complete_checkpoints(checkpoints)
+    return max(complete, key=lambda path: int(path.name.split("-")[-1])) if complete else None
+
+
+def rows_report(rows_per_process: list[list[Any]]) -> dict[str, Any]:
+    """How the data was shared: rows each process trained on, and prompts two processes shared
+    (0 when every process's generation batch holds whole groups of num_generations)."""
+    prompt_sets = [set(rows) for rows in rows_per_process]
+    shared = set().union(*(a & b for i, a in enumerate(prompt_sets)
+                           for b in prompt_sets[i + 1:]))
+    return {"rows_per_process": [len(rows) for rows in rows_per_process],
+            "prompts_per_process": [len(found) for found in prompt_sets],
+            "prompts_in_several_processes": len(shared)}
 
 
 def plot_training_curves(rows: list[dict[str, Any]], path: Path) -> None:

@@ -5,6 +5,7 @@ where bf16 is unsupported) on a GPU, unless `model.dtype` says otherwise."""
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,6 +42,26 @@ def precision_flags(trainer_args: Mapping[str, Any], model_settings: ModelParams
     dtype = resolve_dtype(model_settings.dtype)
     return {"bf16": trainer_args.get("bf16", dtype == torch.bfloat16),
             "fp16": trainer_args.get("fp16", dtype == torch.float16)}
+
+
+def mixed_precision(trainer_args: Mapping[str, Any], model_settings: ModelParams) -> str:
+    """`accelerate launch --mixed_precision` for a launched run: what `precision_flags` give the
+    one-process trainer, so both paths train in the same precision."""
+    flags = precision_flags(trainer_args, model_settings)
+    return "bf16" if flags["bf16"] else "fp16" if flags["fp16"] else "no"
+
+
+def process_device() -> int | None:
+    """The index of the GPU accelerate gives this process (its local rank; 0 alone), or None on a
+    CPU and where ZeRO-3 or FSDP shard the weights themselves (they load on the CPU first)."""
+    sharded = (os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
+               or os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3")
+    if not cuda_available() or sharded:
+        return None
+    from accelerate import PartialState
+
+    device = PartialState().device  # alone: "cuda", no index
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def bnb_4bit_config(compute_dtype: torch.dtype) -> BitsAndBytesConfig:

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, set_seed
 
-from vlmrl.models.backend import bnb_4bit_config, cuda_available, pick_backend, resolve_dtype
+from vlmrl.models.backend import bnb_4bit_config, pick_backend, process_device, resolve_dtype
 from vlmrl.models.embedded import resolve_model_path
 from vlmrl.models.forward import adapter_and_base_logits, question_inputs
 from vlmrl.models.processor import is_text_checkpoint, load_processor, save_with_processor
@@ -164,12 +164,14 @@ def load_merged(merged_dir: Path) -> tuple[Any, Any]:
 
 
 def load_transformers_model(path: str, settings: ModelParams, device: str | None = None):
+    """On this process's device (`process_device`: accelerate's, one GPU per process), or
+    `device`."""
     kwargs: dict[str, Any] = {"dtype": resolve_dtype(settings.dtype)}
     if settings.load_in_4bit:
         kwargs["quantization_config"] = bnb_4bit_config(kwargs["dtype"])
-        kwargs["device_map"] = {"": 0}
-    elif device or cuda_available():
-        kwargs["device_map"] = {"": device or 0}
+    placement = device or process_device()
+    if placement is not None:
+        kwargs["device_map"] = {"": placement}
     auto = AutoModelForCausalLM if is_text_checkpoint(path) else AutoModelForImageTextToText
     model = auto.from_pretrained(path, **kwargs)
     model.eval()

@@ -1,0 +1,194 @@
+"""Issue 22: train_gspo and the evaluations on several processes through `accelerate launch`, on
+the CPU (gloo): one DVC command either way, rank 0 alone writes to data/, the global batch is what
+params say, the processes train on different rows, a killed run resumes with the same number of
+processes, and a 2-process evaluation gives the very records of one process."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import (
+    TEST_PARAMS,
+    dvc_env,
+    dvc_repro,
+    kill_repro_when,
+    make_project_repo,
+    run,
+    stage_command,
+)
+
+from vlmrl.launch import (
+    ACCELERATE_CONFIGS,
+    NO_MULTICAST_ENV,
+    DistributedParams,
+    Launch,
+    evaluation_launch,
+    launch_command,
+    training_launch,
+    worker_env,
+)
+from vlmrl.params import ParamsError, TrainParams
+from vlmrl.training import rows_report, split_batch
+
+AUDIT_SITE = Path(__file__).parent / "write_audit"
+TWO_PROCESSES = {"train.distributed.num_processes": 2, "train.distributed.strategy": "ddp"}
+
+
+# ------------------------------------------------------------------ unit
+
+
+def train_params(**distributed) -> TrainParams:
+    return TrainParams.from_params({"save_steps": 2, "distributed": distributed,
+                                    "lora": {"r": 8, "alpha": 16, "dropout": 0.0,
+                                             "target_modules": ["q_proj"]}})
+
+
+def test_the_four_strategies_have_checked_in_configs() -> None:
+    for strategy in ("ddp", "zero2", "zero3", "fsdp"):
+        launch = training_launch(train_params(strategy=strategy, num_processes=2), "bf16")
+        config = yaml.safe_load(launch.config_file.read_text())
+        assert launch.config_file.parent == ACCELERATE_CONFIGS
+        assert config["compute_environment"] == "LOCAL_MACHINE"
+        assert launch.num_processes == 2 and launch.mixed_precision == "bf16"
+
+
+def test_strategy_none_runs_in_this_process() -> None:
+    assert training_launch(train_params(), "no") is None
+    assert evaluation_launch(1) is None
+    assert evaluation_launch(3).config_file.name == "ddp.yaml"
+
+
+def test_several_processes_need_a_strategy() -> None:
+    with pytest.raises(ParamsError, match=r"train\.distributed: num_processes 2 needs a strategy"):
+        training_launch(train_params(num_processes=2), "no")
+    with pytest.raises(ParamsError, match=r"train\.distributed\.strategy: 'ddp2' is not one of"):
+        DistributedParams.from_params({"strategy": "ddp2"})
+
+
+def test_a_missing_config_file_is_named(tmp_path: Path) -> None:
+    missing = tmp_path / "mine.yaml"
+    with pytest.raises(ParamsError, match=r"train\.distributed\.config_file: .*mine\.yaml"):
+        training_launch(train_params(strategy="ddp", config_file=str(missing)), "no")
+
+
+def test_launch_command_and_environment() -> None:
+    launch = Launch(ACCELERATE_CONFIGS / "ddp.yaml", 4, "bf16")
+    command = launch_command(launch, "stages/train_gspo.py", ["--out", "x"])
+    assert command[1:3] == ["-m", "accelerate.commands.launch"]
+    flags = dict(zip(command[3:-3:2], command[4:-3:2], strict=True))
+    assert flags == {"--config_file": str(ACCELERATE_CONFIGS / "ddp.yaml"), "--num_processes": "4",
+                     "--num_machines": "1", "--mixed_precision": "bf16",
+                     "--main_process_port": "0"}
+    assert command[-3:] == ["stages/train_gspo.py", "--out", "x"]
+    env = worker_env()
+    assert {key: env[key] for key in NO_MULTICAST_ENV} == {
+        "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+        "NVSHMEM_DISABLE_NVLS": "1"}
+    assert env["VLMRL_LAUNCHED"] == "1"
+
+
+def test_the_global_batch_is_split_among_processes() -> None:
+    grpo = {"per_device_train_batch_size": 32, "num_generations": 16}
+    assert split_batch(grpo, 1) == grpo
+    assert split_batch(grpo, 4) == {"per_device_train_batch_size": 8, "num_generations": 16}
+    with pytest.raises(ParamsError, match=r"per_device_train_batch_size \(32\).*num_processes \(3\)"):
+        split_batch(grpo, 3)
+
+
+def test_rows_report_counts_prompts_two_processes_share() -> None:
+    report = rows_report([["a", "a", "b", "b"], ["b", "b", "c", "c"]])
+    assert report == {"rows_per_process": [4, 4], "prompts_per_process": [2, 2],
+                      "prompts_in_several_processes": 1}
+
+
+# ------------------------------------------------------------------ CPU, 2 processes
+
+
+def audited_env(audit: Path) -> dict[str, str]:
+    env = dvc_env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(AUDIT_SITE), env.get("PYTHONPATH")]))
+    env["VLMRL_WRITE_AUDIT"] = str(audit)
+    return env
+
+
+def audit_lines(audit: Path, rank: int) -> list[str]:
+    return [line for path in sorted(audit.glob(f"rank{rank}-*.txt"))
+            for line in path.read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_two_process_training_on_cpu_writes_from_rank_0_and_resumes(tmp_path: Path) -> None:
+    repo = make_project_repo(tmp_path / "repo", {**TEST_PARAMS, **TWO_PROCESSES})
+    dvc_repro(repo, "sft_cold_start")
+    audit = tmp_path / "audit"
+    audit.mkdir()
+    env = audited_env(audit)
+    checkpoint = repo / "data/checkpoints/train_gspo/checkpoint-2"
+    kill_repro_when(repo, checkpoint / "trainer_state.json", env)
+    time.sleep(2)  # the workers die with their launcher: nothing may be written after the kill
+    assert not (repo / "data/checkpoints/train_gspo/checkpoint-4").exists()
+    assert sorted(p.name for p in checkpoint.glob("rng_state_*.pth")) == [
+        "rng_state_0.pth", "rng_state_1.pth"]
+
+    result = run(["dvc", "repro", "train_gspo"], repo, env=env)
+    output = result.stdout + result.stderr
+    assert "launching 2 process(es) with ddp.yaml" in output
+    assert "resuming from" in output
+    assert "global batch 4 (2 x 2 x 1 accumulation)" in output
+    summary = json.loads((repo / "data/metrics/train.json").read_text())
+    assert summary["steps"] == 4 and summary["resumed_from"].endswith("checkpoint-2")
+    batch = summary["batch"]
+    # TEST_PARAMS' per_device_train_batch_size 4 is the global batch, as in one process
+    assert batch["global_batch_size"] == TEST_PARAMS["train.grpo.per_device_train_batch_size"]
+    assert (batch["num_processes"], batch["per_device_train_batch_size"]) == (2, 2)
+    # two resumed steps, one generation batch of 8 rows (2 groups of 4): 4 rows, 1 prompt each
+    assert batch["rows_per_process"] == [4, 4] and batch["prompts_per_process"] == [1, 1]
+    assert batch["prompts_in_several_processes"] == 0
+    log = [json.loads(line) for line in
+           (repo / "data/metrics/train_log.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in log][-1] == 4
+    assert (repo / "data/models/adapter/adapter_model.safetensors").is_file()
+    assert list((repo / "data/reports/train_completions").glob("*.parquet"))
+
+    rank0, rank1 = audit_lines(audit, 0), audit_lines(audit, 1)
+    assert any(line.endswith("data/metrics/train.json") for line in rank0), rank0
+    assert any("rng_state_1.pth" in line for line in rank0)  # rank 0 writes rank 1's RNG state
+    assert rank1 == [], rank1[:20]
+    assert list(audit.glob("rank1-*.txt")), "rank 1 was never audited"
+
+
+def eval_records(repo: Path, tmp_path: Path, name: str, update: dict) -> list[dict]:
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    for dotted, value in update.items():
+        section, key = dotted.split(".")
+        params[section][key] = value
+    params_file = tmp_path / f"{name}.yaml"
+    params_file.write_text(yaml.safe_dump(params, sort_keys=False))
+    out = tmp_path / name
+    command = stage_command("baseline_eval")  # the base model: --start-adapter left out
+    command = command[:command.index("--start-adapter")] + [
+        "--out", str(out), "--metrics", str(out / "metrics.json"),
+        "--timings", str(out / "timings.json"), "--params", str(params_file)]
+    result = run(command, repo)
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["n"] == TEST_PARAMS["data.eval_size"], result.stdout
+    return [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampled"])
+def test_two_process_evaluation_gives_the_records_of_one(pipeline_repo: Path, tmp_path: Path,
+                                                         do_sample: bool) -> None:
+    dvc_repro(pipeline_repo, "prepare_data")
+    # 8 items in batches of 2: process 0 generates batches 0 and 2, process 1 batches 1 and 3
+    settings = {"eval.batch_size": 2, "eval.do_sample": do_sample, "eval.max_new_tokens": 8}
+    one = eval_records(pipeline_repo, tmp_path, "one", {**settings, "eval.num_processes": 1})
+    two = eval_records(pipeline_repo, tmp_path, "two", {**settings, "eval.num_processes": 2})
+    assert [r["pid"] for r in two] == [r["pid"] for r in one]
+    assert two == one
+    assert len({r["response"] for r in one}) > 1  # real, differing generations
