@@ -410,6 +410,29 @@ def test_pull_refuses_a_non_empty_destination_without_force(
     assert "old.bin" not in directory_snapshot(destination)
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_pulled_files_and_folders_follow_the_umask(
+    s3_server: MotoServer, bucket: str, tmp_path: Path, umask: int
+) -> None:
+    """Another user or service reads a pull as it would any file the user made: the staging
+    folder that becomes the destination is not left at mkdtemp's 0700."""
+    publish_project(
+        make_project(tmp_path / "proj", {}), upload_params(s3_server, bucket, version="v1")
+    )
+    location = pub.S3Location(bucket, PREFIX, s3_server.endpoint_url)
+    previous = os.umask(umask)
+    try:
+        pub.pull(s3_server.client(), location, "v1", list(pub.GROUPS), tmp_path / "all")
+    finally:
+        os.umask(previous)
+    modes = {p.relative_to(tmp_path).as_posix(): p.stat().st_mode & 0o777
+             for p in [tmp_path / "all", *(tmp_path / "all").rglob("*")]}
+    folders = {name for name in modes if (tmp_path / name).is_dir()}
+    assert {"all", "all/merged/tokenizer", "all/gguf"} <= folders
+    assert {modes[name] for name in folders} == {0o777 & ~umask}
+    assert {mode for name, mode in modes.items() if name not in folders} == {0o666 & ~umask}
+
+
 # --------------------------------------------------------------------------- refusals and errors
 
 
