@@ -94,6 +94,7 @@ def make_project(root: Path, upload: dict[str, Any], many_files: int = 0) -> Pat
     write_bytes(models / "merged" / "README.md", b"a card the upload stage replaces")
     write_bytes(models / "gguf" / "model-Q4_K_M.gguf", os.urandom(300_000))
     write_bytes(models / "gguf" / "mmproj-f16.gguf", os.urandom(50_000))
+    write_bytes(models / "gguf" / "README.md", b"# GGUF files (export's README)\n")
     for index in range(many_files):
         write_bytes(models / "gguf" / "shards" / f"part-{index:04d}.bin", os.urandom(32_000))
     write_bytes(metrics / "post_eval.json", json.dumps({"accuracy": 0.625, "n": 64}).encode())
@@ -135,10 +136,14 @@ def local_files(project: Path) -> dict[str, bytes]:
 
 
 def stage_release_files(project: Path) -> dict[str, bytes]:
-    """What the upload stage publishes: the inputs, with its model card as merged/README.md."""
-    card = (project / "data/reports/model_card.md").read_bytes()
-    assert card.startswith(b"---\nbase_model:")
-    return local_files(project) | {"merged/README.md": card}
+    """What the upload stage publishes: the inputs, with its model cards as README.md of the
+    adapter, merged and GGUF groups."""
+    reports = project / "data/reports"
+    cards = {"adapter/README.md": (reports / "model_card_adapter.md").read_bytes(),
+             "merged/README.md": (reports / "model_card.md").read_bytes(),
+             "gguf/README.md": (reports / "model_card_gguf.md").read_bytes()}
+    assert all(card.startswith(b"---\nbase_model:") for card in cards.values())
+    return local_files(project) | cards
 
 
 def upload_params(server: MotoServer, bucket: str, **overrides: Any) -> pub.UploadParams:
