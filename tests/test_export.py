@@ -393,7 +393,8 @@ def image_exporter(tmp_path: Path):
     from vlmrl.params import ModelParams
     from vlmrl.timing import StepTimer
 
-    return _Exporter(ModelParams(), ExportParams(), StepTimer(), tmp_path)
+    return _Exporter(ModelParams(name="embedded:tiny-qwen3-vl"), ExportParams(), StepTimer(),
+                     tmp_path)
 
 
 def test_image_prompt_through_gguf_matches_the_merged_model(exported: Exported,
@@ -442,7 +443,8 @@ def test_preflight_sizes_an_8b_export(tmp_path: Path) -> None:
                          memory=lambda: 64 * GIB)
     by_where = {need.where: need for need in needs}
     disk = by_where["disk (outputs and scratch)"]
-    assert 90 * GIB < disk.need < 110 * GIB  # merged 16 + base 16 + GGUF 16+9+5 + control 16
+    # merged 17.5 + base copy 17.5 + GGUF 17.5 + 9.4 + 5.3 + base control 17.5 GB, + 10%
+    assert 80 * GIB < disk.need < 95 * GIB
     assert not by_where["memory"].short and by_where["memory"].need < 20 * GIB
 
 

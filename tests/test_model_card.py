@@ -160,3 +160,22 @@ def test_dvc_repro_upload_writes_the_card(pipeline_repo: Path) -> None:
     dvc_repro(pipeline_repo, "upload")
     assert "| accuracy |" in (pipeline_repo / "data/reports/model_card.md").read_text()
     assert not (pipeline_repo / "data/models/merged/README.md").exists()
+
+
+@pytest.mark.slow
+def test_the_whole_release_names_nothing_of_this_machine(pipeline_repo: Path) -> None:
+    """Every byte of what the pipeline ships: the trained adapter, the export's and the upload's
+    outputs (the cards the release carries as README.md)."""
+    from vlmrl.portable import machine_values_in
+
+    dvc_repro(pipeline_repo, "upload")
+    data = pipeline_repo / "data"
+    shipped = [p for group in ("models/adapter", "models/merged", "models/gguf")
+               for p in (data / group).rglob("*") if p.is_file()]
+    shipped += [data / "reports" / name for name in ("model_card.md", "model_card_adapter.md",
+                                                     "model_card_gguf.md", "upload_manifest.json")]
+    assert len(shipped) > 15
+    assert machine_values_in(shipped) == []
+    config = json.loads((data / "models/adapter/adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "embedded:tiny-qwen3-vl"
+    assert not (data / "models/adapter/README.md").exists()  # PEFT's template card
