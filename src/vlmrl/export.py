@@ -25,6 +25,8 @@ from tqdm import tqdm
 from vlmrl.answer_format import answer_format
 from vlmrl.checks import Check
 from vlmrl.export_checks import (
+    available_memory,
+    checkpoint_parameters,
     compare_quantized,
     export_needs,
     free_disk,
@@ -197,8 +199,6 @@ def preflight(model_settings: ModelParams, settings: ExportParams, out_dir: Path
               free_space: Callable[[Path], int] = free_disk,
               memory: Callable[[], int] | None = None) -> dict[str, Any]:
     """Stops the export before it starts when the disk or the memory it needs is short."""
-    from vlmrl.export_checks import available_memory, checkpoint_parameters
-
     base = base_checkpoint_dir(model_settings)
     if base is None:
         return {"checked": False, "why": f"{model_settings.name}: no local checkpoint to size"}
