@@ -64,6 +64,7 @@ def build_release_cards(params: Mapping[str, Any], metrics_dir: Path,
     return {"adapter": adapter, "merged": merged, "gguf": gguf}
 
 
+INDEX_METRICS = ("accuracy", "format_compliance", "mean_reward")  # the card's model-index
 RELATIONS = {"adapter": ("adapter", "peft"), "merged": ("finetune", "transformers"),
              "gguf": ("quantized", "gguf")}
 
@@ -85,7 +86,7 @@ def card_header(params: Mapping[str, Any], kind: str, post: Mapping | None,
         meta["base_model_seed"] = model.get("seed", 0)
     metrics = card_metrics(post)
     if metrics:
-        meta["metrics"] = [key for key in CARD_METRICS if key in metrics]
+        meta["metrics"] = [key for key in INDEX_METRICS if key in metrics]
         meta["model-index"] = [{"name": f"{release_base_name(name)}-gspo", "results": [{
             "task": {"type": meta["pipeline_tag"]},
             "dataset": {"name": str(data.get("source")), "type": str(data.get("source")),
