@@ -1,5 +1,5 @@
-"""DVC stage `upload`: render the model card and publish this run's adapter, merged model (with
-the card as its README.md), GGUF files and metrics to S3.
+"""DVC stage `upload`: render the model cards and publish this run's adapter, merged model and
+GGUF files (each with its card as README.md) and metrics to S3.
 
 Thin on purpose: it parses params, calls vlmrl.publish and writes the three outputs, which appear
 (atomically) only once the upload has fully succeeded. With no upload.bucket it writes the manifest
@@ -16,7 +16,7 @@ from vlmrl.errors import run_stage
 from vlmrl.outputs import remove_outputs, write_json_atomic, write_text_atomic
 from vlmrl.params import load_params
 from vlmrl.publish import S3Location, UploadResult, params_hash, publish
-from vlmrl.publish.model_card import build_model_card
+from vlmrl.publish.model_card import build_release_cards
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -49,6 +49,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=Path("data/reports/model_card.md"),
         help="rendered here and published as the merged model's README.md",
     )
+    option("--adapter-card", type=Path, default=Path("data/reports/model_card_adapter.md"),
+           help="rendered here and published as the adapter's README.md")
+    option("--gguf-card", type=Path, default=Path("data/reports/model_card_gguf.md"),
+           help="rendered here and published as the GGUF folder's README.md")
     option(
         "--promote",
         action="store_true",
@@ -70,7 +74,9 @@ def report_upload(result: UploadResult, location: S3Location, manifest_out: Path
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    outputs = (args.manifest_out, args.metrics_out, args.model_card)
+    outputs = (args.manifest_out, args.metrics_out, args.model_card, args.adapter_card,
+               args.gguf_card)
+    card_paths = {"merged": args.model_card, "adapter": args.adapter_card, "gguf": args.gguf_card}
     remove_outputs(*outputs)
     inputs = {
         "adapter": args.adapter,
@@ -83,13 +89,14 @@ def main(argv: list[str] | None = None) -> int:
         upload_params = all_params.upload
         if args.promote:
             upload_params = dataclasses.replace(upload_params, promote=True)
-        card = build_model_card(all_params.raw, args.metrics_dir, args.gguf)
-        write_text_atomic(args.model_card, card)
+        for group, card in build_release_cards(all_params.raw, args.metrics_dir,
+                                               args.gguf).items():
+            write_text_atomic(card_paths[group], card)
         result = publish(
             inputs,
             upload_params,
             params_digest=params_hash(all_params.raw),
-            model_card=args.model_card,
+            cards=card_paths,
         )
     except BaseException:
         remove_outputs(*outputs)

@@ -23,11 +23,13 @@ FLOORS: dict[str, tuple[str, ...]] = {
                "vlmrl.timing", "vlmrl.prompts", "vlmrl.scoring", "vlmrl.rewards", "vlmrl.text_rewards", "vlmrl.synth",
                "vlmrl.data", "vlmrl.data_columns", "vlmrl.data_sources", "vlmrl.gguf_tools", "vlmrl.merged_weights", "vlmrl.eval_report",
                "vlmrl.trl_compat", "vlmrl.tables", "vlmrl.dvc_env", "vlmrl.dvc_records",
-               "vlmrl.launch", "vlmrl.data_parallel"),
+               "vlmrl.launch", "vlmrl.data_parallel", "vlmrl.gguf_release", "vlmrl.export_checks",
+               "vlmrl.portable"),
     "models": ("vlmrl.models",),
     "stages": ("vlmrl.evaluation", "vlmrl.training", "vlmrl.verify", "vlmrl.export",
                "vlmrl.sft"),
-    "apps": ("vlmrl.cli", "vlmrl.ui", "vlmrl.publish", "vlmrl.orchestration", "vlmrl.recipes"),
+    "apps": ("vlmrl.cli", "vlmrl.ui", "vlmrl.publish", "vlmrl.orchestration", "vlmrl.recipes",
+             "vlmrl.serve"),
 }
 # Floors whose units (the names listed) must not import one another.
 PEER_FLOORS = {"stages"}

@@ -38,7 +38,8 @@ from vlmrl.models.forward import (
 from vlmrl.models.loading import load_merged
 from vlmrl.params import ExportParams, ParamsError
 
-GGUF_NAMES = {"model-f16.gguf", "model-q8_0.gguf", "model-Q4_K_M.gguf", "mmproj-f16.gguf"}
+GGUF_NAMES = {"model-f16.gguf", "model-q8_0.gguf", "model-Q4_K_M.gguf", "mmproj-f16.gguf",
+              "README.md", "Modelfile"}
 MERGED_FILES = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                 "tokenizer_config.json", "chat_template.jinja", "preprocessor_config.json",
                 "video_preprocessor_config.json"}
@@ -98,6 +99,8 @@ def test_export_writes_every_artifact_and_its_metrics(exported: Exported) -> Non
     timings = json.loads((exported.workdir / "data/reports/timings/export.json").read_text())
     assert timings["timings_s"]["total"] > timings["timings_s"]["merge"] > 0
     assert "exported data/models/merged and 4 GGUF files" in exported.result.stdout
+    assert exported.metrics["preflight"]["checked"] is True
+    assert exported.metrics["preflight"]["parameters"] > 40_000_000
 
 
 def test_merged_model_is_16_bit_and_free_of_lora(exported: Exported) -> None:
@@ -191,7 +194,7 @@ def test_untrained_adapter_fails_the_base_control_and_leaves_no_outputs(
                               metrics="data/failed/metrics/export.json")
 
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
-    assert "export failed 1 of 14 checks" in result.stderr
+    assert "export failed 1 of 17 checks" in result.stderr
     assert "base_gguf_differs_from_merged" in result.stderr
     assert not any(path.exists() for path in stale)
     assert not (workdir / "data/failed/merged").exists()
@@ -340,3 +343,143 @@ def test_dvc_repro_export_through_the_pipeline(pipeline_repo: Path) -> None:
     assert metrics["passed"]
     assert json.loads((pipeline_repo / "data/metrics/verify_lora.json").read_text())["passed"]
     assert {p.name for p in (pipeline_repo / "data/models/gguf").iterdir()} == GGUF_NAMES
+
+
+# ------------------------------------------------------------ issue 25: checks that can fail
+
+
+def garbled_copy(source: Path, target: Path) -> Path:
+    """The same header, the tensor data of the second half reversed: loads, computes nonsense."""
+    data = bytearray(source.read_bytes())
+    half = len(data) // 2
+    data[half:] = data[half:][::-1]
+    target.write_bytes(bytes(data))
+    return target
+
+
+def test_quantized_files_agree_with_f16_within_their_bounds(exported: Exported) -> None:
+    from vlmrl.export_checks import QUANT_BOUNDS
+
+    table = exported.metrics["quantized_vs_f16"]
+    assert set(table) == {"q8_0", "Q4_K_M"}
+    for kind, row in table.items():
+        assert row["top1_agreement"] >= QUANT_BOUNDS[kind].min_top1
+        assert row["max_relative_error"] <= QUANT_BOUNDS[kind].max_relative_error
+        assert exported.metrics["checks"][f"gguf_{kind}_agrees_with_f16"]["passed"]
+    assert table["q8_0"]["max_relative_error"] < table["Q4_K_M"]["max_relative_error"]
+
+
+def test_quant_check_fails_on_a_wrong_file(exported: Exported, tmp_path: Path) -> None:
+    """The Q4_K_M file passed off as q8_0 breaks q8_0's bounds; garbled tensor data breaks
+    Q4_K_M's."""
+    from vlmrl.export_checks import compare_quantized, prompt_logits, quant_prompt_ids
+
+    f16 = exported.gguf / "model-f16.gguf"
+    prompts = quant_prompt_ids(f16)
+    reference = prompt_logits(f16, prompts)
+    assert compare_quantized("q8_0", reference, prompt_logits(exported.gguf / "model-q8_0.gguf",
+                                                               prompts)).passed
+    as_q8 = compare_quantized("q8_0", reference,
+                              prompt_logits(exported.gguf / "model-Q4_K_M.gguf", prompts))
+    assert not as_q8.passed and "top-1 agreement" in as_q8.detail()
+    garbled = garbled_copy(exported.gguf / "model-Q4_K_M.gguf", tmp_path / "model-Q4_K_M.gguf")
+    report = compare_quantized("Q4_K_M", reference, prompt_logits(garbled, prompts))
+    assert not report.passed
+    assert report.top1_agreement < 0.2
+
+
+def image_exporter(tmp_path: Path):
+    from vlmrl.export import _Exporter
+    from vlmrl.params import ModelParams
+    from vlmrl.timing import StepTimer
+
+    return _Exporter(ModelParams(name="embedded:tiny-qwen3-vl"), ExportParams(), StepTimer(),
+                     tmp_path)
+
+
+def test_image_prompt_through_gguf_matches_the_merged_model(exported: Exported,
+                                                           tmp_path: Path) -> None:
+    from vlmrl.export import merged_image_reply
+
+    check = exported.metrics["checks"]["gguf_image_prompt_matches_merged"]
+    assert check["passed"], check["detail"]
+    reply = exported.metrics["image_prompt"]
+    assert reply["text"] == reply["merged_text"] and reply["usage"]["completion_tokens"] >= 1
+
+    model, processor = load_merged(exported.merged)
+    merged = merged_image_reply(model, processor, exported.row)
+    exporter = image_exporter(tmp_path)
+    files = {"f16": garbled_copy(exported.gguf / "model-f16.gguf", tmp_path / "model-f16.gguf"),
+             "mmproj": exported.gguf / "mmproj-f16.gguf"}
+    exporter.check_image_prompt(files, merged)
+    assert [c.passed for c in exporter.checks] == [False]
+    assert "merged model" in exporter.checks[0].detail
+
+
+def test_preflight_stops_before_anything_is_written(exported: Exported) -> None:
+    from vlmrl.export import ExportError, run_export
+    from vlmrl.params import load_params
+
+    workdir = exported.workdir
+    params = load_params(workdir / "params.yaml")
+    out = workdir / "data/short"
+    with pytest.raises(ExportError, match=r"not enough room to export embedded:tiny-qwen3-vl .*"
+                                          r"disk \(outputs.*needs 0\.\d GiB, 0\.0 GiB free"):
+        run_export(params=params, adapter=exported.adapter,
+                   eval_set=workdir / "data/prepared/eval", merged_out=out / "merged",
+                   gguf_out=out / "gguf", show_progress=False, free_space=lambda path: 1024**2)
+    with pytest.raises(ExportError, match=r"memory at /proc/meminfo: needs 0\.\d GiB"):
+        run_export(params=params, adapter=exported.adapter,
+                   eval_set=workdir / "data/prepared/eval", merged_out=out / "merged",
+                   gguf_out=out / "gguf", show_progress=False, memory=lambda: 1024**2)
+    assert not out.exists()
+
+
+def test_preflight_sizes_an_8b_export(tmp_path: Path) -> None:
+    from vlmrl.export_checks import GIB, export_needs
+
+    needs = export_needs(8_770_000_000, ["f16", "q8_0", "Q4_K_M"], tmp_path, tmp_path,
+                         float32_on_host=False, free_space=lambda path: 100 * GIB,
+                         memory=lambda: 64 * GIB)
+    by_where = {need.where: need for need in needs}
+    disk = by_where["disk (outputs and scratch)"]
+    # merged 17.5 + base copy 17.5 + GGUF 17.5 + 9.4 + 5.3 + base control 17.5 GB, + 10%
+    assert 80 * GIB < disk.need < 95 * GIB
+    assert not by_where["memory"].short and by_where["memory"].need < 20 * GIB
+
+
+def test_gguf_folder_tells_a_consumer_what_to_run(exported: Exported) -> None:
+    from vlmrl.answer_format import answer_format
+
+    readme = (exported.gguf / "README.md").read_text()
+    assert "`mmproj-f16.gguf` | " in readme and "needed for image input" in readme
+    assert "llama-mtmd-cli -m model-Q4_K_M.gguf --mmproj mmproj-f16.gguf" in readme
+    assert "gguf_q8_0_agrees_with_f16: top-1 agreement" in readme
+    modelfile = (exported.gguf / "Modelfile").read_text().splitlines()
+    assert modelfile[:2] == ["FROM ./model-Q4_K_M.gguf", "FROM ./mmproj-f16.gguf"]
+    assert 'PARAMETER stop "<|im_end|>"' in modelfile
+    system = answer_format(yaml_params(exported)).system_text()
+    assert f'SYSTEM """{system}"""' in "\n".join(modelfile)
+    assert any(line.startswith('TEMPLATE """') for line in modelfile)
+
+
+def yaml_params(exported: Exported) -> dict:
+    import yaml
+
+    return yaml.safe_load((exported.workdir / "params.yaml").read_text())
+
+
+def test_exported_files_name_nothing_of_this_machine(exported: Exported) -> None:
+    """Every byte of the merged model and the GGUF folder, binary files included."""
+    from vlmrl.portable import machine_values, machine_values_in
+
+    files = [p for p in [*exported.merged.iterdir(), *exported.gguf.iterdir()] if p.is_file()]
+    assert machine_values_in(files) == []
+    tokenizer_config = json.loads((exported.merged / "tokenizer_config.json").read_text())
+    assert "local_files_only" not in tokenizer_config and "is_local" not in tokenizer_config
+    # the scan can fail: the adapter as PEFT saved it names the cache directory
+    assert machine_values_in([exported.adapter / "adapter_config.json"]) != []
+    assert "local_files_only" in machine_values()
+    names = [p.name for p in exported.gguf.glob("*.gguf")]
+    for name in names:
+        assert b".merged." not in (exported.gguf / name).read_bytes()[:4096], name

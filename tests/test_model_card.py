@@ -43,6 +43,7 @@ def make_outputs(project: Path) -> Path:
     write(models / "merged/README.md", b"an older card")
     for name, size in GGUF_SIZES.items():
         write(models / "gguf" / name, os.urandom(size))
+    write(models / "gguf/README.md", b"# GGUF files\n\nRun model-Q4_K_M.gguf with mmproj-f16.gguf.\n")
     for name, payload in (("baseline_eval.json", BASELINE), ("post_eval.json", POST),
                           ("export.json", EXPORT)):
         write(metrics / name, json.dumps(payload).encode())
@@ -82,12 +83,57 @@ def test_model_card_describes_training_results_and_usage(uploaded: Path) -> None
     assert "| model-Q4_K_M.gguf | 11.7 KiB |" in card
 
 
-def test_release_carries_the_card_as_the_merged_readme(uploaded: Path) -> None:
-    card = (uploaded / "data/reports/model_card.md").read_bytes()
+def test_release_carries_a_card_as_each_groups_readme(uploaded: Path) -> None:
     manifest = json.loads((uploaded / "data/reports/upload_manifest.json").read_text())
     readmes = [e for e in manifest["files"] if e["path"] == "README.md"]
-    assert readmes == [{"group": "merged", "path": "README.md", "size": len(card),
-                        "sha256": hashlib.sha256(card).hexdigest()}]
+    expected = []
+    for group, name in (("adapter", "model_card_adapter.md"), ("merged", "model_card.md"),
+                        ("gguf", "model_card_gguf.md")):
+        card = (uploaded / "data/reports" / name).read_bytes()
+        expected.append({"group": group, "path": "README.md", "size": len(card),
+                         "sha256": hashlib.sha256(card).hexdigest()})
+    assert readmes == expected
+
+
+def card_metadata(path: Path) -> dict:
+    text = path.read_text()
+    assert text.startswith("---\n")
+    return yaml.safe_load(text.split("---\n")[1])
+
+
+def test_each_card_carries_hugging_face_metadata(uploaded: Path) -> None:
+    reports = uploaded / "data/reports"
+    cards = {"adapter": card_metadata(reports / "model_card_adapter.md"),
+             "merged": card_metadata(reports / "model_card.md"),
+             "gguf": card_metadata(reports / "model_card_gguf.md")}
+    assert {k: (m["library_name"], m["base_model_relation"]) for k, m in cards.items()} == {
+        "adapter": ("peft", "adapter"), "merged": ("transformers", "finetune"),
+        "gguf": ("gguf", "quantized")}
+    for meta in cards.values():
+        assert meta["base_model"] == "embedded:tiny-qwen3-vl" and meta["base_model_seed"] == 0
+        assert meta["datasets"] == ["embedded:synthetic"]
+        assert meta["pipeline_tag"] == "image-text-to-text"
+        results = meta["model-index"][0]["results"][0]["metrics"]
+        assert {r["type"]: r["value"] for r in results}["accuracy"] == POST["accuracy"]
+    adapter = (reports / "model_card_adapter.md").read_text()
+    assert "ensure_embedded_model('embedded:tiny-qwen3-vl', seed=0)" in adapter
+    assert "PeftModel.from_pretrained(base, " in adapter and "| accuracy | 0.0625 | 0.1875 |" in adapter
+    assert "[More Information Needed]" not in adapter
+    gguf = (reports / "model_card_gguf.md").read_text()
+    assert "Run model-Q4_K_M.gguf with mmproj-f16.gguf." in gguf and "| accuracy |" in gguf
+
+
+def test_upload_refuses_a_release_that_names_this_machine(tmp_path: Path) -> None:
+    project = make_outputs(tmp_path)
+    config = project / "data/models/adapter/adapter_config.json"
+    config.write_text(json.dumps({"r": 8, "base_model_name_or_path":
+                                  f"{Path.home()}/.cache/vlmrl/models/tiny-qwen3-vl-seed0"}))
+    completed = run_upload_stage(project)
+    assert completed.returncode == 1
+    assert "the release names this machine" in completed.stderr
+    assert f"data/models/adapter/adapter_config.json: {Path.home()}/" in completed.stderr
+    assert not (project / "data/reports/upload_manifest.json").exists()
+    assert not (project / "data/reports/model_card_adapter.md").exists()
 
 
 def test_card_without_export_metrics_names_the_export_stage(tmp_path: Path) -> None:
@@ -114,3 +160,22 @@ def test_dvc_repro_upload_writes_the_card(pipeline_repo: Path) -> None:
     dvc_repro(pipeline_repo, "upload")
     assert "| accuracy |" in (pipeline_repo / "data/reports/model_card.md").read_text()
     assert not (pipeline_repo / "data/models/merged/README.md").exists()
+
+
+@pytest.mark.slow
+def test_the_whole_release_names_nothing_of_this_machine(pipeline_repo: Path) -> None:
+    """Every byte of what the pipeline ships: the trained adapter, the export's and the upload's
+    outputs (the cards the release carries as README.md)."""
+    from vlmrl.portable import machine_values_in
+
+    dvc_repro(pipeline_repo, "upload")
+    data = pipeline_repo / "data"
+    shipped = [p for group in ("models/adapter", "models/merged", "models/gguf")
+               for p in (data / group).rglob("*") if p.is_file()]
+    shipped += [data / "reports" / name for name in ("model_card.md", "model_card_adapter.md",
+                                                     "model_card_gguf.md", "upload_manifest.json")]
+    assert len(shipped) > 15
+    assert machine_values_in(shipped) == []
+    config = json.loads((data / "models/adapter/adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "embedded:tiny-qwen3-vl"
+    assert not (data / "models/adapter/README.md").exists()  # PEFT's template card

@@ -94,6 +94,7 @@ def make_project(root: Path, upload: dict[str, Any], many_files: int = 0) -> Pat
     write_bytes(models / "merged" / "README.md", b"a card the upload stage replaces")
     write_bytes(models / "gguf" / "model-Q4_K_M.gguf", os.urandom(300_000))
     write_bytes(models / "gguf" / "mmproj-f16.gguf", os.urandom(50_000))
+    write_bytes(models / "gguf" / "README.md", b"# GGUF files (export's README)\n")
     for index in range(many_files):
         write_bytes(models / "gguf" / "shards" / f"part-{index:04d}.bin", os.urandom(32_000))
     write_bytes(metrics / "post_eval.json", json.dumps({"accuracy": 0.625, "n": 64}).encode())
@@ -135,10 +136,14 @@ def local_files(project: Path) -> dict[str, bytes]:
 
 
 def stage_release_files(project: Path) -> dict[str, bytes]:
-    """What the upload stage publishes: the inputs, with its model card as merged/README.md."""
-    card = (project / "data/reports/model_card.md").read_bytes()
-    assert card.startswith(b"---\nbase_model:")
-    return local_files(project) | {"merged/README.md": card}
+    """What the upload stage publishes: the inputs, with its model cards as README.md of the
+    adapter, merged and GGUF groups."""
+    reports = project / "data/reports"
+    cards = {"adapter/README.md": (reports / "model_card_adapter.md").read_bytes(),
+             "merged/README.md": (reports / "model_card.md").read_bytes(),
+             "gguf/README.md": (reports / "model_card_gguf.md").read_bytes()}
+    assert all(card.startswith(b"---\nbase_model:") for card in cards.values())
+    return local_files(project) | cards
 
 
 def upload_params(server: MotoServer, bucket: str, **overrides: Any) -> pub.UploadParams:
@@ -408,6 +413,29 @@ def test_pull_refuses_a_non_empty_destination_without_force(
     result = pub.pull(s3_server.client(), location, "v1", ["adapter"], destination, force=True)
     assert sorted(f.path for f in result.files) == sorted(directory_snapshot(destination))
     assert "old.bin" not in directory_snapshot(destination)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_pulled_files_and_folders_follow_the_umask(
+    s3_server: MotoServer, bucket: str, tmp_path: Path, umask: int
+) -> None:
+    """Another user or service reads a pull as it would any file the user made: the staging
+    folder that becomes the destination is not left at mkdtemp's 0700."""
+    publish_project(
+        make_project(tmp_path / "proj", {}), upload_params(s3_server, bucket, version="v1")
+    )
+    location = pub.S3Location(bucket, PREFIX, s3_server.endpoint_url)
+    previous = os.umask(umask)
+    try:
+        pub.pull(s3_server.client(), location, "v1", list(pub.GROUPS), tmp_path / "all")
+    finally:
+        os.umask(previous)
+    modes = {p.relative_to(tmp_path).as_posix(): p.stat().st_mode & 0o777
+             for p in [tmp_path / "all", *(tmp_path / "all").rglob("*")]}
+    folders = {name for name in modes if (tmp_path / name).is_dir()}
+    assert {"all", "all/merged/tokenizer", "all/gguf"} <= folders
+    assert {modes[name] for name in folders} == {0o777 & ~umask}
+    assert {mode for name, mode in modes.items() if name not in folders} == {0o666 & ~umask}
 
 
 # --------------------------------------------------------------------------- refusals and errors

@@ -48,6 +48,11 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "ui": Subcommand(
         "vlmrl.ui.app", "cli_ui", "open the reward playground and eval browser on 127.0.0.1"
     ),
+    "serve": Subcommand(
+        "vlmrl.serve",
+        "cli_serve",
+        "serve a pulled GGUF folder (with its projector) as an OpenAI chat API on 127.0.0.1",
+    ),
     "recipe": Subcommand(
         "vlmrl.recipes",
         "cli_recipe",

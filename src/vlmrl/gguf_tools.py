@@ -126,9 +126,10 @@ def converter_env(source: Path) -> dict[str, str]:
 
 
 def convert_hf_to_gguf(model_dir: Path, outfile: Path, outtype: str, *, mmproj: bool = False,
-                       source: Path | None = None) -> Path:
+                       source: Path | None = None, metadata: Path | None = None) -> Path:
     """Runs convert_hf_to_gguf.py on a Hugging Face model directory; `mmproj` converts the
-    vision projector instead of the language model."""
+    vision projector instead of the language model; `metadata` is a JSON file of general.*
+    keys (the converter's --metadata), else it names the file after the directory."""
     if outtype not in CONVERTER_OUTTYPES:
         raise GGUFError(f"convert_hf_to_gguf.py has no outtype {outtype!r}; "
                         f"use one of {CONVERTER_OUTTYPES}")
@@ -137,6 +138,8 @@ def convert_hf_to_gguf(model_dir: Path, outfile: Path, outtype: str, *, mmproj: 
                "--outfile", str(outfile)]
     if mmproj:
         command.append("--mmproj")
+    if metadata is not None:
+        command += ["--metadata", str(metadata)]
     result = subprocess.run(command, check=False, capture_output=True, text=True,
                             env=converter_env(source))
     if result.returncode != 0 or not outfile.is_file():

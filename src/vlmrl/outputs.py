@@ -19,6 +19,7 @@ def atomic_dir(target: Path | str) -> Iterator[Path]:
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    staging.chmod(0o777 & ~current_umask())  # mkdtemp makes it 0700: others could not read it
     try:
         yield staging
     except BaseException:
@@ -36,13 +37,18 @@ def replace_dir(source: Path, target: Path) -> None:
     shutil.rmtree(retired, ignore_errors=True)
 
 
+def current_umask() -> int:
+    """The process's umask (reading it means setting it, so it is set straight back)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
 def write_text_atomic(path: Path | str, text: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.fchmod(fd, 0o666 & ~umask)
+    os.fchmod(fd, 0o666 & ~current_umask())
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)

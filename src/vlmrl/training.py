@@ -43,6 +43,7 @@ from vlmrl.models.processor import (
 from vlmrl.models.sampling import sample_top_k_on_cpu, top_k_settings
 from vlmrl.outputs import atomic_dir
 from vlmrl.params import ModelParams, Params, ParamsError
+from vlmrl.portable import make_adapter_portable
 from vlmrl.rewards import build_rewards
 from vlmrl.tables import flatten
 from vlmrl.trl_compat import (
@@ -456,6 +457,7 @@ def train(*, train_set: Path, params: Params, adapter_out: Path, checkpoints: Pa
         trainer.model.save_pretrained(str(staging), **({"state_dict": state_dict}
                                                        if state_dict is not None else {}))
         save_processing(staging, processor)
+        make_adapter_portable(staging, model_params.name)
     log_rows, step_seconds = split_step_times(step_log_rows(trainer.state.log_history))
     summary = summarize_training(log_rows, runtime, trainer.state.global_step,
                                  str(resume_from) if resume_from else None, step_seconds)

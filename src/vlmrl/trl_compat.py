@@ -15,6 +15,7 @@ import functools
 import math
 import types
 import typing
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -189,11 +190,47 @@ def enable_compiled_generation(trainer) -> None:
     off with compiled decoding. transformers 5.17 also never compiles a bitsandbytes 4-bit model,
     although compiling it works with bitsandbytes 0.50 (measured: benchmarks/gspo_step.py)."""
     trainer.generation_config.disable_compile = False
+    allow_compiling_bnb_4bit()
+
+
+# The versions the bitsandbytes compile patch was measured with (benchmarks/gspo_step.py): a
+# later transformers may compile 4-bit models itself, or break in ways the patch would hide.
+BNB_PATCH_VERSIONS = {"transformers": "5.17", "bitsandbytes": "0.50"}
+
+
+def _major_minor(version: str) -> str:
+    return ".".join(version.split(".")[:2])
+
+
+def allow_compiling_bnb_4bit(versions: Mapping[str, str | None] | None = None) -> bool:
+    """Lets transformers compile a bitsandbytes 4-bit model's decoding, only under the versions
+    of BNB_PATCH_VERSIONS (warns and leaves transformers alone otherwise); True if patched.
+    `versions` (package -> installed version or None) defaults to what is installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    if versions is None:
+        versions = {}
+        for package in BNB_PATCH_VERSIONS:
+            try:
+                versions[package] = version(package)
+            except PackageNotFoundError:
+                versions[package] = None
+    if versions.get("bitsandbytes") is None:
+        return False  # no 4-bit model can exist: nothing to patch
+    mismatched = {package: found for package, found in versions.items()
+                  if found is None or _major_minor(found) != BNB_PATCH_VERSIONS[package]}
+    if mismatched:
+        warnings.warn(
+            f"not letting transformers compile bitsandbytes 4-bit decoding: the patch was "
+            f"written for {BNB_PATCH_VERSIONS}, found {dict(versions)}; 4-bit decoding runs "
+            "uncompiled (slower, still correct)", stacklevel=2)
+        return False
     try:
         from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
     except ImportError:
-        return
+        return False
     Bnb4BitHfQuantizer.is_compileable = property(lambda self: True)
+    return True
 
 
 def limit_generation_rows(trainer, rows: int) -> None:

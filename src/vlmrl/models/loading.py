@@ -79,7 +79,11 @@ class TransformersBackend:
         model = load_transformers_model(path, settings)
         save_with_processor(model, processor, base_dir)
         dtype = model.dtype
-        model = attach_adapter(model, adapter).float()
+        # float32 logits on a CPU; on a GPU the model stays 16-bit (an 8B model in float32 would
+        # take 32 GB of device memory), and the weight-space check keeps the merge exact.
+        model = attach_adapter(model, adapter)
+        if not cuda_available():
+            model = model.float()
         logits = adapter_and_base_logits(model, question_inputs(processor, row))
         save_with_processor(model.merge_and_unload().to(dtype), processor, out_dir)
         return logits
@@ -153,10 +157,10 @@ def merge_adapter(model_settings: ModelParams, dtype: str, adapter: Path, row: M
                                        out_dir, base_dir)
 
 
-def load_merged(merged_dir: Path) -> tuple[Any, Any]:
-    """The merged model and processor, from the directory alone, in float32 (exact: every value
-    of a 16-bit checkpoint is a float32)."""
-    settings = ModelParams(name=str(merged_dir), backend="transformers", dtype="float32")
+def load_merged(merged_dir: Path, dtype: str = "float32") -> tuple[Any, Any]:
+    """The merged model and processor, from the directory alone, in float32 by default (exact:
+    every value of a 16-bit checkpoint is a float32)."""
+    settings = ModelParams(name=str(merged_dir), backend="transformers", dtype=dtype)
     return load_transformers_model(str(merged_dir), settings), load_processor(merged_dir)
 
 

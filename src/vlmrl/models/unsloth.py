@@ -11,6 +11,8 @@ called."""
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -74,7 +76,9 @@ class UnslothBackend:
         model, processor = self.load(path, settings)
         save_with_processor(model, processor, base_dir)
         del model
-        model = self._adapter_model(adapter, settings)
+        with tempfile.TemporaryDirectory(prefix="vlmrl-adapter-") as scratch:
+            local = adapter_with_base(adapter, path, Path(scratch) / "adapter")
+            model = self._adapter_model(local, settings)
         logits = adapter_and_base_logits(model, question_inputs(processor, row))
         if hasattr(model, "save_pretrained_merged"):
             model.save_pretrained_merged(str(out_dir), tokenizer_of(processor),
@@ -96,14 +100,26 @@ class UnslothBackend:
         return model
 
     def _adapter_model(self, adapter: Path | str, settings: ModelParams):
-        """The adapter loaded by Unsloth itself (base from adapter_config.json): only such a
-        model has Unsloth's `save_pretrained_merged`; one attached afterwards with PEFT is
-        refused."""
+        """The adapter loaded by Unsloth itself (base from adapter_config.json, which must name
+        a directory or hub id: `adapter_with_base`): only such a model has Unsloth's
+        `save_pretrained_merged`; one attached afterwards with PEFT is refused."""
         base = json.loads((Path(adapter) / "adapter_config.json").read_text())["base_model_name_or_path"]
         model, _tokenizer = fast_model_class(base).from_pretrained(
             model_name=str(adapter), load_in_4bit=False, dtype=resolve_dtype(settings.dtype),
             max_seq_length=settings.max_seq_length, use_gradient_checkpointing=False)
         return model
+
+
+def adapter_with_base(adapter: Path | str, base_path: str, target: Path) -> Path:
+    """A copy of the adapter whose adapter_config.json names `base_path` (the directory the base
+    was resolved to): a released adapter names its base as a release does (`embedded:...`,
+    `vlmrl.portable`), which Unsloth, reading the config itself, could not load."""
+    shutil.copytree(adapter, target)
+    config_path = target / "adapter_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["base_model_name_or_path"] = base_path
+    config_path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return target
 
 
 def fast_model_class(path: str):

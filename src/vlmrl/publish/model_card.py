@@ -15,7 +15,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from vlmrl.answer_format import answer_format
+from vlmrl.gguf_release import README_NAME
+from vlmrl.portable import EMBEDDED_PREFIX, release_base_name
 from vlmrl.publish.errors import MissingInputError, PublishError
 from vlmrl.tables import markdown_table
 
@@ -39,6 +43,78 @@ def build_model_card(params: Mapping[str, Any], metrics_dir: Path, gguf_dir: Pat
     sizes = {path.name: path.stat().st_size for path in sorted(gguf_dir.glob("*.gguf"))}
     gguf_roles(sizes, where=str(gguf_dir))
     return render_model_card(params, export_metrics, baseline, post, sizes)
+
+
+def build_release_cards(params: Mapping[str, Any], metrics_dir: Path,
+                        gguf_dir: Path) -> dict[str, str]:
+    """group -> its README.md: the merged model's card, the adapter's and the GGUF folder's
+    (the export's README of the folder under the same metadata and results)."""
+    merged = build_model_card(params, metrics_dir, gguf_dir)
+    readme = gguf_dir / README_NAME
+    if not readme.is_file():
+        raise MissingInputError(f"missing {readme} (the GGUF folder's README); it is made by "
+                                "export")
+    baseline, post = (_read_json(metrics_dir / name) for name in EVAL_METRICS_NAMES)
+    vision = any(path.name.startswith(PROJECTOR_PREFIX) for path in gguf_dir.glob("*.gguf"))
+    adapter = "\n".join([card_header(params, "adapter", post, vision), *_adapter_body(params),
+                         *_training_section(params), *_answer_format_section(params),
+                         *_results_section(baseline, post)])
+    gguf = "\n".join([card_header(params, "gguf", post, vision),
+                      readme.read_text(encoding="utf-8"), *_results_section(baseline, post)])
+    return {"adapter": adapter, "merged": merged, "gguf": gguf}
+
+
+INDEX_METRICS = ("accuracy", "format_compliance", "mean_reward")  # the card's model-index
+RELATIONS = {"adapter": ("adapter", "peft"), "merged": ("finetune", "transformers"),
+             "gguf": ("quantized", "gguf")}
+
+
+def card_header(params: Mapping[str, Any], kind: str, post: Mapping | None,
+                vision: bool) -> str:
+    """Hugging Face model-card metadata (YAML front matter) for one group of the release."""
+    model, data = params.get("model", {}), params.get("data", {})
+    relation, library = RELATIONS[kind]
+    name = str(model.get("name"))
+    tags = ["qwen3-vl" if vision else "qwen3", "lora", "gspo", "grpo",
+            "visual-math" if vision else "math"] + (["gguf"] if kind == "gguf" else [])
+    meta: dict[str, Any] = {
+        "base_model": release_base_name(name), "base_model_relation": relation,
+        "library_name": library,
+        "pipeline_tag": "image-text-to-text" if vision else "text-generation",
+        "tags": tags, "datasets": [str(data.get("source"))]}
+    if name.startswith(EMBEDDED_PREFIX):
+        meta["base_model_seed"] = model.get("seed", 0)
+    metrics = card_metrics(post)
+    if metrics:
+        meta["metrics"] = [key for key in INDEX_METRICS if key in metrics]
+        meta["model-index"] = [{"name": f"{release_base_name(name)}-gspo", "results": [{
+            "task": {"type": meta["pipeline_tag"]},
+            "dataset": {"name": str(data.get("source")), "type": str(data.get("source")),
+                        "split": str(data.get("split"))},
+            "metrics": [{"type": key, "value": metrics[key], "name": f"{key} (held-out eval)"}
+                        for key in meta["metrics"]]}]}]
+    return "---\n" + yaml.safe_dump(meta, sort_keys=False) + "---\n"
+
+
+def _adapter_body(params: Mapping[str, Any]) -> list[str]:
+    model = params.get("model", {})
+    name = str(model.get("name"))
+    base = release_base_name(name)
+    lines = [f"# {base} + GSPO LoRA adapter", "",
+             ("A PEFT LoRA adapter on the language model (the vision tower is not adapted), "
+             "trained with GSPO. Load it on its base model:"), "", "```python",
+             "from peft import PeftModel", "from transformers import AutoModelForImageTextToText",
+             "", "base = AutoModelForImageTextToText.from_pretrained(BASE)  # see below",
+             "model = PeftModel.from_pretrained(base, 'path/to/this/folder')", "```", ""]
+    if name.startswith(EMBEDDED_PREFIX):
+        lines += [(f"`{base}` is the project's built-in model, random weights from seed "
+                  f"{model.get('seed', 0)}; rebuild it (BASE above) with vlmrl:"), "",
+                  "```python", "from vlmrl.models.embedded import ensure_embedded_model", "",
+                  f"BASE = ensure_embedded_model({base!r}, seed={model.get('seed', 0)})", "```",
+                  ""]
+    else:
+        lines += [f"BASE is `{base}`.", ""]
+    return lines
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -96,15 +172,9 @@ def render_model_card(
     quant, projector = gguf_roles(gguf_sizes)
     vision = projector is not None
     header = [
-        "---",
-        f"base_model: {model.get('name')}",
-        "library_name: transformers",
-        f"pipeline_tag: {'image-text-to-text' if vision else 'text-generation'}",
-        ("tags: [qwen3-vl, lora, gspo, grpo, gguf, visual-math]" if vision
-         else "tags: [qwen3, lora, gspo, grpo, gguf, math]"),
-        "---",
-        "",
-        f"# {model.get('name')} + GSPO LoRA for {'visual ' if vision else ''}maths (merged)",
+        card_header(params, "merged", post, vision),
+        (f"# {release_base_name(str(model.get('name')))} + GSPO LoRA for "
+        f"{'visual ' if vision else ''}maths (merged)"),
         "",
         (
             "The base model with the GSPO-trained LoRA adapter merged in "

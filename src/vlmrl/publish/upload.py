@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmrl.params import UploadParams
+from vlmrl.portable import machine_values_in
 from vlmrl.publish.errors import IntegrityError, PublishError, VersionConflictError
 from vlmrl.publish.manifest import (
     LATEST_NAME,
@@ -288,6 +289,16 @@ def upload_release(
     return result
 
 
+def check_portable(files: Sequence[ArtifactFile]) -> None:
+    """Refuses a release whose text files carry a value of this machine (home or cache path,
+    host name, run settings such as local_files_only)."""
+    found = machine_values_in((file.local_path for file in files), text_only=True)
+    if found:
+        raise PublishError("the release names this machine, which means nothing where it is "
+                           "pulled; rerun the stage that wrote the file:\n  "
+                           + "\n  ".join(found[:20]))
+
+
 def dirty_version_warning(version: str) -> str | None:
     if not version.endswith(DIRTY_SUFFIX):
         return None
@@ -306,13 +317,18 @@ def publish(
     repo_dir: Path = Path("."),
     client: Any = None,
     model_card: Path | None = None,
+    cards: Mapping[str, Path] | None = None,
 ) -> UploadResult:
     """Hash the artifacts, build the manifest and, when a bucket is configured, upload them.
-    `model_card` is published as the merged model's README.md, replacing one the folder holds."""
+    `cards` (group -> file) are published as each group's README.md, replacing one the folder
+    holds; `model_card` is the merged group's. A text file that names this machine (a local
+    path, `local_files_only`: `vlmrl.portable`) stops the upload before anything is sent."""
     version = derive_version(params.version, params_digest, repo_dir)
     files = collect_artifacts(inputs)
-    if model_card is not None:
-        files = replace_file(files, local_artifact("merged", MODEL_CARD_NAME, model_card))
+    cards = {**({"merged": model_card} if model_card is not None else {}), **(cards or {})}
+    for group, card in cards.items():
+        files = replace_file(files, local_artifact(group, MODEL_CARD_NAME, card))
+    check_portable(files)
     metrics = read_manifest_metrics(inputs.get("metrics"))
     manifest = build_manifest(files, version, git_revision(repo_dir), params_digest, metrics)
     check_publishable(manifest)
