@@ -14,9 +14,9 @@ from pathlib import Path
 
 from vlmrl.export import ExportError, run_export
 from vlmrl.gguf_tools import GGUFError
-from vlmrl.outputs import remove_outputs, write_json_atomic
+from vlmrl.metric_files import write_stage_metrics
+from vlmrl.outputs import remove_outputs
 from vlmrl.params import ParamsError, load_params
-from vlmrl.timing import split_wall_clock
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -26,6 +26,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--merged", type=Path, required=True)
     parser.add_argument("--gguf", type=Path, required=True)
     parser.add_argument("--metrics", type=Path, required=True)
+    parser.add_argument("--details", type=Path, required=True,
+                        help="the full report; the metrics file holds its headline numbers")
     parser.add_argument("--timings", type=Path, required=True,
                         help="wall-clock figures, apart from the metrics later stages depend on")
     parser.add_argument("--params", type=Path, default=Path("params.yaml"))
@@ -34,14 +36,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    outputs = (args.merged, args.gguf, args.metrics, args.timings)
+    outputs = (args.merged, args.gguf, args.metrics, args.details, args.timings)
     remove_outputs(*outputs)
     try:
         metrics = run_export(params=load_params(args.params), adapter=args.adapter,
                              eval_set=args.eval_set, merged_out=args.merged, gguf_out=args.gguf)
-        kept, timings = split_wall_clock(metrics)
-        write_json_atomic(args.metrics, kept)
-        write_json_atomic(args.timings, timings)
+        write_stage_metrics("export", metrics, metrics=args.metrics, details=args.details,
+                            timings=args.timings)
     except (ParamsError, FileNotFoundError, ExportError, GGUFError) as error:
         remove_outputs(*outputs)
         print(f"export failed: {error}", file=sys.stderr)

@@ -13,6 +13,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from vlmrl.metric_files import write_stage_metrics
 from vlmrl.outputs import remove_outputs, write_json_atomic, write_text_atomic
 from vlmrl.params import ParamsError, load_params
 from vlmrl.publish import PublishError, S3Location, UploadResult, params_hash, publish
@@ -44,6 +45,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=Path("data/metrics/upload.json"),
     )
     option(
+        "--details",
+        type=Path,
+        default=Path("data/reports/details/upload.json"),
+        help="the whole summary (version, location); the metrics file holds its counts",
+    )
+    option(
         "--model-card",
         type=Path,
         default=Path("data/reports/model_card.md"),
@@ -70,7 +77,7 @@ def report_upload(result: UploadResult, location: S3Location, manifest_out: Path
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    outputs = (args.manifest_out, args.metrics_out, args.model_card)
+    outputs = (args.manifest_out, args.metrics_out, args.details, args.model_card)
     remove_outputs(*outputs)
     inputs = {
         "adapter": args.adapter,
@@ -99,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         remove_outputs(*outputs)
         raise
     write_json_atomic(args.manifest_out, result.manifest)
-    write_json_atomic(args.metrics_out, result.summary())
+    write_stage_metrics("upload", result.summary(), metrics=args.metrics_out,
+                        details=args.details)
     if result.location is None:
         print(
             "no upload.bucket configured: nothing was uploaded; "

@@ -200,6 +200,7 @@ class _Exporter:
         self.raise_on_failures()
         return {
             "passed": True,
+            "checks_failed": sum(not c.passed for c in self.checks),
             "dtype": self.settings.dtype,
             "logit_max_abs_diff": self.diffs,
             "tolerances": {"merged_vs_adapter": self.merged_tolerance(),

@@ -6,6 +6,7 @@ result-changing params and data; checkpoints of other settings are moved aside, 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib.util
@@ -37,9 +38,13 @@ from vlmrl.params import ModelParams, Params, ParamsError
 from vlmrl.rewards import build_rewards
 from vlmrl.tables import flatten
 from vlmrl.trl_compat import (
+    check_report_to,
+    completions_table_to,
     enable_compiled_generation,
+    finite_rows,
     install_cpu_fallback,
     limit_generation_rows,
+    live_log,
     step_log_rows,
 )
 
@@ -75,6 +80,7 @@ def build_grpo_config(grpo: Mapping[str, Any], *, output_dir: Path, save_steps: 
         if key in MANAGED_GRPO_KEYS:
             raise ParamsError(f"params.yaml train.grpo.{key} is set by the pipeline "
                               f"(dvc.yaml paths, train.save_steps or rewards); remove it")
+    check_report_to(grpo.get("report_to", "none"), "train.grpo.report_to")
     if grpo.get("use_vllm") and not vllm_installed():
         raise ParamsError("params.yaml train.grpo.use_vllm is true but vllm is not installed; "
                           "pip install vllm (a build matching this torch) or set it to false")
@@ -245,6 +251,23 @@ def split_step_times(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], 
     return [{k: v for k, v in row.items() if k != "step_time"} for row in rows], times
 
 
+def log_rows(log_history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The trainer's log history as the rows of the train log (`dvc plots` reads them)."""
+    return finite_rows(split_step_times(step_log_rows(log_history))[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveOutputs:
+    """Files written while training runs: the train log at every logging step, the curves at
+    every checkpoint save, TRL's sample completions table at every logging step."""
+    log: Path
+    curves: Path
+    samples: Path
+
+    def callback(self):
+        return live_log(self.log, log_rows, lambda rows: plot_training_curves(rows, self.curves))
+
+
 # ---------------------------------------------------------------- run
 
 @dataclasses.dataclass
@@ -295,7 +318,7 @@ def adapter_digest(adapter: Path | None) -> str | None:
 
 
 def train(*, train_set: Path, params: Params, adapter_out: Path, checkpoints: Path,
-          sft_out: Path | None = None) -> TrainResult:
+          sft_out: Path | None = None, live: LiveOutputs | None = None) -> TrainResult:
     """Runs GSPO and writes the adapter; returns the per-step log and the summary.
     `sft_out`: the sft_cold_start stage's output, whose adapter is continued (None, or a
     pass-through SFT: a fresh adapter). Read after the params are checked, so a params error is
@@ -322,20 +345,21 @@ def train(*, train_set: Path, params: Params, adapter_out: Path, checkpoints: Pa
                                              init_adapter)
     dataset = policy_dataset(load_from_disk(str(train_set)), processor)
     trainer = make_trainer(model, processor, config, dataset, reward_funcs,
-                           generation_rows=rows, callbacks=[])
+                           generation_rows=rows, callbacks=[live.callback()] if live else [])
     started = time.perf_counter()
     if resume_from is not None:
         print(f"resuming from {resume_from}")
-    trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+    with (completions_table_to(live.samples) if live else contextlib.nullcontext()):
+        trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     runtime = time.perf_counter() - started
 
     with atomic_dir(adapter_out) as staging:
         trainer.model.save_pretrained(str(staging))
         save_processing(staging, processor)
-    log_rows, step_seconds = split_step_times(step_log_rows(trainer.state.log_history))
-    summary = summarize_training(log_rows, runtime, trainer.state.global_step,
+    logged, step_seconds = split_step_times(step_log_rows(trainer.state.log_history))
+    summary = summarize_training(logged, runtime, trainer.state.global_step,
                                  str(resume_from) if resume_from else None, step_seconds)
-    return TrainResult(log_rows, summary, checkpoints / "completions")
+    return TrainResult(log_rows(trainer.state.log_history), summary, checkpoints / "completions")
 
 
 def plot_training_curves(rows: list[dict[str, Any]], path: Path) -> None:
