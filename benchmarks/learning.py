@@ -98,8 +98,7 @@ def run_seed(seed: int, overrides: dict[str, Any], workdir: Path,
     seconds = time.perf_counter() - started
     metrics = repo / "data" / "metrics"
     baseline, post = read_json(metrics / "baseline_eval.json"), read_json(metrics / "post_eval.json")
-    log_rows = [json.loads(line) for line in
-                (metrics / "train_log.jsonl").read_text(encoding="utf-8").splitlines() if line]
+    log_rows = read_json(metrics / "train_log.json")
     result: dict[str, Any] = {"seed": seed, "seconds": round(seconds, 1),
                               "mechanics": train_mechanics(log_rows)}
     for key in HEADLINE:

@@ -24,10 +24,10 @@ from vlmrl.launch import (
     launched_worker,
     run_launched,
 )
+from vlmrl.metric_files import category_rows, write_stage_metrics
 from vlmrl.models.loading import starting_adapter
 from vlmrl.outputs import atomic_dir, remove_outputs, write_json_atomic, write_jsonl_atomic
 from vlmrl.params import Params, load_params
-from vlmrl.timing import split_wall_clock
 
 POST_ONLY = ("adapter", "baseline", "baseline_metrics", "report")
 
@@ -38,6 +38,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--eval-set", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True, help="directory for records.jsonl")
     parser.add_argument("--metrics", type=Path, required=True)
+    parser.add_argument("--details", type=Path, required=True,
+                        help="the full metrics; the metrics file holds their headline numbers")
+    parser.add_argument("--by-category", type=Path, required=True,
+                        help="accuracy per category (a JSON list, for dvc plots)")
     parser.add_argument("--timings", type=Path, required=True,
                         help="wall-clock figures, apart from the metrics later stages depend on")
     parser.add_argument("--adapter", type=Path)
@@ -105,15 +109,16 @@ def evaluate(args: argparse.Namespace, params: Params) -> dict[str, Any] | None:
     if args.mode == "post":
         metrics = write_post_report(args, records, metrics)
     write_jsonl_atomic(args.out / "records.jsonl", records)
-    kept, timings = split_wall_clock(metrics)
-    write_json_atomic(args.metrics, kept)
-    write_json_atomic(args.timings, timings)
+    write_json_atomic(args.by_category, category_rows(metrics))
+    write_stage_metrics(f"{args.mode}_eval", metrics, metrics=args.metrics, details=args.details,
+                        timings=args.timings)
     return metrics
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    outputs = [args.out / "records.jsonl", args.metrics, args.timings, *([args.report] if args.report else [])]
+    outputs = [args.out / "records.jsonl", args.metrics, args.details, args.by_category,
+               args.timings, *([args.report] if args.report else [])]
     main_process = is_main_process()
     if main_process:
         remove_outputs(*outputs)

@@ -13,9 +13,9 @@ from pathlib import Path
 
 from vlmrl.errors import run_stage
 from vlmrl.export import run_export
-from vlmrl.outputs import remove_outputs, write_json_atomic
+from vlmrl.metric_files import write_stage_metrics
+from vlmrl.outputs import remove_outputs
 from vlmrl.params import load_params
-from vlmrl.timing import split_wall_clock
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -25,6 +25,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--merged", type=Path, required=True)
     parser.add_argument("--gguf", type=Path, required=True)
     parser.add_argument("--metrics", type=Path, required=True)
+    parser.add_argument("--details", type=Path, required=True,
+                        help="the full report; the metrics file holds its headline numbers")
     parser.add_argument("--timings", type=Path, required=True,
                         help="wall-clock figures, apart from the metrics later stages depend on")
     parser.add_argument("--params", type=Path, default=Path("params.yaml"))
@@ -33,14 +35,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    outputs = (args.merged, args.gguf, args.metrics, args.timings)
+    outputs = (args.merged, args.gguf, args.metrics, args.details, args.timings)
     remove_outputs(*outputs)
     try:
         metrics = run_export(params=load_params(args.params), adapter=args.adapter,
                              eval_set=args.eval_set, merged_out=args.merged, gguf_out=args.gguf)
-        kept, timings = split_wall_clock(metrics)
-        write_json_atomic(args.metrics, kept)
-        write_json_atomic(args.timings, timings)
+        write_stage_metrics("export", metrics, metrics=args.metrics, details=args.details,
+                            timings=args.timings)
     except BaseException:
         remove_outputs(*outputs)
         raise

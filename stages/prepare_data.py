@@ -16,7 +16,8 @@ from vlmrl.data import (
     to_dataset,
 )
 from vlmrl.errors import run_stage
-from vlmrl.outputs import atomic_dir, remove_outputs, write_json_atomic, write_text_atomic
+from vlmrl.metric_files import write_stage_metrics
+from vlmrl.outputs import atomic_dir, remove_outputs, write_text_atomic
 from vlmrl.params import load_params
 
 
@@ -25,10 +26,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="directory for train/ and eval/")
     parser.add_argument("--report", type=Path, required=True)
     parser.add_argument("--metrics", type=Path, required=True)
+    parser.add_argument("--details", type=Path, required=True,
+                        help="the full summary; the metrics file holds its headline numbers")
     parser.add_argument("--params", type=Path, default=Path("params.yaml"))
     args = parser.parse_args()
 
-    outputs = (args.out / "train", args.out / "eval", args.report, args.metrics)
+    outputs = (args.out / "train", args.out / "eval", args.report, args.metrics,
+               args.details)
     params = load_params(args.params)
     settings, system_prompt = params.data, answer_format(params).system_text()
     remove_outputs(*outputs)
@@ -38,7 +42,8 @@ def main() -> None:
             with atomic_dir(args.out / name) as staging:
                 to_dataset(rows).save_to_disk(str(staging))
         write_text_atomic(args.report, render_report(prepared, settings))
-        write_json_atomic(args.metrics, data_summary(prepared))
+        write_stage_metrics("prepare_data", data_summary(prepared), metrics=args.metrics,
+                            details=args.details)
     except BaseException:
         remove_outputs(*outputs)
         raise

@@ -18,11 +18,11 @@ from vlmrl.launch import (
     run_launched,
     training_launch,
 )
+from vlmrl.metric_files import write_stage_metrics
 from vlmrl.models.backend import mixed_precision
-from vlmrl.outputs import atomic_dir, remove_outputs, write_json_atomic, write_jsonl_atomic
+from vlmrl.outputs import atomic_dir, remove_outputs, write_json_atomic
 from vlmrl.params import load_params
-from vlmrl.timing import split_wall_clock
-from vlmrl.training import TrainResult, plot_training_curves, train
+from vlmrl.training import LiveOutputs, TrainResult, plot_training_curves, train
 
 
 def main() -> int:
@@ -31,9 +31,15 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True, help="adapter directory")
     parser.add_argument("--checkpoints", type=Path, required=True)
     parser.add_argument("--metrics", type=Path, required=True)
-    parser.add_argument("--log", type=Path, required=True, help="per-step log (JSON lines)")
+    parser.add_argument("--details", type=Path, required=True,
+                        help="the full summary; the metrics file holds its headline numbers")
+    parser.add_argument("--log", type=Path, required=True,
+                        help="per-step log (a JSON list), rewritten at every logging step")
     parser.add_argument("--completions", type=Path, required=True)
-    parser.add_argument("--curves", type=Path, required=True, help="PNG of the training curves")
+    parser.add_argument("--samples", type=Path, required=True,
+                        help="TRL's sample completions table (train.grpo.log_completions)")
+    parser.add_argument("--curves", type=Path, required=True,
+                        help="PNG of the training curves, redrawn at every checkpoint save")
     parser.add_argument("--timings", type=Path, required=True,
                         help="wall-clock figures, apart from the metrics later stages depend on")
     parser.add_argument("--start-adapter", type=Path,
@@ -42,7 +48,8 @@ def main() -> int:
     parser.add_argument("--params", type=Path, default=Path("params.yaml"))
     args = parser.parse_args()
 
-    outputs = (args.out, args.metrics, args.log, args.completions, args.curves, args.timings)
+    outputs = (args.out, args.metrics, args.details, args.log, args.completions, args.samples,
+               args.curves, args.timings)
     main_process = is_main_process()  # also the launcher, which is no rank
     if main_process:
         remove_outputs(*outputs)
@@ -56,7 +63,8 @@ def main() -> int:
     die_with_launcher()
     try:
         result = train(train_set=args.train_set, params=params, adapter_out=args.out,
-                       checkpoints=args.checkpoints, sft_out=args.start_adapter)
+                       checkpoints=args.checkpoints, sft_out=args.start_adapter,
+                       live=LiveOutputs(args.log, args.curves, args.samples))
         if result is not None:
             write_outputs(args, result)
     except BaseException:
@@ -76,10 +84,9 @@ def write_outputs(args: argparse.Namespace, result: TrainResult) -> None:
     with atomic_dir(args.completions) as staging:
         for parquet in sorted(result.completions_dir.glob("*.parquet")):
             shutil.copy2(parquet, staging / parquet.name)
-    write_jsonl_atomic(args.log, result.log_rows)
-    summary, timings = split_wall_clock(result.summary)
-    write_json_atomic(args.metrics, summary)
-    write_json_atomic(args.timings, timings)
+    write_json_atomic(args.log, result.log_rows)
+    write_stage_metrics("train_gspo", result.summary, metrics=args.metrics, details=args.details,
+                        timings=args.timings)
     plot_training_curves(result.log_rows, args.curves)
 
 

@@ -13,6 +13,7 @@ import dataclasses
 from pathlib import Path
 
 from vlmrl.errors import run_stage
+from vlmrl.metric_files import write_stage_metrics
 from vlmrl.outputs import remove_outputs, write_json_atomic, write_text_atomic
 from vlmrl.params import load_params
 from vlmrl.publish import S3Location, UploadResult, params_hash, publish
@@ -42,6 +43,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         dest="metrics_out",
         type=Path,
         default=Path("data/metrics/upload.json"),
+    )
+    option(
+        "--details",
+        type=Path,
+        default=Path("data/reports/details/upload.json"),
+        help="the whole summary (version, location); the metrics file holds its counts",
     )
     option(
         "--model-card",
@@ -74,8 +81,8 @@ def report_upload(result: UploadResult, location: S3Location, manifest_out: Path
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    outputs = (args.manifest_out, args.metrics_out, args.model_card, args.adapter_card,
-               args.gguf_card)
+    outputs = (args.manifest_out, args.metrics_out, args.details, args.model_card,
+               args.adapter_card, args.gguf_card)
     card_paths = {"merged": args.model_card, "adapter": args.adapter_card, "gguf": args.gguf_card}
     remove_outputs(*outputs)
     inputs = {
@@ -102,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         remove_outputs(*outputs)
         raise
     write_json_atomic(args.manifest_out, result.manifest)
-    write_json_atomic(args.metrics_out, result.summary())
+    write_stage_metrics("upload", result.summary(), metrics=args.metrics_out,
+                        details=args.details)
     if result.location is None:
         print(
             "no upload.bucket configured: nothing was uploaded; "

@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 from vlmrl.errors import run_stage
-from vlmrl.outputs import remove_outputs, write_json_atomic
+from vlmrl.metric_files import write_stage_metrics
+from vlmrl.outputs import remove_outputs
 from vlmrl.params import load_params
 from vlmrl.verify import report_summary, verify_adapter
 
@@ -22,13 +23,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--adapter", type=Path, required=True)
     parser.add_argument("--eval-set", type=Path, required=True)
     parser.add_argument("--metrics", type=Path, required=True)
+    parser.add_argument("--details", type=Path, required=True,
+                        help="the full report; the metrics file holds its headline numbers")
     parser.add_argument("--params", type=Path, default=Path("params.yaml"))
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    remove_outputs(args.metrics)
+    remove_outputs(args.metrics, args.details)
     params = load_params(args.params)
     report = verify_adapter(params.model, args.adapter, args.eval_set, params.train.lora,
                             params.verify.logit_tolerance)
@@ -36,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     if not report.passed:
         print(report.failure_message(), file=sys.stderr)
         return 1
-    write_json_atomic(args.metrics, report.to_json())
+    write_stage_metrics("verify_lora", report.to_json(), metrics=args.metrics,
+                        details=args.details)
     print(f"adapter {args.adapter} passed all {len(report.checks)} checks; "
           f"metrics in {args.metrics}")
     return 0

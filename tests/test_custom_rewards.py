@@ -132,8 +132,7 @@ def test_import_path_reward_is_used_by_training_and_evaluation(fresh_repo: Path)
                                                    "my_rewards:brevity": 1.0}})
     for stage in ("prepare_data", "sft_cold_start", "baseline_eval", "train_gspo"):
         run(stage_command(stage, fresh_repo), fresh_repo)
-    log = [json.loads(line) for line in
-           (fresh_repo / "data/metrics/train_log.jsonl").read_text().splitlines()]
+    log = json.loads((fresh_repo / "data/metrics/train_log.json").read_text())
     assert any("rewards_brevity_mean" in row for row in log)
     records = [json.loads(line) for line in
                (fresh_repo / "data/eval/baseline/records.jsonl").read_text().splitlines()]

@@ -38,7 +38,7 @@ def test_every_stage_produced_its_outputs(reproduced: Path) -> None:
                  "models/gguf/mmproj-f16.gguf", "reports/eval/report.md",
                  "reports/upload_manifest.json", "reports/model_card.md"):
         assert (data / path).exists(), path
-    upload = json.loads((data / "metrics/upload.json").read_text())
+    upload = json.loads((data / "reports/details/upload.json").read_text())
     assert upload["uploaded"] is False
 
 

@@ -289,7 +289,8 @@ def _must_not_load(*args, **kwargs):
 def test_stage_failure_removes_stale_outputs_and_names_the_stage(eval_set, tmp_path, capsys):
     stage = load_stage_module()
     out, metrics, report = tmp_path / "post", tmp_path / "post_eval.json", tmp_path / "report"
-    stale = [out / "records.jsonl", metrics, report / "report.md"]
+    details, by_category = tmp_path / "details.json", tmp_path / "by_category.json"
+    stale = [out / "records.jsonl", metrics, details, by_category, report / "report.md"]
     for path in stale:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("stale")
@@ -297,6 +298,7 @@ def test_stage_failure_removes_stale_outputs_and_names_the_stage(eval_set, tmp_p
     baseline.write_text("")
     argv = ["post", "--eval-set", str(eval_set), "--adapter", str(tmp_path / "no-adapter"),
             "--out", str(out), "--metrics", str(metrics), "--baseline", str(baseline),
+            "--details", str(details), "--by-category", str(by_category),
             "--timings", str(tmp_path / "timings.json"),
             "--baseline-metrics", str(tmp_path / "no-baseline.json"), "--report",
             str(report), "--params", str(ROOT / "params.yaml")]
@@ -311,10 +313,10 @@ def test_stage_post_requires_its_inputs():
     stage = load_stage_module()
     with pytest.raises(SystemExit):
         stage.parse_args(["post", "--eval-set", "e", "--out", "o", "--metrics", "m.json",
-                          "--timings", "t.json"])
+                          "--details", "d.json", "--by-category", "c.json", "--timings", "t.json"])
     with pytest.raises(SystemExit):
         stage.parse_args(["baseline", "--eval-set", "e", "--out", "o", "--metrics", "m.json",
-                          "--timings", "t.json",
+                          "--details", "d.json", "--by-category", "c.json", "--timings", "t.json",
                           "--adapter", "a"])
 
 
@@ -429,7 +431,7 @@ def test_baseline_eval_through_dvc(pipeline_repo):
 
     dvc_repro(pipeline_repo, "baseline_eval")
     records = read_records(pipeline_repo / "data/eval/baseline/records.jsonl")
-    metrics = json.loads((pipeline_repo / "data/metrics/baseline_eval.json").read_text())
+    metrics = json.loads((pipeline_repo / "data/reports/details/baseline_eval.json").read_text())
     eval_rows = load_from_disk(str(pipeline_repo / "data/prepared/eval"))
     assert [r["pid"] for r in records] == eval_rows["pid"]
     assert metrics["n"] == len(eval_rows)
@@ -499,7 +501,8 @@ def test_post_stage_on_a_peft_adapter(pipeline_repo, tmp_path):
     out, metrics_path, report = tmp_path / "post", tmp_path / "post_eval.json", tmp_path / "report"
     run(["python", "stages/evaluate.py", "post", "--eval-set", "data/prepared/eval",
          "--adapter", str(make_adapter(tmp_path / "adapter")), "--out", str(out),
-         "--metrics", str(metrics_path), "--baseline", str(baseline_path),
+         "--metrics", str(tmp_path / "headline.json"), "--baseline", str(baseline_path),
+         "--details", str(metrics_path), "--by-category", str(tmp_path / "by_category.json"),
          "--timings", str(tmp_path / "timings.json"),
          "--baseline-metrics", "data/metrics/baseline_eval.json", "--report", str(report)],
         pipeline_repo)
@@ -522,7 +525,7 @@ def test_post_eval_through_dvc(pipeline_repo):
     dvc_repro(pipeline_repo, "post_eval")
     baseline = read_records(pipeline_repo / "data/eval/baseline/records.jsonl")
     post = read_records(pipeline_repo / "data/eval/post/records.jsonl")
-    metrics = json.loads((pipeline_repo / "data/metrics/post_eval.json").read_text())
+    metrics = json.loads((pipeline_repo / "data/reports/details/post_eval.json").read_text())
     assert_metrics_match_records(metrics, post,
                                  pipeline_repo / "data/reports/timings/post_eval.json")
     assert_report_shows_flips(pipeline_repo / "data/reports/eval", baseline, post)

@@ -67,11 +67,12 @@ class Exported:
 
 def run_export_stage(workdir: Path, adapter: Path, out: str = "data/models",
                      metrics: str = "data/metrics/export.json",
+                     details: str = "data/reports/details/export.json",
                      timings: str = "data/reports/timings/export.json"):
     return run([sys.executable, str(ROOT / "stages/export.py"), "--adapter", str(adapter),
                 "--eval-set", "data/prepared/eval", "--merged", f"{out}/merged",
-                "--gguf", f"{out}/gguf", "--metrics", metrics, "--timings", timings], workdir,
-               check=False)
+                "--gguf", f"{out}/gguf", "--metrics", metrics, "--details", details,
+                "--timings", timings], workdir, check=False)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +81,7 @@ def exported(tmp_path_factory) -> Exported:
     adapter = make_adapter(workdir / "data/models/adapter", b_scale=0.02)
     result = run_export_stage(workdir, adapter)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    metrics = json.loads((workdir / "data/metrics/export.json").read_text())
+    metrics = json.loads((workdir / "data/reports/details/export.json").read_text())
     return Exported(workdir, adapter, result, metrics)
 
 
@@ -96,6 +97,8 @@ def test_export_writes_every_artifact_and_its_metrics(exported: Exported) -> Non
         "merged_vs_adapter", "adapter_vs_base", "gguf_f16_vs_merged", "gguf_q8_0_vs_merged",
         "gguf_Q4_K_M_vs_merged", "base_gguf_f16_vs_merged"}
     assert "timings_s" not in metrics, "wall-clock times belong in the timings file"
+    headline = json.loads((exported.workdir / "data/metrics/export.json").read_text())
+    assert headline == {"checks_failed": 0, "logit_max_abs_diff": metrics["logit_max_abs_diff"]}
     timings = json.loads((exported.workdir / "data/reports/timings/export.json").read_text())
     assert timings["timings_s"]["total"] > timings["timings_s"]["merge"] > 0
     assert "exported data/models/merged and 4 GGUF files" in exported.result.stdout
@@ -185,13 +188,14 @@ def test_untrained_adapter_fails_the_base_control_and_leaves_no_outputs(
     workdir = exported.workdir
     adapter = make_adapter(workdir / "adapters/untrained")
     stale = [workdir / "data/failed/merged/config.json", workdir / "data/failed/gguf/x.gguf",
-             workdir / "data/failed/metrics/export.json"]
+             workdir / "data/failed/metrics/export.json", workdir / "data/failed/details.json"]
     for path in stale:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("stale")
 
     result = run_export_stage(workdir, adapter, out="data/failed",
-                              metrics="data/failed/metrics/export.json")
+                              metrics="data/failed/metrics/export.json",
+                              details="data/failed/details.json")
 
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
     assert "export failed 1 of 17 checks" in result.stderr
@@ -340,8 +344,9 @@ def test_converter_missing_everywhere_is_a_clear_error(tmp_path: Path, monkeypat
 def test_dvc_repro_export_through_the_pipeline(pipeline_repo: Path) -> None:
     dvc_repro(pipeline_repo, "export")
     metrics = json.loads((pipeline_repo / "data/metrics/export.json").read_text())
-    assert metrics["passed"]
-    assert json.loads((pipeline_repo / "data/metrics/verify_lora.json").read_text())["passed"]
+    assert metrics["checks_failed"] == 0
+    assert json.loads((pipeline_repo / "data/metrics/verify_lora.json").read_text()) \
+        ["checks_failed"] == 0
     assert {p.name for p in (pipeline_repo / "data/models/gguf").iterdir()} == GGUF_NAMES
 
 

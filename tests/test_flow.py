@@ -282,7 +282,7 @@ def test_artifacts_hold_metrics_verification_and_release(two_runs, harness_api: 
     assert (f"| mean_reward | {before:.4g} | {after:.4g} | {after - before:.4g} |"
             in artifacts["eval-before-after"]["data"])
     assert artifacts["lora-verification"]["data"].startswith("# LoRA verification: passed")
-    release = json.loads((repo / "data/metrics/upload.json").read_text())
+    release = json.loads((repo / "data/reports/details/upload.json").read_text())
     assert f"`{release['version']}`" in artifacts["published-version"]["data"]
 
 

@@ -23,7 +23,7 @@ BASELINE = {"n": 16, "accuracy": 0.0625, "format_compliance": 0.25, "mean_reward
             "rewards": {"format_reward": 0.1, "correctness_reward": 0.0625}}
 POST = {"n": 16, "accuracy": 0.1875, "format_compliance": 0.75, "mean_reward": 0.9,
         "rewards": {"format_reward": 0.3, "correctness_reward": 0.1875}}
-EXPORT = {"passed": True, "dtype": "bfloat16",
+EXPORT = {"checks_failed": 0,
           "logit_max_abs_diff": {"merged_vs_adapter": 0.002, "gguf_f16_vs_merged": 0.001}}
 GGUF_SIZES = {"model-f16.gguf": 40_000, "model-q8_0.gguf": 21_000, "model-Q4_K_M.gguf": 12_000,
               "mmproj-f16.gguf": 30_000}

@@ -28,6 +28,8 @@ PREFIX = "vlmrl/test"
 BIG_FILE_SIZE = 6 * 1024 * 1024  # over the 5 MiB multipart threshold used here
 WRONG_SECRET = "wrong-secret-that-must-never-be-printed"
 
+UPLOAD_DETAILS = "data/reports/details/upload.json"  # the summary; metrics/upload.json: its counts
+
 
 # --------------------------------------------------------------------------- fixtures
 
@@ -100,8 +102,8 @@ def make_project(root: Path, upload: dict[str, Any], many_files: int = 0) -> Pat
     write_bytes(metrics / "post_eval.json", json.dumps({"accuracy": 0.625, "n": 64}).encode())
     write_bytes(metrics / "baseline_eval.json", json.dumps({"accuracy": 0.5, "n": 64}).encode())
     write_bytes(metrics / "train.json", b'{"steps": 10}')
-    write_bytes(metrics / "train_log.jsonl", b'{"step": 1, "loss": 1.0}\n')
-    write_bytes(metrics / "export.json", b'{"dtype": "bfloat16", "logit_max_abs_diff": {}}')
+    write_bytes(metrics / "train_log.json", b'[{"step": 1, "loss": 1.0}]\n')
+    write_bytes(metrics / "export.json", b'{"checks_failed": 0, "logit_max_abs_diff": {}}')
     params = {
         "upload": {
             "prefix": PREFIX,
@@ -215,7 +217,7 @@ def test_stage_upload_then_pull_round_trip(
     assert completed.returncode == 0, completed.stderr
     assert "published s3://" in completed.stdout
 
-    summary = json.loads((project / "data/metrics/upload.json").read_text())
+    summary = json.loads((project / UPLOAD_DETAILS).read_text())
     originals = stage_release_files(project)
     assert summary["uploaded"] is True and summary["version"] == "v1"
     assert summary["bucket"] == bucket and summary["prefix"] == PREFIX
@@ -330,7 +332,7 @@ def test_interrupted_upload_keeps_latest_and_rerun_completes(
 
     completed = run_stage(project)
     assert completed.returncode == 0, completed.stderr
-    summary = json.loads((project / "data/metrics/upload.json").read_text())
+    summary = json.loads((project / UPLOAD_DETAILS).read_text())
     assert summary["skipped_files"] >= 1
     assert (
         summary["uploaded_files"] + summary["skipped_files"]
@@ -528,7 +530,7 @@ def test_no_bucket_writes_the_manifest_and_uploads_nothing(tmp_path: Path) -> No
     assert (
         "no upload.bucket configured: nothing was uploaded; manifest written to" in completed.stdout
     )
-    summary = json.loads((project / "data/metrics/upload.json").read_text())
+    summary = json.loads((project / UPLOAD_DETAILS).read_text())
     assert (
         summary["uploaded"] is False
         and summary["bucket"] is None

@@ -96,9 +96,9 @@ def test_offline_text_recipe_runs_every_stage(tmp_path: Path) -> None:
     assert gguf == ["model-Q4_K_M.gguf", "model-f16.gguf", "model-q8_0.gguf"]  # no projector
     config = json.loads((data / "models/merged/config.json").read_text())
     assert config["architectures"] == ["Qwen3ForCausalLM"] and "vision_config" not in config
-    export = json.loads((data / "metrics/export.json").read_text())
+    export = json.loads((data / "reports/details/export.json").read_text())
     assert export["passed"] is True and export["image_prompt"] is None
-    assert json.loads((data / "metrics/verify_lora.json").read_text())["passed"] is True
+    assert json.loads((data / "reports/details/verify_lora.json").read_text())["passed"] is True
     card = (data / "reports/model_card.md").read_text()
     assert "pipeline_tag: text-generation" in card and "<THINK>" in card and "mmproj" not in card
     prompt = json.loads((data / "eval/baseline/records.jsonl").read_text().splitlines()[0])

@@ -10,8 +10,7 @@ import pytest
 import yaml
 from conftest import dvc_repro, update_params
 
-from vlmrl.params import TrainParams
-from vlmrl.training import (
+from vlmrl.checkpoints import (
     IO_ONLY,
     MEMORY_ONLY,
     changed_settings,
@@ -21,6 +20,7 @@ from vlmrl.training import (
     run_fingerprint,
     run_settings,
 )
+from vlmrl.params import TrainParams
 
 ROOT = Path(__file__).resolve().parents[1]
 

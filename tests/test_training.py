@@ -24,8 +24,9 @@ from vlmrl.training import build_grpo_config, vllm_installed
 from vlmrl.trl_compat import step_log_rows
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def read_log(path: Path) -> list[dict]:
+    """A train log: a JSON list of rows, which `dvc plots` reads."""
+    return json.loads(path.read_text())
 
 
 def lora_b_norms(adapter: Path) -> dict[str, float]:
@@ -46,7 +47,7 @@ def test_train_gspo_through_dvc(pipeline_repo: Path) -> None:
     assert not any("visual" in name for name in config["target_modules"])
     assert (adapter / "preprocessor_config.json").is_file()
 
-    log = read_jsonl(pipeline_repo / "data/metrics/train_log.jsonl")
+    log = read_log(pipeline_repo / "data/metrics/train_log.json")
     assert [row["step"] for row in log] == [1, 2, 3, 4]
     assert any(row.get("clip_ratio_region_mean", 0) > 0 for row in log), "GSPO never clipped"
     assert not any("step_time" in row for row in log)  # wall clock: in the timings file
@@ -67,11 +68,11 @@ def test_interrupted_training_resumes(tmp_path: Path) -> None:
 
     result = dvc_repro(repo, "train_gspo")
     assert "resuming from" in result.stdout + result.stderr
-    summary = json.loads((repo / "data/metrics/train.json").read_text())
+    summary = json.loads((repo / "data/reports/details/train_gspo.json").read_text())
     assert summary["steps"] == 6
     assert summary["resumed_from"].endswith("checkpoint-2") or summary["resumed_from"].endswith(
         "checkpoint-4")
-    steps = [row["step"] for row in read_jsonl(repo / "data/metrics/train_log.jsonl")]
+    steps = [row["step"] for row in read_log(repo / "data/metrics/train_log.json")]
     assert steps[-1] == 6
 
 
@@ -399,7 +400,7 @@ def test_same_params_same_train_log(fresh_repo: Path) -> None:
     outputs = []
     for _ in range(2):
         run(stage_command("train_gspo"), fresh_repo)
-        outputs.append((read_jsonl(fresh_repo / "data/metrics/train_log.jsonl"),
+        outputs.append((read_log(fresh_repo / "data/metrics/train_log.json"),
                         json.loads((fresh_repo / "data/metrics/train.json").read_text())))
     (first_log, first_summary), (second_log, second_summary) = outputs
     assert [row["step"] for row in first_log] == [1, 2]

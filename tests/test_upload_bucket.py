@@ -12,7 +12,13 @@ from pathlib import Path
 import pytest
 import test_publish
 from s3_server import MotoServer
-from test_publish import latest_version, make_project, run_stage, stage_release_files
+from test_publish import (
+    UPLOAD_DETAILS,
+    latest_version,
+    make_project,
+    run_stage,
+    stage_release_files,
+)
 
 from vlmrl.cli import main as vlmrl_main
 
@@ -20,6 +26,7 @@ from vlmrl.cli import main as vlmrl_main
 s3_server = test_publish.s3_server
 bucket = test_publish.bucket
 aws_env = test_publish.aws_env
+
 
 
 def fresh_bucket_name() -> str:
@@ -108,7 +115,7 @@ def test_dirty_version_is_published_after_a_warning(
         params.write("# edited after the commit\n")
     completed = run_stage(project)
     assert completed.returncode == 0, completed.stderr
-    version = json.loads((project / "data/metrics/upload.json").read_text())["version"]
+    version = json.loads((project / UPLOAD_DETAILS).read_text())["version"]
     assert version.startswith("git-") and version.endswith("-dirty")
     warnings = [line for line in completed.stderr.splitlines() if line.startswith("warning:")]
     assert warnings == [(
@@ -127,7 +134,7 @@ def test_upload_json_counts_add_up(s3_server: MotoServer, bucket: str, tmp_path:
                                       "endpoint_url": s3_server.endpoint_url})
     completed = run_stage(project)
     assert completed.returncode == 0, completed.stderr
-    summary = json.loads((project / "data/metrics/upload.json").read_text())
+    summary = json.loads((project / UPLOAD_DETAILS).read_text())
     manifest = json.loads((project / "data/reports/upload_manifest.json").read_text())
     assert summary["files"] == len(manifest["files"]) == len(stage_release_files(project))
     assert summary["uploaded_files"] + summary["skipped_files"] == summary["files"]

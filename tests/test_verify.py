@@ -64,7 +64,8 @@ def prepare_workdir(root: Path) -> Path:
 
 def run_verify(workdir: Path, adapter: Path, params: Path | None = None):
     command = [sys.executable, str(ROOT / "stages/verify_lora.py"), "--adapter", str(adapter),
-               "--eval-set", "data/prepared/eval", "--metrics", "data/metrics/verify_lora.json"]
+               "--eval-set", "data/prepared/eval", "--metrics", "data/metrics/verify_lora.json",
+               "--details", "data/reports/details/verify_lora.json"]
     if params is not None:
         command += ["--params", str(params)]
     return run(command, workdir, check=False)
@@ -101,8 +102,8 @@ def test_trained_adapter_passes_and_writes_metrics(workdir: Path, trained_adapte
     result = run_verify(workdir, trained_adapter)
 
     assert result.returncode == 0, result.stdout + result.stderr
-    metrics = json.loads((workdir / "data/metrics/verify_lora.json").read_text())
-    assert metrics["passed"] is True
+    metrics = json.loads((workdir / "data/reports/details/verify_lora.json").read_text())
+    assert metrics["passed"] is True and metrics["checks_failed"] == 0
     assert all(check["passed"] for check in metrics["checks"].values())
     assert set(metrics["checks"]) == {"lora_b_nonzero", "rank", "alpha", "dropout",
                                       "target_modules", "language_model_only", "logit_delta"}
@@ -112,6 +113,11 @@ def test_trained_adapter_passes_and_writes_metrics(workdir: Path, trained_adapte
     assert all(group["modules"] == 2 and group["lora_B"] > 0 and group["delta_w"] > 0
                for group in metrics["groups"].values())
     assert metrics["logit_delta"]["max_abs"] > 1e-3 > metrics["logit_delta"]["tolerance"]
+    headline = json.loads((workdir / "data/metrics/verify_lora.json").read_text())
+    assert headline == {"checks_failed": 0, "tensors": {"adapted_modules": 14, "zero_lora_B": 0,
+                                                        "parameters": 65536},
+                        "logit_delta": {key: metrics["logit_delta"][key]
+                                        for key in ("max_abs", "mean_abs")}}
 
 
 def test_wrong_rank_in_params_fails(workdir: Path, trained_adapter: Path, tmp_path: Path) -> None:

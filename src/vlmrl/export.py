@@ -292,6 +292,7 @@ class _Exporter:
             self.system_prompt, {c.name: c.detail for c in self.checks if "gguf" in c.name})
         return {
             "passed": True,
+            "checks_failed": sum(not c.passed for c in self.checks),
             "dtype": self.settings.dtype,
             "logit_max_abs_diff": self.diffs,
             "tolerances": {"merged_vs_adapter": self.merged_tolerance(),

@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 FLOW_FILE = Path("flows") / "pipeline.py"
 FLOW_FUNCTION = "pipeline"
 METRICS_DIR = Path("data") / "metrics"
+DETAILS_DIR = Path("data") / "reports" / "details"  # what the metrics files leave out
 STDERR_TAIL_LINES = 40
 DEFAULT_DEPLOYMENT_NAME = "scheduled"
 
@@ -230,8 +231,8 @@ def resolve_repo(repo: str | Path | None) -> Path:
 # --- artifacts ----------------------------------------------------------------------------------
 
 
-def stage_metrics(repo: Path, name: str) -> dict[str, Any]:
-    return json.loads((repo / METRICS_DIR / f"{name}.json").read_text(encoding="utf-8"))
+def stage_metrics(repo: Path, name: str, folder: Path = METRICS_DIR) -> dict[str, Any]:
+    return json.loads((repo / folder / f"{name}.json").read_text(encoding="utf-8"))
 
 
 def _is_number(value: Any) -> bool:
@@ -280,10 +281,10 @@ def stage_artifacts(stage: str, repo: Path) -> list[tuple[str, str, str]]:
                                        stage_metrics(repo, "post_eval")),
                  "Evaluation metrics of the base model and of base + adapter")]
     if stage == "verify_lora":
-        return [("lora-verification", verification_markdown(stage_metrics(repo, "verify_lora")),
+        return [("lora-verification", verification_markdown(stage_metrics(repo, "verify_lora", DETAILS_DIR)),
                  "Checks that the LoRA adapter is trained and loads")]
     if stage == "upload":
-        upload = stage_metrics(repo, "upload")
+        upload = stage_metrics(repo, "upload", DETAILS_DIR)
         return [("published-version", published_markdown(upload),
                  f"Release {upload.get('version')} and its S3 location")]
     return []

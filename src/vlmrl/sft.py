@@ -39,7 +39,14 @@ from vlmrl.models.loading import backend_for, load_policy, write_start_marker
 from vlmrl.models.processor import is_text_checkpoint, message_text, save_processing
 from vlmrl.outputs import atomic_dir
 from vlmrl.params import ModelParams, Params, ParamsError, SftParams
-from vlmrl.trl_compat import config_values, install_cpu_fallback, step_log_rows
+from vlmrl.trl_compat import (
+    check_report_to,
+    config_values,
+    finite_rows,
+    install_cpu_fallback,
+    live_log,
+    step_log_rows,
+)
 
 DEFAULT_REASONING = SftParams.model_fields["reasoning"].default
 
@@ -85,6 +92,7 @@ def build_sft_config(settings: SftParams, output_dir: Path, model_settings: Mode
             raise ParamsError(f"params.yaml sft.args.{key} is not a trl.SFTConfig field")
     args = config_values(trl.SFTConfig, settings.args, "sft.args")
     kwargs = {"report_to": "none", "logging_steps": 1, **args}
+    check_report_to(kwargs["report_to"], "sft.args.report_to")
     kwargs.update(output_dir=str(output_dir), save_strategy="no", completion_only_loss=True,
                   **({"max_length": None, "remove_unused_columns": False} if vision else {}),
                   **precision_flags(settings.args, model_settings))
@@ -94,9 +102,11 @@ def build_sft_config(settings: SftParams, output_dir: Path, model_settings: Mode
         raise ParamsError(f"params.yaml sft.args: {error}") from None
 
 
-def run_sft(*, train_set: Path, params: Params, out: Path) -> dict[str, Any]:
+def run_sft(*, train_set: Path, params: Params, out: Path,
+            log: Path | None = None) -> dict[str, Any]:
     """Writes the starting adapter (or the pass-through marker) to `out`; returns the summary,
-    with the per-step log under "log" and the wall seconds under "runtime_seconds"."""
+    with the per-step log under "log" and the wall seconds under "runtime_seconds". `log`, if
+    given, is rewritten with the rows so far at every logging step."""
     settings = params.sft
     if not settings.trains:
         with atomic_dir(out) as staging:
@@ -106,15 +116,15 @@ def run_sft(*, train_set: Path, params: Params, out: Path) -> dict[str, Any]:
         raise FileNotFoundError(f"{train_set}: no prepared train set; the prepare_data stage "
                                 "makes it")
     with atomic_dir(out) as staging:
-        summary = _train(settings, params, train_set, staging)
+        summary = _train(settings, params, train_set, staging, log)
         write_start_marker(staging, adapter=True,
                            summary={k: v for k, v in summary.items()
                                     if k not in ("log", "runtime_seconds")})
     return summary
 
 
-def _train(settings: SftParams, params: Params, train_set: Path,
-           staging: Path) -> dict[str, Any]:
+def _train(settings: SftParams, params: Params, train_set: Path, staging: Path,
+           log: Path | None) -> dict[str, Any]:
     backend_for(params.model)  # Unsloth, when chosen, must patch TRL before the config is built
     install_cpu_fallback()  # SFTTrainer's loss goes through the same Triton log-prob kernel
     vision = not is_text_checkpoint(resolve_model_path(params.model))
@@ -122,16 +132,22 @@ def _train(settings: SftParams, params: Params, train_set: Path,
     model, processor, _backend = load_policy(params.model, params.train.lora, config.seed)
     dataset = sft_dataset(load_from_disk(str(train_set)), settings.reasoning,
                           answer_format(params), vision)
+    callbacks = [] if log is None else [live_log(log, log_rows)]
     trainer = trl.SFTTrainer(model=model, args=config, train_dataset=dataset,
-                         processing_class=processor)
+                             processing_class=processor, callbacks=callbacks)
     started = time.perf_counter()
     trainer.train()
     runtime = time.perf_counter() - started
     trainer.model.save_pretrained(str(staging))
     save_processing(staging, processor)
     shutil.rmtree(staging / "_trainer", ignore_errors=True)
-    rows = step_log_rows(trainer.state.log_history)
+    rows = log_rows(trainer.state.log_history)
     losses = [row["loss"] for row in rows if "loss" in row]
     return {"steps": trainer.state.global_step, "adapter": True,
             "runtime_seconds": round(runtime, 2), "first_loss": losses[0] if losses else None,
             "last_loss": losses[-1] if losses else None, "log": rows}
+
+
+def log_rows(log_history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The trainer's log history as the rows of the SFT log (`dvc plots`: loss, grad norm)."""
+    return finite_rows(step_log_rows(log_history))

@@ -6,12 +6,11 @@ result-changing params and data; checkpoints of other settings are moved aside, 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib.util
-import json
 import math
-import shutil
 import time
 import warnings
 from collections.abc import Mapping
@@ -23,6 +22,12 @@ from datasets import load_from_disk
 from matplotlib.figure import Figure
 
 from vlmrl.answer_format import answer_format
+from vlmrl.checkpoints import (
+    newest_checkpoint,
+    prepare_checkpoints,
+    run_settings,
+    train_or_restore,
+)
 from vlmrl.data_parallel import (
     gather_lists,
     gathered_state_dict,
@@ -45,19 +50,21 @@ from vlmrl.outputs import atomic_dir
 from vlmrl.params import ModelParams, Params, ParamsError
 from vlmrl.portable import make_adapter_portable
 from vlmrl.rewards import build_rewards
-from vlmrl.tables import flatten
 from vlmrl.trl_compat import (
+    check_report_to,
+    completions_table_to,
     config_values,
     enable_compiled_generation,
+    finite_rows,
     install_cpu_fallback,
     limit_generation_rows,
+    live_log,
     step_log_rows,
 )
 
 # Set from dvc.yaml paths and other params sections, never from train.grpo.
 MANAGED_GRPO_KEYS = {"output_dir", "save_steps", "save_strategy", "reward_weights",
                      "resume_from_checkpoint", "use_cpu"}
-FINGERPRINT_FILE = "vlmrl_run.json"
 
 
 def generation_rows(rows: int | None, config) -> int | None:
@@ -112,6 +119,7 @@ def build_grpo_config(grpo: Mapping[str, Any], *, output_dir: Path, save_steps: 
             raise ParamsError(f"params.yaml train.grpo.{key} is set by the pipeline "
                               f"(dvc.yaml paths, train.save_steps or rewards); remove it")
     grpo = config_values(trl.GRPOConfig, grpo, "train.grpo")
+    check_report_to(grpo.get("report_to", "none"), "train.grpo.report_to")
     if grpo.get("use_vllm") and not vllm_installed():
         raise ParamsError("params.yaml train.grpo.use_vllm is true but vllm is not installed; "
                           "pip install vllm (a build matching this torch) or set it to false")
@@ -140,181 +148,6 @@ def warn_if_on_policy(kwargs: Mapping[str, Any]) -> None:
         warnings.warn("GSPO has no effect with num_iterations=1 and steps_per_generation <= "
                       "gradient_accumulation_steps: the policy is always on-policy, the sequence "
                       "ratio is 1 and nothing is clipped", stacklevel=2)
-
-
-# ---------------------------------------------------------------- checkpoints
-
-# Settings that change speed, memory, logging or where files go, never what is learned (issue
-# 24): lowering the rows per generate call after an out-of-memory error, or switching gradient
-# checkpointing on, must not throw away hours of training. A key also covers its sub-keys
-# (`gradient_checkpointing_kwargs.use_reentrant`). Everything else in model, rewards,
-# answer_format and train is fingerprinted, with the starting adapter and the train set: when in
-# doubt a key changes the result. Each group says why it cannot.
-MEMORY_ONLY = {  # the same updates, computed in more or fewer pieces or with recomputation
-    "train.max_generation_rows": "rows per generate call: the same rollouts, in chunks",
-    "train.grpo.gradient_checkpointing": "recomputes activations instead of keeping them",
-    "train.grpo.gradient_checkpointing_kwargs": "how the recomputation runs",
-    "train.grpo.torch_empty_cache_steps": "frees the CUDA cache between steps",
-    "train.grpo.cache_implementation": "the KV cache's layout during generation",
-    "train.grpo.generation_kwargs.max_cache_len": "the static KV cache's size",
-    "train.grpo.generation_kwargs.disable_compile": "compiled or eager decoding, same tokens",
-    "train.grpo.torch_compile": "compiled or eager training step",
-    "train.grpo.torch_compile_backend": "the compiler of that step",
-    "train.grpo.torch_compile_mode": "the compiler's mode",
-    "train.grpo.ds3_gather_for_generation": "DeepSpeed ZeRO-3 gathers weights for generation",
-    "train.grpo.vllm_gpu_memory_utilization": "vLLM's share of GPU memory",
-    "train.grpo.vllm_enable_sleep_mode": "vLLM frees its memory between generations",
-    "train.grpo.per_device_eval_batch_size": "eval batch: GRPOTrainer is given no eval set",
-    "train.grpo.dataloader_num_workers": "processes that load the same batches",
-    "train.grpo.dataloader_pin_memory": "page-locked host memory for the same batches",
-    "train.grpo.dataloader_persistent_workers": "keeps those processes alive",
-    "train.grpo.dataloader_prefetch_factor": "batches loaded ahead",
-    "train.grpo.skip_memory_metrics": "memory figures in the log",
-}
-IO_ONLY = {  # what is logged, saved or printed, and where; not what training computes
-    "train.save_steps": "how often a checkpoint is written",
-    "train.resume": "whether to resume at all (false moves the checkpoints aside)",
-    "train.grpo.save_total_limit": "how many checkpoints are kept",
-    "train.grpo.save_only_model": "whether the optimizer state is saved too",
-    "train.grpo.logging_steps": "how often a log row is written",
-    "train.grpo.logging_first_step": "whether step 1 is logged",
-    "train.grpo.logging_strategy": "when log rows are written",
-    "train.grpo.logging_nan_inf_filter": "what the logged loss averages",
-    "train.grpo.log_level": "console verbosity",
-    "train.grpo.log_completions": "whether sample completions are logged",
-    "train.grpo.num_completions_to_print": "how many are printed",
-    "train.grpo.log_unique_prompts": "how they are printed",
-    "train.grpo.log_multimodal": "whether their images are logged",
-    "train.grpo.report_to": "tensorboard, trackio or none",
-    "train.grpo.run_name": "the run's name in those trackers",
-    "train.grpo.disable_tqdm": "progress bars",
-}
-NOT_FINGERPRINTED = frozenset(MEMORY_ONLY) | frozenset(IO_ONLY)
-
-
-def fingerprinted(key: str) -> bool:
-    """Whether a dotted settings key can change the training result (see MEMORY_ONLY, IO_ONLY)."""
-    return not any(key == name or key.startswith(name + ".") for name in NOT_FINGERPRINTED)
-
-
-def run_settings(params: Mapping[str, Any], init_adapter: str | None,
-                 train_set: Path) -> dict[str, Any]:
-    """What a checkpoint is only valid for, as dotted key -> value (JSON types)."""
-    data = sorted(str(p.relative_to(train_set)) + str(p.stat().st_size)
-                  for p in train_set.rglob("*") if p.is_file())
-    flat = flatten({section: params.get(section) or {}
-                    for section in ("model", "rewards", "answer_format", "train")})
-    settings = {key: value for key, value in flat.items() if fingerprinted(key)}
-    settings["init_adapter"] = init_adapter
-    settings["train_set"] = hashlib.sha256("\n".join(data).encode()).hexdigest()
-    return json.loads(json.dumps(settings, sort_keys=True, default=str))
-
-
-def run_fingerprint(settings: Mapping[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
-
-
-def changed_settings(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> list[str]:
-    """One line per key that differs, for the user who wonders why training starts over."""
-    if old is None:
-        return ["the old checkpoints' marker records no settings (written by an older vlmrl)"]
-    lines = []
-    for key in sorted(set(old) | set(new)):
-        if key not in new:
-            lines.append(f"{key}: removed (was {old[key]!r})")
-        elif key not in old:
-            lines.append(f"{key}: added ({new[key]!r})")
-        elif old[key] != new[key]:
-            lines.append(f"{key}: {old[key]!r} -> {new[key]!r}")
-    return lines
-
-
-def read_marker(checkpoints: Path) -> dict[str, Any] | None:
-    marker = checkpoints / FINGERPRINT_FILE
-    try:
-        settings = json.loads(marker.read_text()).get("settings")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return settings if isinstance(settings, dict) else None
-
-
-def move_aside(checkpoints: Path) -> Path:
-    """Renames the checkpoint folder to a sibling that no stage reads and git ignores."""
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    target = checkpoints.with_name(f"{checkpoints.name}.stale-{stamp}")
-    suffix = 1
-    while target.exists():
-        suffix += 1
-        target = checkpoints.with_name(f"{checkpoints.name}.stale-{stamp}-{suffix}")
-    checkpoints.rename(target)
-    return target
-
-
-def complete_checkpoints(checkpoints: Path) -> list[Path]:
-    return [path for path in checkpoints.glob("checkpoint-*")
-            if (path / "trainer_state.json").is_file()
-            and (path / "adapter_model.safetensors").is_file()
-            and path.name.split("-")[-1].isdigit()]
-
-
-def last_complete_checkpoint(checkpoints: Path, settings: Mapping[str, Any],
-                             resume: bool = True) -> Path | None:
-    """The newest checkpoint of a run with these same settings, or None. Checkpoints of other
-    settings (or all of them, with `resume` false) are moved aside, never deleted."""
-    if not checkpoints.exists():
-        return None
-    old = read_marker(checkpoints)
-    if resume and old == settings:
-        complete = complete_checkpoints(checkpoints)
-        if complete:
-            return max(complete, key=lambda path: int(path.name.split("-")[-1]))
-    if not any(checkpoints.glob("checkpoint-*")):
-        shutil.rmtree(checkpoints)  # a marker and logs, no training to keep
-        return None
-    reasons = (["train.resume is false"] if not resume
-               else changed_settings(old, settings) or ["no complete checkpoint"])
-    moved = move_aside(checkpoints)
-    print(f"not resuming: old checkpoints moved to {moved}, because:")
-    for line in reasons:
-        print(f"  {line}")
-    print(f"  (nothing was deleted: with those settings back, move it back to {checkpoints} to "
-          f"resume from it; `rm -rf {checkpoints}.stale-*` frees the space)")
-    return None
-
-
-def finished_run(checkpoint: Path | None, max_steps: int) -> bool:
-    """Whether the checkpoint already holds all `max_steps` steps (a rerun after a memory-only
-    change, or of a finished run)."""
-    if checkpoint is None or max_steps <= 0:
-        return False
-    state = json.loads((checkpoint / "trainer_state.json").read_text(encoding="utf-8"))
-    return state.get("global_step", 0) >= max_steps
-
-
-def train_or_restore(trainer, resume_from: Path | None, max_steps: int) -> None:
-    """Trains from `resume_from` (None: from the start), or, where that checkpoint finished the
-    run, takes its adapter and state as they are: transformers 5.17, resumed from the checkpoint
-    of step `max_steps`, trains one step more (step max_steps + 1) before it checks the limit."""
-    if not finished_run(resume_from, max_steps):
-        trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
-        return
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-    from transformers import TrainerState
-
-    print(f"{resume_from} finished all {max_steps} steps: nothing left to train")
-    trainer.state = TrainerState.load_from_json(str(resume_from / "trainer_state.json"))
-    weights = load_file(str(resume_from / "adapter_model.safetensors"))
-    unexpected = set_peft_model_state_dict(trainer.model, weights).unexpected_keys
-    if unexpected:  # the fingerprint covers train.lora, so this is a bug, not a user's error
-        raise RuntimeError(f"{resume_from}: adapter weights the model has no place for: "
-                           f"{sorted(unexpected)[:3]}")
-
-
-def mark_checkpoints(checkpoints: Path, settings: Mapping[str, Any]) -> None:
-    checkpoints.mkdir(parents=True, exist_ok=True)
-    marker = {"fingerprint": run_fingerprint(settings), "settings": settings}
-    (checkpoints / FINGERPRINT_FILE).write_text(json.dumps(marker, indent=1, sort_keys=True) + "\n")
 
 
 # ---------------------------------------------------------------- logs
@@ -356,6 +189,23 @@ def split_step_times(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], 
     the same params and machine, and a wall time never does (issue 19)."""
     times = [round(row["step_time"], 4) for row in rows if "step_time" in row]
     return [{k: v for k, v in row.items() if k != "step_time"} for row in rows], times
+
+
+def log_rows(log_history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The trainer's log history as the rows of the train log (`dvc plots` reads them)."""
+    return finite_rows(split_step_times(step_log_rows(log_history))[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveOutputs:
+    """Files written while training runs: the train log at every logging step, the curves at
+    every checkpoint save, TRL's sample completions table at every logging step."""
+    log: Path
+    curves: Path
+    samples: Path
+
+    def callback(self):
+        return live_log(self.log, log_rows, lambda rows: plot_training_curves(rows, self.curves))
 
 
 # ---------------------------------------------------------------- run
@@ -408,7 +258,7 @@ def adapter_digest(adapter: Path | None) -> str | None:
 
 
 def train(*, train_set: Path, params: Params, adapter_out: Path, checkpoints: Path,
-          sft_out: Path | None = None) -> TrainResult | None:
+          sft_out: Path | None = None, live: LiveOutputs | None = None) -> TrainResult | None:
     """Runs GSPO and writes the adapter; returns the per-step log and the summary (on rank 0;
     None on the other ranks of a launched run, which write nothing).
     `sft_out`: the sft_cold_start stage's output, whose adapter is continued (None, or a
@@ -440,13 +290,17 @@ def train(*, train_set: Path, params: Params, adapter_out: Path, checkpoints: Pa
     dataset = policy_dataset(load_from_disk(str(train_set)), processor)
     trainer = make_trainer(model, processor, config, dataset, reward_funcs,
                            generation_rows=rows, callbacks=[])
+    live = live if trainer.accelerator.is_main_process else None  # rank 0 alone writes
+    if live is not None:
+        trainer.add_callback(live.callback())
     save_rng_states_on_main(trainer)
     resume_on_cpu_processes(trainer)
     trained_rows = record_trained_rows(trainer)
     started = time.perf_counter()
     if resume_from is not None:
         print(f"resuming from {resume_from}")
-    train_or_restore(trainer, resume_from, config.max_steps)
+    with completions_table_to(live.samples) if live else contextlib.nullcontext():
+        train_or_restore(trainer, resume_from, config.max_steps)
     runtime = time.perf_counter() - started
 
     rows_per_process = gather_lists(trained_rows)
@@ -458,12 +312,12 @@ def train(*, train_set: Path, params: Params, adapter_out: Path, checkpoints: Pa
                                                        if state_dict is not None else {}))
         save_processing(staging, processor)
         make_adapter_portable(staging, model_params.name)
-    log_rows, step_seconds = split_step_times(step_log_rows(trainer.state.log_history))
-    summary = summarize_training(log_rows, runtime, trainer.state.global_step,
+    logged, step_seconds = split_step_times(step_log_rows(trainer.state.log_history))
+    summary = summarize_training(logged, runtime, trainer.state.global_step,
                                  str(resume_from) if resume_from else None, step_seconds)
     summary["batch"] = {**batch_report(config), "strategy": distributed.strategy,
                         **rows_report(rows_per_process)}
-    return TrainResult(log_rows, summary, checkpoints / "completions")
+    return TrainResult(log_rows(trainer.state.log_history), summary, checkpoints / "completions")
 
 
 def check_distributed(distributed: DistributedParams, model_params: ModelParams) -> None:
@@ -485,21 +339,6 @@ def check_world(config, num_processes: int) -> None:
         raise ParamsError(f"params.yaml train.distributed.num_processes is {num_processes} but "
                           f"{config.world_size} processes were launched; let train_gspo launch "
                           "itself (python stages/train_gspo.py ...)")
-
-
-def prepare_checkpoints(checkpoints: Path, settings: Mapping[str, Any],
-                        resume: bool) -> Path | None:
-    """Rank 0: the checkpoint to resume from (others moved aside) and the folder's marker."""
-    resume_from = last_complete_checkpoint(checkpoints, settings, resume)
-    mark_checkpoints(checkpoints, settings)
-    (checkpoints / "completions").mkdir(exist_ok=True)
-    return resume_from
-
-
-def newest_checkpoint(checkpoints: Path) -> Path | None:
-    """The other ranks, once rank 0 has prepared the folder: what is left there is resumable."""
-    complete = complete_checkpoints(checkpoints)
-    return max(complete, key=lambda path: int(path.name.split("-")[-1])) if complete else None
 
 
 def rows_report(rows_per_process: list[list[Any]]) -> dict[str, Any]:

@@ -4,21 +4,27 @@ Triton is missing, a plain-torch function with the same call signature and outpu
 place, chunked over tokens so the [tokens, vocab] logits never exist all at once. The other
 adaptations here are for speed and memory on a GPU: compiled decoding (which TRL switches off) and
 generation in chunks of rows (TRL generates a whole generation batch at once). `step_log_rows`
-flattens a trainer's log history (GRPOTrainer's and SFTTrainer's) into rows for DVC plots.
+flattens a trainer's log history (GRPOTrainer's and SFTTrainer's) into rows for DVC plots;
+`live_log` writes them at every logging step, so a long run can be watched (issue 24), and
+`completions_table_to` sends TRL's sample completions table to a file instead of stdout.
 `config_values` checks `sft.args` and `train.grpo` against the config's field types: TRL
 takes `learning_rate: abc` and fails only once training has started."""
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
+import importlib.util
 import math
 import types
 import typing
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
+from vlmrl.outputs import write_json_atomic
 from vlmrl.params import ParamsError
 
 TOKEN_CHUNK = 256
@@ -388,3 +394,72 @@ def _type_name(hint: Any) -> str:
         else:
             names.append(getattr(origin, "__name__", str(origin)))
     return " or ".join(dict.fromkeys(names))
+
+
+# ---------------------------------------------------------------- live logs
+
+REPORT_BACKENDS = {"tensorboard": "tensorboard", "trackio": "trackio"}  # report_to -> package
+
+
+def check_report_to(value: Any, key: str) -> None:
+    """`report_to` in params.yaml: "none", or backends of REPORT_BACKENDS that are installed;
+    refused with the key path before a model is loaded, not by the trainer an hour later."""
+    names = [value] if isinstance(value, str) else list(value or [])
+    for name in names:
+        if name == "none":
+            continue
+        if name not in REPORT_BACKENDS:
+            raise ParamsError(f"params.yaml {key}: {name!r} is not one of none, "
+                             + ", ".join(REPORT_BACKENDS))
+        if importlib.util.find_spec(REPORT_BACKENDS[name]) is None:
+            raise ParamsError(f"params.yaml {key}: {name} is not installed "
+                             f"(pip install {REPORT_BACKENDS[name]}), or set it to none")
+
+
+def finite_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows without NaN or infinite values, which JSON and DVC's plots do not take."""
+    return [{key: value for key, value in row.items()
+             if not (isinstance(value, float) and not math.isfinite(value))} for row in rows]
+
+
+def live_log(path: Path, rows_of: Callable[[list[dict[str, Any]]], list[dict[str, Any]]],
+             on_save: Callable[[list[dict[str, Any]]], None] | None = None):
+    """A trainer callback that rewrites `path` (a JSON list of rows, which `dvc plots` reads;
+    it reads no JSON lines) with every row so far at each logging step, and calls `on_save`
+    with them at each checkpoint save. A resumed run's history comes back with its checkpoint,
+    so the file always holds the whole run."""
+    from transformers import TrainerCallback  # lazily: this module must import without torch
+
+    class LiveLog(TrainerCallback):
+        def on_log(self, args, state, control, **kwargs):
+            if state.is_world_process_zero:
+                write_json_atomic(path, rows_of(state.log_history))
+
+        def on_save(self, args, state, control, **kwargs):
+            if on_save is not None and state.is_world_process_zero:
+                on_save(rows_of(state.log_history))
+
+    return LiveLog()
+
+
+@contextlib.contextmanager
+def completions_table_to(path: Path) -> Iterator[None]:
+    """With `log_completions`, GRPOTrainer prints a rich table of sample completions to stdout
+    at every logging step, burying the stage's own lines; within this block it is appended to
+    `path` instead (created at once, so the declared output exists even with the option off)."""
+    from trl.trainer import grpo_trainer
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("Sample completions of each logging step (train.grpo.log_completions, "
+                    "num_completions_to_print)\n", encoding="utf-8")
+    original = grpo_trainer.print_prompt_completions_sample
+
+    def to_file(*args: Any, **kwargs: Any) -> None:
+        with path.open("a", encoding="utf-8") as handle, contextlib.redirect_stdout(handle):
+            original(*args, **kwargs)
+
+    grpo_trainer.print_prompt_completions_sample = to_file
+    try:
+        yield
+    finally:
+        grpo_trainer.print_prompt_completions_sample = original

@@ -66,6 +66,7 @@ class VerifyReport:
     def to_json(self) -> dict[str, Any]:
         return {
             "passed": self.passed,
+            "checks_failed": len(self.failed),
             "adapter": self.adapter,
             "checks": {c.name: {"passed": c.passed, "detail": c.detail} for c in self.checks},
             "tensors": self.tensors,

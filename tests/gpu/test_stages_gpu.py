@@ -203,9 +203,7 @@ def read_json(path: Path) -> dict:
 
 def optimizer_steps(repo: Path) -> list[dict]:
     """The train log's rows of optimizer steps (TRL logs `loss` on each), in order."""
-    log = repo / "data/metrics/train_log.jsonl"
-    assert log.is_file(), f"{log} is missing"
-    return [row for row in map(json.loads, log.read_text().splitlines()) if "loss" in row]
+    return [row for row in read_json(repo / "data/metrics/train_log.json") if "loss" in row]
 
 
 def off_policy_steps(max_steps: int, accumulation: int, steps_per_generation: int) -> list[int]:
@@ -343,7 +341,7 @@ def test_downstream(copies, config):
     for stage in {"baseline_eval", "post_eval"} & set(stages):
         assert read_json(metrics / f"{stage}.json")["n"] == SMALL["data.eval_size"]
     if "verify_lora" in stages:
-        assert read_json(metrics / "verify_lora.json")["passed"] is True
+        assert read_json(metrics / "verify_lora.json")["checks_failed"] == 0
     if "export" in stages:
         assert read_json(metrics / "export.json")
         merged = repo / "data/models/merged"

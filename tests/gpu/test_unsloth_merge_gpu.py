@@ -132,12 +132,13 @@ def test_export_stage_on_the_unsloth_path(model_dir, known_adapter, tmp_path):
     params["model"].update(name=MODEL, backend="unsloth", load_in_4bit=False, dtype="auto")
     params["export"].update(gguf_outtypes=["f16"], quantize=[])
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    metrics_file = tmp_path / "metrics" / "export.json"
+    metrics_file = tmp_path / "details" / "export.json"  # the full result; metrics: headline
 
     result = subprocess.run(
         [sys.executable, "stages/export.py", "--adapter", str(known_adapter),
          "--eval-set", str(eval_set), "--merged", str(tmp_path / "merged"),
-         "--gguf", str(tmp_path / "gguf"), "--metrics", str(metrics_file),
+         "--gguf", str(tmp_path / "gguf"), "--metrics", str(tmp_path / "metrics.json"),
+         "--details", str(metrics_file),
          "--timings", str(tmp_path / "timings.json"),
          "--params", str(tmp_path / "params.yaml")],
         cwd=root, text=True, capture_output=True, check=False,

@@ -22,7 +22,13 @@ from typing import Any, Protocol
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, set_seed
 
-from vlmrl.models.backend import bnb_4bit_config, pick_backend, process_device, resolve_dtype
+from vlmrl.models.backend import (
+    bnb_4bit_config,
+    cuda_available,
+    pick_backend,
+    process_device,
+    resolve_dtype,
+)
 from vlmrl.models.embedded import resolve_model_path
 from vlmrl.models.forward import adapter_and_base_logits, question_inputs
 from vlmrl.models.processor import is_text_checkpoint, load_processor, save_with_processor

@@ -31,7 +31,6 @@ PRODUCING_STAGES = {
     "metrics": "the eval stages (baseline_eval, post_eval, verify_lora)",
 }
 MANIFEST_METRIC_SECTIONS = ("post_eval", "baseline_eval", "verify_lora")
-TRAIN_LOG_NAME = "train_log.jsonl"
 # The stage writes its own summary into the metrics dir; it is an output, never an input.
 UPLOAD_METRICS_NAME = "upload.json"
 MANIFEST_NAME = "manifest.json"
@@ -64,8 +63,8 @@ def sha256_of_file(path: Path) -> str:
 
 def _group_file_paths(group: str, root: Path) -> list[Path]:
     if group == "metrics":
-        candidates = [*root.glob("*.json"), root / TRAIN_LOG_NAME]
-        return sorted(p for p in candidates if p.is_file() and p.name != UPLOAD_METRICS_NAME)
+        # the headline metrics and the train and SFT logs (JSON lists, for dvc plots)
+        return sorted(p for p in root.glob("*.json") if p.is_file() and p.name != UPLOAD_METRICS_NAME)
     found = [Path(directory) / name for directory, _, names in os.walk(root) for name in names]
     return sorted(p for p in found if p.is_file())
 

@@ -178,7 +178,7 @@ def render_model_card(
         "",
         (
             "The base model with the GSPO-trained LoRA adapter merged in "
-            f"({export_metrics.get('dtype')}), saved as safetensors with its tokenizer, chat "
+            f"({params.get('export', {}).get('dtype')}), saved as safetensors with its tokenizer, chat "
             f"template{' and image processor' if vision else ''}, plus GGUF files for llama.cpp."
         ),
         "",
