@@ -1,0 +1,245 @@
+"""Rollouts near the memory-bandwidth bound (issue 23). Decoding one token of a 2B model reads
+every weight once, so a decode step should take about (bytes of weights) / (memory bandwidth);
+transformers' `generate` spends most of a step elsewhere: Python per step (input preparation,
+the 4D mask, the logits processors, stopping criteria) and the sampling kernels, launched one by
+one between the compiled forward passes. Here the whole decode step, forward pass and sampling
+together, is one CUDA graph replayed once per token: the prompt is prefilled by the model's own
+forward (vision tower and multimodal RoPE as in `generate`), then each replay reads the last
+token, position and mask from fixed buffers, writes the static KV cache, draws the next token
+and advances the position, with no host synchronisation but one check for finished rows every
+`CHECK_EVERY` steps (the early exit: the call returns once every row has sampled EOS).
+
+The draw samples exactly transformers' distribution for TRL's settings (suppressed tokens
+removed, temperature, top-k, then top-p over what top-k kept: `vlmrl.models.sampling`'s
+`candidate_probs`), by the Gumbel-max trick (`argmax(log p - log(-log u))`), which needs no
+`torch.multinomial` (it cannot be captured). Greedy decoding (TRL's `do_sample=False`) takes the
+argmax of the logits. One graph (and one static cache) is kept per (rows, cache length, greedy):
+the cache's size is the generation batch's, so `train.max_generation_rows` still bounds memory.
+Where a setting is not served (beam search, repetition penalty, min-p, returned scores, a model
+on a CPU, a prompt longer than the cache), `generate` is transformers' own."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vlmrl.models.sampling import SamplingSettings, candidate_probs
+
+CHECK_EVERY = 64  # decode steps between host checks for "every row has finished"
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """What one graph serves: the batch shape and the draw."""
+
+    rows: int
+    cache_len: int
+    sampling: SamplingSettings | None  # None: greedy
+
+
+def served(config, kwargs: dict[str, Any]) -> bool:
+    """Whether a `generate` call with this GenerationConfig and these keyword arguments takes
+    the graph path."""
+    unsupported = (
+        (config.num_beams or 1) > 1 or (config.num_return_sequences or 1) > 1
+        or (config.repetition_penalty not in (None, 1.0)) or config.min_p
+        or config.return_dict_in_generate or config.output_scores or config.output_logits
+        or kwargs.get("logits_processor") or kwargs.get("stopping_criteria")
+        or kwargs.get("streamer") or kwargs.get("past_key_values") is not None
+        or kwargs.get("inputs_embeds") is not None)
+    return not unsupported
+
+
+def plan_for(config, rows: int, prompt_len: int, suppress: tuple[int, ...]) -> DecodePlan:
+    max_new = int(config.max_new_tokens)
+    wanted = (config.cache_config or {}).get("max_cache_len") if isinstance(
+        getattr(config, "cache_config", None), dict) else None
+    wanted = wanted or getattr(config, "max_cache_len", None)
+    cache_len = max(int(wanted or 0), (prompt_len + max_new + 63) // 64 * 64)
+    sampling = None
+    if config.do_sample:
+        top_k = int(config.top_k or 0)
+        sampling = SamplingSettings(temperature=float(config.temperature or 1.0),
+                                    top_k=top_k if top_k > 0 else 1 << 30,
+                                    top_p=1.0 if config.top_p is None else float(config.top_p),
+                                    suppress=suppress)
+    return DecodePlan(rows=rows, cache_len=cache_len, sampling=sampling)
+
+
+def sample_next(logits: torch.Tensor, sampling: SamplingSettings | None,
+                suppress: torch.Tensor | None) -> torch.Tensor:
+    """One token per row from [rows, vocab] float32 logits, with no host synchronisation."""
+    if suppress is not None and suppress.numel():
+        logits = logits.index_fill(1, suppress, -float("inf"))
+    if sampling is None:
+        return logits.argmax(-1)
+    ids, probs = candidate_probs(logits, sampling)
+    uniform = torch.rand(probs.shape, device=probs.device, dtype=torch.float32)
+    gumbel = -torch.log(-torch.log(uniform.clamp_(1e-20, 1.0 - 1e-7)))
+    choice = (probs.log() + gumbel).argmax(-1, keepdim=True)  # log(0) = -inf: never drawn
+    return ids.gather(1, choice).squeeze(1)
+
+
+class GraphDecoder:
+    """The decode loop for one DecodePlan: static buffers, one static cache, one CUDA graph."""
+
+    def __init__(self, model, plan: DecodePlan, device: torch.device, eos: list[int],
+                 pad: int, suppress: tuple[int, ...], use_graph: bool = True) -> None:
+        from transformers import StaticCache
+
+        self.model, self.plan, self.use_graph = model, plan, use_graph
+        rows, length = plan.rows, plan.cache_len
+        self.cache = StaticCache(config=model.config, max_cache_len=length)
+        self.token = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        multimodal_rope = _rope_deltas_holder(_generative_model(model)) is not None
+        self.positions = torch.zeros(*((4,) if multimodal_rope else ()), rows, 1,
+                                     dtype=torch.long, device=device)
+        self.valid = torch.ones(rows, length, dtype=torch.bool, device=device)
+        self.index = torch.zeros((), dtype=torch.long, device=device)  # cache slot being written
+        self.slots = torch.arange(length, device=device)
+        self.finished = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.eos = torch.tensor(eos or [-1], dtype=torch.long, device=device)
+        self.pad = pad
+        self.suppress = torch.tensor(suppress, dtype=torch.long, device=device) if suppress else None
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    # -- the step, replayed
+
+    def step(self) -> None:
+        mask = (self.valid & (self.slots <= self.index))[:, None, None, :]
+        out = self.model(input_ids=self.token, attention_mask=mask, position_ids=self.positions,
+                         past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        chosen = sample_next(out.logits[:, -1].float(), self.plan.sampling, self.suppress)
+        chosen = torch.where(self.finished, torch.full_like(chosen, self.pad), chosen)
+        self.finished |= torch.isin(chosen, self.eos)
+        self.token.copy_(chosen[:, None])
+        self.positions.add_(1)
+        self.index.add_(1)
+
+    def _run_step(self) -> None:
+        if not self.use_graph:
+            self.step()
+            return
+        if self.graph is None:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self.step()  # a real step: warms up cuBLAS and allocator before capture
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.step()  # captured, not run
+        self.graph.replay()
+
+    # -- one generate call
+
+    def prefill(self, input_ids, attention_mask, model_kwargs: dict[str, Any]) -> torch.Tensor:
+        """Runs the prompt through the model into the cache, with the position ids `generate`
+        gives it (multimodal RoPE for Qwen-VL); returns the first drawn tokens."""
+        self.cache.reset()
+        prompt_len = input_ids.shape[1]
+        hf_model = _generative_model(self.model)
+        positions = hf_model._prepare_position_ids_for_generation(
+            input_ids, {"attention_mask": attention_mask, "input_ids": input_ids, **model_kwargs})
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                         position_ids=positions, past_key_values=self.cache, use_cache=True,
+                         logits_to_keep=1, **model_kwargs)
+        text = attention_mask.long().sum(-1, keepdim=True)  # the next token's text position
+        if self.positions.dim() == 3:  # [text; temporal, height, width] as Qwen-VL decodes
+            deltas = _rope_deltas(hf_model)
+            shifted = text + (deltas.to(text.device).reshape(-1, 1) if deltas is not None else 0)
+            self.positions.copy_(torch.stack([text, shifted, shifted, shifted]))
+        else:
+            self.positions.copy_(text)
+        self.valid.fill_(True)
+        self.valid[:, :prompt_len].copy_(attention_mask.bool())
+        self.index.fill_(prompt_len)
+        self.finished.zero_()
+        first = sample_next(out.logits[:, -1].float(), self.plan.sampling, self.suppress)
+        self.finished |= torch.isin(first, self.eos)
+        self.token.copy_(first[:, None])
+        return first
+
+    def generate(self, input_ids, attention_mask, max_new_tokens: int,
+                 model_kwargs: dict[str, Any]) -> torch.Tensor:
+        tokens = torch.full((input_ids.shape[0], max_new_tokens), self.pad, dtype=torch.long,
+                            device=input_ids.device)
+        tokens[:, 0] = self.prefill(input_ids, attention_mask, model_kwargs)
+        made = 1
+        while made < max_new_tokens:
+            if made % CHECK_EVERY == 0 and bool(self.finished.all()):
+                break
+            self._run_step()
+            tokens[:, made] = self.token[:, 0]
+            made += 1
+        return torch.cat([input_ids, tokens[:, :made]], dim=1)
+
+
+def _generative_model(model):
+    """The transformers model under a PEFT wrapper (the one with generate's helpers)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _rope_deltas_holder(model):
+    """The module that keeps Qwen-VL's multimodal RoPE offsets (`rope_deltas`), or None."""
+    inner = getattr(model, "model", None)
+    return inner if inner is not None and hasattr(inner, "rope_deltas") else None
+
+
+def _rope_deltas(model) -> torch.Tensor | None:
+    holder = _rope_deltas_holder(model)
+    return None if holder is None else holder.rope_deltas
+
+
+@dataclass
+class GraphDecoding:
+    """`model.generate`, replaced: graph decoding where served, transformers' otherwise."""
+
+    model: Any
+    original: Any
+    use_graph: bool = True
+    decoders: dict | None = None
+    calls: int = 0
+
+    def __call__(self, *args: Any, generation_config=None, **kwargs: Any):
+        config = generation_config if generation_config is not None else \
+            self.model.generation_config
+        input_ids = kwargs.get("input_ids")
+        if (args or input_ids is None or input_ids.device.type != "cuda"
+                or not served(config, kwargs)):
+            return self.original(*args, generation_config=generation_config, **kwargs)
+        self.calls += 1
+        return self._decode(config, kwargs)
+
+    def _decode(self, config, kwargs: dict[str, Any]) -> torch.Tensor:
+        """prompt + completion ids, [rows, prompt + new tokens], as `generate` returns them."""
+        kwargs = dict(kwargs)
+        input_ids = kwargs.pop("input_ids")
+        attention_mask = kwargs.pop("attention_mask", None)
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        for key in ("disable_compile", "use_cache"):
+            kwargs.pop(key, None)
+        suppress = tuple(int(i) for i in (config.suppress_tokens or ()))
+        plan = plan_for(config, input_ids.shape[0], input_ids.shape[1], suppress)
+        self.decoders = self.decoders if self.decoders is not None else {}
+        decoder = self.decoders.get(plan)
+        if decoder is None:
+            eos = config.eos_token_id
+            eos = [eos] if isinstance(eos, int) else list(eos or [])
+            pad = config.pad_token_id if config.pad_token_id is not None else (eos or [0])[0]
+            decoder = self.decoders[plan] = GraphDecoder(
+                self.model, plan, input_ids.device, eos, int(pad), suppress,
+                self.use_graph and input_ids.device.type == "cuda")
+        with torch.no_grad():
+            return decoder.generate(input_ids, attention_mask, int(config.max_new_tokens), kwargs)
+
+
+def install_graph_decoding(model, use_graph: bool = True) -> GraphDecoding:
+    """Replaces `model.generate` (the object TRL calls: the PEFT model) with graph decoding."""
+    wrapper = GraphDecoding(model=model, original=model.generate, use_graph=use_graph)
+    model.generate = functools.update_wrapper(wrapper, model.generate)
+    return wrapper
