@@ -266,6 +266,7 @@ class TrainParams(Section):
     save_steps: PositiveInteger
     resume: Boolean = True
     max_generation_rows: PositiveInteger | None = None
+    graph_decoding: Boolean = False  # GPU rollouts with the decode step in one CUDA graph
     lora: LoraParams
     grpo: dict[str, Any] = {}
 

@@ -29,6 +29,7 @@ import torch
 from vlmrl.models.sampling import SamplingSettings, candidate_probs
 
 CHECK_EVERY = 64  # decode steps between host checks for "every row has finished"
+CACHE_ROUND = 256  # cache lengths are rounded up to this, so prompts of other lengths reuse one
 
 
 @dataclass(frozen=True)
@@ -54,11 +55,9 @@ def served(config, kwargs: dict[str, Any]) -> bool:
 
 
 def plan_for(config, rows: int, prompt_len: int, suppress: tuple[int, ...]) -> DecodePlan:
-    max_new = int(config.max_new_tokens)
-    wanted = (config.cache_config or {}).get("max_cache_len") if isinstance(
-        getattr(config, "cache_config", None), dict) else None
-    wanted = wanted or getattr(config, "max_cache_len", None)
-    cache_len = max(int(wanted or 0), (prompt_len + max_new + 63) // 64 * 64)
+    needed = prompt_len + int(config.max_new_tokens)
+    cache_len = max(int(getattr(config, "max_cache_len", None) or 0),
+                    (needed + CACHE_ROUND - 1) // CACHE_ROUND * CACHE_ROUND)
     sampling = None
     if config.do_sample:
         top_k = int(config.top_k or 0)
@@ -214,6 +213,17 @@ class GraphDecoding:
         self.calls += 1
         return self._decode(config, kwargs)
 
+    def _decoder_for(self, plan: DecodePlan) -> GraphDecoder | None:
+        """A decoder of the same rows and draw whose cache is long enough; one whose cache is
+        too short is dropped (its memory freed), so one decoder per batch shape is kept."""
+        self.decoders = self.decoders if self.decoders is not None else {}
+        for kept, decoder in list(self.decoders.items()):
+            if (kept.rows, kept.sampling) == (plan.rows, plan.sampling):
+                if kept.cache_len >= plan.cache_len:
+                    return decoder
+                del self.decoders[kept]
+        return None
+
     def _decode(self, config, kwargs: dict[str, Any]) -> torch.Tensor:
         """prompt + completion ids, [rows, prompt + new tokens], as `generate` returns them."""
         kwargs = dict(kwargs)
@@ -225,8 +235,7 @@ class GraphDecoding:
             kwargs.pop(key, None)
         suppress = tuple(int(i) for i in (config.suppress_tokens or ()))
         plan = plan_for(config, input_ids.shape[0], input_ids.shape[1], suppress)
-        self.decoders = self.decoders if self.decoders is not None else {}
-        decoder = self.decoders.get(plan)
+        decoder = self._decoder_for(plan)
         if decoder is None:
             eos = config.eos_token_id
             eos = [eos] if isinstance(eos, int) else list(eos or [])
