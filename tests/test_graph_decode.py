@@ -11,7 +11,13 @@ from PIL import Image
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig
 
 from vlmrl.models.embedded import ensure_embedded_model
-from vlmrl.models.graph_decode import GraphDecoding, install_graph_decoding, sample_next, served
+from vlmrl.models.graph_decode import (
+    GraphDecoding,
+    grouped_decode_attention,
+    install_graph_decoding,
+    sample_next,
+    served,
+)
 from vlmrl.models.processor import load_processor
 from vlmrl.models.sampling import SamplingSettings, candidate_probs
 
@@ -46,7 +52,8 @@ def test_greedy_tokens_equal_generate_with_images_and_left_padding(vl_model) -> 
                               eos_token_id=-5, pad_token_id=0)  # no EOS: all 12 steps run
     with torch.no_grad():
         expected = model.generate(**inputs, generation_config=config)
-        ours = GraphDecoding(model=model, original=model.generate, use_graph=False)
+        ours = GraphDecoding(model=model, original=model.generate, use_graph=False,
+                             attention="model")
         got = ours._decode(config, dict(inputs))
     assert got.shape == expected.shape
     assert torch.equal(got, expected)
@@ -62,7 +69,8 @@ def test_text_model_greedy_tokens_equal_generate() -> None:
     config = GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=-5, pad_token_id=0)
     with torch.no_grad():
         expected = model.generate(**inputs, generation_config=config)
-        got = GraphDecoding(model=model, original=model.generate, use_graph=False)._decode(
+        got = GraphDecoding(model=model, original=model.generate, use_graph=False,
+                             attention="model")._decode(
             config, dict(inputs))
     assert torch.equal(got, expected)
 
@@ -71,7 +79,8 @@ def test_rows_stop_at_eos_and_pad_after_it(vl_model) -> None:
     model, processor = vl_model
     inputs = vl_inputs(processor, ["a", "bb"])
     with torch.no_grad():
-        free = GraphDecoding(model=model, original=model.generate, use_graph=False)._decode(
+        free = GraphDecoding(model=model, original=model.generate, use_graph=False,
+                             attention="model")._decode(
             GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=-5, pad_token_id=0),
             dict(inputs))
     prompt = inputs["input_ids"].shape[1]
@@ -79,7 +88,8 @@ def test_rows_stop_at_eos_and_pad_after_it(vl_model) -> None:
     config = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=eos, pad_token_id=7)
     with torch.no_grad():
         expected = model.generate(**inputs, generation_config=config)
-        got = GraphDecoding(model=model, original=model.generate, use_graph=False)._decode(
+        got = GraphDecoding(model=model, original=model.generate, use_graph=False,
+                             attention="model")._decode(
             config, dict(inputs))
     width = min(got.shape[1], expected.shape[1])
     assert torch.equal(got[:, :width], expected[:, :width])
@@ -110,3 +120,23 @@ def test_unserved_settings_and_cpu_models_use_transformers(vl_model) -> None:
         assert wrapper.calls == 0  # a CPU model: transformers' generate
     finally:
         del model.generate
+
+
+def test_grouped_attention_equals_sdpa_with_padding_mask() -> None:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    class Module:
+        num_key_value_groups = 4
+        is_causal = True
+
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(3, 8, 1, 16, generator=generator)
+    key, value = (torch.randn(3, 2, 40, 16, generator=generator) for _ in range(2))
+    mask = torch.ones(3, 1, 1, 40, dtype=torch.bool)
+    mask[0, ..., :7] = False  # left padding
+    mask[..., 30:] = False  # cache slots not written yet
+    expected, _ = sdpa_attention_forward(Module(), query, key, value, mask, scaling=0.25)
+    got, _ = grouped_decode_attention(sdpa_attention_forward)(Module(), query, key, value, mask,
+                                                              scaling=0.25)
+    assert got.shape == expected.shape == (3, 1, 8, 16)
+    assert torch.allclose(got, expected, atol=1e-5)

@@ -6,6 +6,7 @@
 #   tests/gpu/run_on_device.sh bench [gspo_step.py args...]
 #   tests/gpu/run_on_device.sh probe [gspo_settings_probe.py args...]   # the tests' SFT/GSPO settings
 #   tests/gpu/run_on_device.sh learning [learning.py args...]   # the learning benchmark, no DVC
+#   tests/gpu/run_on_device.sh decode [decode_profile.py args...]   # ms per decode step, kernels
 #   tests/gpu/run_on_device.sh setup                    # install only, print versions
 #
 # Installs into /tmp/site (kept while the machine stays up: a second call skips the install),
@@ -85,5 +86,6 @@ case "$MODE" in
     learning) run_script benchmarks/learning.py learning --without-dvc --no-doc "$@" ;;
     bench) run_script benchmarks/gspo_step.py gspo_step "$@" ;;
     probe) run_script benchmarks/gspo_settings_probe.py probe "$@" ;;
-    *) echo "usage: $0 tests|bench|probe|learning|setup [args]" >&2; exit 2 ;;
+    decode) run_script benchmarks/decode_profile.py decode_profile "$@" ;;
+    *) echo "usage: $0 tests|bench|probe|decode|learning|setup [args]" >&2; exit 2 ;;
 esac

@@ -74,7 +74,7 @@ def test_bf16_greedy_tokens_equal_generate():
     config = greedy(model)
     with torch.no_grad():
         expected = model.generate(**batch, generation_config=config, disable_compile=True)
-        wrapper = install_graph_decoding(model)
+        wrapper = install_graph_decoding(model, attention="model")
         got = model.generate(**batch, generation_config=config)
         again = model.generate(**batch, generation_config=config)  # the graph, replayed again
     assert wrapper.calls == 2 and len(wrapper.decoders) == 1
@@ -92,9 +92,32 @@ def test_nf4_graph_replays_equal_the_eager_loop():
     batch = inputs(processor)
     config = greedy(model)
     eager = GraphDecoding(model=model, original=model.generate, use_graph=False)
-    graph = GraphDecoding(model=model, original=model.generate, use_graph=True)
+    graph = GraphDecoding(model=model, original=model.generate, use_graph=True)  # grouped
     with torch.no_grad():
         expected = eager._decode(config, batch)
         got = graph._decode(config, batch)
     assert next(iter(graph.decoders.values())).graph is not None
     assert torch.equal(got, expected)
+
+
+def test_grouped_attention_matches_sdpa_in_bf16():
+    """The grouped decode attention on the 2B shape's heads (16 query, 8 key/value, dim 128)
+    against transformers' SDPA path, bf16 on the GPU: relative error of a bf16 computation."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from vlmrl.models.graph_decode import grouped_decode_attention
+
+    class Module:
+        num_key_value_groups = 2
+        is_causal = True
+
+    torch.manual_seed(1)
+    query = torch.randn(16, 16, 1, 128, device="cuda", dtype=torch.bfloat16)
+    key, value = (torch.randn(16, 8, 1408, 128, device="cuda", dtype=torch.bfloat16)
+                  for _ in range(2))
+    mask = torch.rand(16, 1, 1, 1408, device="cuda") > 0.3
+    expected, _ = sdpa_attention_forward(Module(), query.float(), key.float(), value.float(), mask)
+    got, _ = grouped_decode_attention(sdpa_attention_forward)(Module(), query, key, value, mask)
+    error = ((got.float() - expected).norm() / expected.norm()).item()
+    print(f"grouped vs SDPA (float32 reference): relative error {error:.2e}")
+    assert error < 1e-2

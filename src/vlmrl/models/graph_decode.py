@@ -20,7 +20,9 @@ on a CPU, a prompt longer than the cache), `generate` is transformers' own."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,14 +84,62 @@ def sample_next(logits: torch.Tensor, sampling: SamplingSettings | None,
     return ids.gather(1, choice).squeeze(1)
 
 
+def grouped_decode_attention(original):
+    """An attention function for one query token per row over the static cache: the query heads
+    that share a key/value head are multiplied against it as one matrix, so the cache is read
+    once per step. transformers' SDPA path with a mask first copies every key and value head
+    `num_key_value_groups` times (`repeat_kv`): the whole cache written and read again per layer
+    and step. Scores and softmax in float32. Anything else goes to `original`."""
+
+    def attend(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        batch, heads, length, dim = query.shape
+        if (length != 1 or attention_mask is None or attention_mask.dtype != torch.bool
+                or attention_mask.dim() != 4 or dropout):
+            return original(module, query, key, value, attention_mask, dropout=dropout,
+                            scaling=scaling, **kwargs)
+        kv_heads = key.shape[1]
+        grouped = query.reshape(batch * kv_heads, heads // kv_heads, dim)
+        keys = key.reshape(batch * kv_heads, key.shape[2], dim).transpose(1, 2)
+        if grouped.is_cuda:
+            scores = torch.bmm(grouped, keys, out_dtype=torch.float32)
+        else:
+            scores = torch.bmm(grouped.float(), keys.float())
+        scores = scores.view(batch, kv_heads, heads // kv_heads, -1)
+        scores = scores * (dim ** -0.5 if scaling is None else scaling)
+        probs = scores.masked_fill(~attention_mask, -float("inf")).softmax(-1).to(value.dtype)
+        out = torch.bmm(probs.view(batch * kv_heads, heads // kv_heads, -1),
+                        value.reshape(batch * kv_heads, value.shape[2], dim))
+        return out.view(batch, 1, heads, dim), None
+
+    return attend
+
+
+@contextlib.contextmanager
+def decode_attention(mode: str) -> Iterator[None]:
+    """While active, transformers' "sdpa" attention is `grouped_decode_attention` (mode
+    "grouped"); mode "model" leaves the model's attention alone."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if mode not in ("grouped", "model"):
+        raise ValueError(f"graph decoding attention must be 'grouped' or 'model', not {mode!r}")
+    saved = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    if mode == "grouped":
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = grouped_decode_attention(saved)
+    try:
+        yield
+    finally:
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = saved
+
+
 class GraphDecoder:
     """The decode loop for one DecodePlan: static buffers, one static cache, one CUDA graph."""
 
     def __init__(self, model, plan: DecodePlan, device: torch.device, eos: list[int],
-                 pad: int, suppress: tuple[int, ...], use_graph: bool = True) -> None:
+                 pad: int, suppress: tuple[int, ...], use_graph: bool = True,
+                 attention: str = "grouped") -> None:
         from transformers import StaticCache
 
-        self.model, self.plan, self.use_graph = model, plan, use_graph
+        self.model, self.plan, self.use_graph, self.attention = model, plan, use_graph, attention
         rows, length = plan.rows, plan.cache_len
         self.cache = StaticCache(config=model.config, max_cache_len=length)
         self.token = torch.zeros(rows, 1, dtype=torch.long, device=device)
@@ -119,19 +169,20 @@ class GraphDecoder:
         self.index.add_(1)
 
     def _run_step(self) -> None:
-        if not self.use_graph:
-            self.step()
-            return
-        if self.graph is None:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self.step()  # a real step: warms up cuBLAS and allocator before capture
-            torch.cuda.current_stream().wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.step()  # captured, not run
-        self.graph.replay()
+        with decode_attention(self.attention):
+            if not self.use_graph:
+                self.step()
+            elif self.graph is None:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    self.step()  # this step, run: warms up cuBLAS and the allocator
+                torch.cuda.current_stream().wait_stream(side)
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph):
+                    self.step()  # the next steps, captured (not run) and replayed from now on
+            else:
+                self.graph.replay()
 
     # -- one generate call
 
@@ -200,6 +251,7 @@ class GraphDecoding:
     model: Any
     original: Any
     use_graph: bool = True
+    attention: str = "grouped"  # or "model": the model's own (SDPA) attention in decode steps
     decoders: dict | None = None
     calls: int = 0
 
@@ -242,13 +294,15 @@ class GraphDecoding:
             pad = config.pad_token_id if config.pad_token_id is not None else (eos or [0])[0]
             decoder = self.decoders[plan] = GraphDecoder(
                 self.model, plan, input_ids.device, eos, int(pad), suppress,
-                self.use_graph and input_ids.device.type == "cuda")
+                self.use_graph and input_ids.device.type == "cuda", self.attention)
         with torch.no_grad():
             return decoder.generate(input_ids, attention_mask, int(config.max_new_tokens), kwargs)
 
 
-def install_graph_decoding(model, use_graph: bool = True) -> GraphDecoding:
+def install_graph_decoding(model, use_graph: bool = True,
+                           attention: str = "grouped") -> GraphDecoding:
     """Replaces `model.generate` (the object TRL calls: the PEFT model) with graph decoding."""
-    wrapper = GraphDecoding(model=model, original=model.generate, use_graph=use_graph)
+    wrapper = GraphDecoding(model=model, original=model.generate, use_graph=use_graph,
+                            attention=attention)
     model.generate = functools.update_wrapper(wrapper, model.generate)
     return wrapper
