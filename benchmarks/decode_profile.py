@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gspo_step  # noqa: E402  (the benchmark's model, data and LoRA settings)
+import gspo_step  # the benchmark's model, data and LoRA settings
 
 
 def load(four_bit: bool):
