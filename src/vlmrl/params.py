@@ -266,7 +266,7 @@ class TrainParams(Section):
     save_steps: PositiveInteger
     resume: Boolean = True
     max_generation_rows: PositiveInteger | None = None
-    graph_decoding: Boolean = False  # GPU rollouts with the decode step in one CUDA graph
+    graph_decoding: Literal["off", "on", "merged"] = "off"  # GPU rollouts: vlmrl.models.graph_decode
     lora: LoraParams
     grpo: dict[str, Any] = {}
 

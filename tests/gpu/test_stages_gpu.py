@@ -46,9 +46,9 @@ CONFIGS = {
     # issue 23: rollouts with the decode step in one CUDA graph; training only (test_downstream
     # does not depend on how the rollouts were generated)
     "transformers-bf16-graph": {"model.backend": "transformers", "model.load_in_4bit": False,
-                                "train.graph_decoding": True},
+                                "train.graph_decoding": "merged"},
     "transformers-4bit-graph": {"model.backend": "transformers", "model.load_in_4bit": True,
-                                "train.graph_decoding": True},
+                                "train.graph_decoding": "on"},
 }
 DOWNSTREAM = [name for name in CONFIGS if not name.endswith("-graph")]
 # The cold start and GSPO of the tests, measured on an H100 (transformers bf16) with

@@ -131,12 +131,57 @@ def decode_attention(mode: str) -> Iterator[None]:
         ALL_ATTENTION_FUNCTIONS["sdpa"] = saved
 
 
+class MergedLoRA:
+    """bf16 copies of the LoRA-adapted weights with the adapter folded in (W + s B A), for the
+    decode graph only: a decode step then runs one matrix product per projection instead of
+    seven kernels (casts to the adapter's float32, A, B, scale, add), which at a few rows per
+    step cost more than the weights' bytes. Costs one copy of the adapted weights' memory; the
+    copies are refreshed from the trained adapter at every generate call (`refresh`), and the
+    graph is captured with the adapter switched off and the copies in place of the weights
+    (`swapped`). Sampled tokens then come from the merged weights rounded to bf16, as they would
+    from a vLLM copy; training and scoring use the adapter itself. Not for quantized weights."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.layers = [module for module in model.modules()
+                       if hasattr(module, "lora_A") and hasattr(module, "base_layer")
+                       and module.active_adapters and not module.disable_adapters]
+        if not self.layers:
+            raise ValueError("graph decoding with merged weights needs a model with an active "
+                             "LoRA adapter")
+        for layer in self.layers:
+            if layer.base_layer.weight.dtype not in (torch.bfloat16, torch.float16):
+                raise ValueError("graph decoding with merged weights needs 16-bit base weights "
+                                 f"(model.load_in_4bit: false), not {layer.base_layer.weight.dtype}")
+        self.copies = [torch.empty_like(layer.base_layer.weight) for layer in self.layers]
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        for layer, copy in zip(self.layers, self.copies):
+            weight = layer.base_layer.weight.float()
+            for name in layer.active_adapters:
+                weight += layer.get_delta_weight(name).float()
+            copy.copy_(weight)
+
+    @contextlib.contextmanager
+    def swapped(self) -> Iterator[None]:
+        originals = [layer.base_layer.weight.data for layer in self.layers]
+        for layer, copy in zip(self.layers, self.copies):
+            layer.base_layer.weight.data = copy
+        try:
+            with self.model.disable_adapter():
+                yield
+        finally:
+            for layer, original in zip(self.layers, originals):
+                layer.base_layer.weight.data = original
+
+
 class GraphDecoder:
     """The decode loop for one DecodePlan: static buffers, one static cache, one CUDA graph."""
 
     def __init__(self, model, plan: DecodePlan, device: torch.device, eos: list[int],
                  pad: int, suppress: tuple[int, ...], use_graph: bool = True,
-                 attention: str = "grouped") -> None:
+                 attention: str = "grouped", merged: bool = False) -> None:
         from transformers import StaticCache
 
         self.model, self.plan, self.use_graph, self.attention = model, plan, use_graph, attention
@@ -154,6 +199,7 @@ class GraphDecoder:
         self.pad = pad
         self.suppress = torch.tensor(suppress, dtype=torch.long, device=device) if suppress else None
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.merged = MergedLoRA(model) if merged and use_graph else None
 
     # -- the step, replayed
 
@@ -169,7 +215,9 @@ class GraphDecoder:
         self.index.add_(1)
 
     def _run_step(self) -> None:
-        with decode_attention(self.attention):
+        with decode_attention(self.attention), (
+                self.merged.swapped() if self.merged and self.graph is None
+                else contextlib.nullcontext()):
             if not self.use_graph:
                 self.step()
             elif self.graph is None:
@@ -218,6 +266,8 @@ class GraphDecoder:
         tokens = torch.full((input_ids.shape[0], max_new_tokens), self.pad, dtype=torch.long,
                             device=input_ids.device)
         tokens[:, 0] = self.prefill(input_ids, attention_mask, model_kwargs)
+        if self.merged is not None:
+            self.merged.refresh()  # the adapter as trained so far, folded into the copies
         made = 1
         while made < max_new_tokens:
             if made % CHECK_EVERY == 0 and bool(self.finished.all()):
@@ -252,6 +302,8 @@ class GraphDecoding:
     original: Any
     use_graph: bool = True
     attention: str = "grouped"  # or "model": the model's own (SDPA) attention in decode steps
+    merged: bool = False  # decode with bf16 copies of the weights with the adapter folded in
+    keep: bool = True  # keep each batch shape's cache and graph between calls (else freed)
     decoders: dict | None = None
     calls: int = 0
 
@@ -294,15 +346,25 @@ class GraphDecoding:
             pad = config.pad_token_id if config.pad_token_id is not None else (eos or [0])[0]
             decoder = self.decoders[plan] = GraphDecoder(
                 self.model, plan, input_ids.device, eos, int(pad), suppress,
-                self.use_graph and input_ids.device.type == "cuda", self.attention)
+                self.use_graph and input_ids.device.type == "cuda", self.attention, self.merged)
         with torch.no_grad():
-            return decoder.generate(input_ids, attention_mask, int(config.max_new_tokens), kwargs)
+            out = decoder.generate(input_ids, attention_mask, int(config.max_new_tokens), kwargs)
+        if not self.keep:  # the static cache and the graph's memory go back to the allocator
+            self.decoders.clear()
+        return out
 
 
-def install_graph_decoding(model, use_graph: bool = True,
-                           attention: str = "grouped") -> GraphDecoding:
-    """Replaces `model.generate` (the object TRL calls: the PEFT model) with graph decoding."""
-    wrapper = GraphDecoding(model=model, original=model.generate, use_graph=use_graph,
-                            attention=attention)
+MODES = ("off", "on", "merged")
+
+
+def install_graph_decoding(model, mode: str = "on", attention: str = "grouped") -> GraphDecoding:
+    """Replaces `model.generate` (the object TRL calls: the PEFT model) with graph decoding.
+    `mode` (train.graph_decoding): "on", the adapter as it is, cache and graph freed after each
+    call (memory as transformers' generate); "merged", `MergedLoRA` copies, cache and graph
+    kept (speed, at one more copy of the adapted weights)."""
+    if mode not in MODES[1:]:
+        raise ValueError(f"params.yaml train.graph_decoding must be one of {MODES}, not {mode!r}")
+    wrapper = GraphDecoding(model=model, original=model.generate, attention=attention,
+                            merged=mode == "merged", keep=mode == "merged")
     model.generate = functools.update_wrapper(wrapper, model.generate)
     return wrapper
