@@ -140,3 +140,44 @@ def test_grouped_attention_equals_sdpa_with_padding_mask() -> None:
                                                               scaling=0.25)
     assert got.shape == expected.shape == (3, 1, 8, 16)
     assert torch.allclose(got, expected, atol=1e-5)
+
+
+def test_merged_copies_fold_the_adapter_in_and_follow_it() -> None:
+    from peft import LoraConfig, get_peft_model
+
+    from vlmrl.models.graph_decode import MergedLoRA
+
+    path = ensure_embedded_model("embedded:tiny-qwen3", seed=0)
+    base = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"]))
+    torch.manual_seed(0)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(0, 0.5)
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    merged = MergedLoRA(model)
+    assert len(merged.layers) == 4  # q_proj and down_proj of 2 layers
+    for scale in (1.0, -2.0):  # the second refresh must follow the changed adapter
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.data.mul_(scale)
+        merged.refresh()
+        with torch.no_grad():
+            expected = model(input_ids=ids).logits.float()
+            with merged.swapped():
+                got = model(input_ids=ids).logits.float()
+            restored = model(input_ids=ids).logits.float()
+        with torch.no_grad(), model.disable_adapter():
+            plain = model(input_ids=ids).logits.float()
+        assert torch.equal(restored, expected)  # weights and adapter back after the swap
+        error = ((got - expected).norm() / (expected - plain).norm()).item()
+        assert error < 0.05, error  # within bf16 rounding of the adapter's effect
+
+
+def test_merged_copies_refuse_quantized_or_adapterless_models() -> None:
+    from vlmrl.models.graph_decode import MergedLoRA
+
+    path = ensure_embedded_model("embedded:tiny-qwen3", seed=0)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="active LoRA adapter"):
+        MergedLoRA(model)
