@@ -621,6 +621,11 @@ def roofline_table(results: dict[str, Any]) -> str:
             f"{_fmt(100 * fraction if fraction else None, '.1f')} | "
             f"{_fmt(run['peak_allocated_gib'], '.2f')} ({_fmt(run['peak_reserved_gib'], '.2f')}) | "
             f"{ratio(run, REFERENCE)} | {ratio(run, TODAY)} |")
+    failed = sorted((key, run["error"]) for key, run in results["runs"].items()
+                    if run.get("error"))
+    if failed:
+        lines += ["", "Runs without a result in this file:", ""]
+        lines += [f"- `{key}`: {error}" for key, error in failed]
     return "\n".join(lines)
 
 

@@ -181,3 +181,4 @@ def test_merged_copies_refuse_quantized_or_adapterless_models() -> None:
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="active LoRA adapter"):
         MergedLoRA(model)
+

@@ -67,6 +67,10 @@ def greedy(model):
                             cache_implementation="static", max_cache_len=CACHE_LEN)
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "issue 23, open: on the H100 (2026-11-24, three runs) the tokens agreed at the start of every "
+    "compared row and then diverged mid-sequence (numerical, not a shift: a wrong position or "
+    "cache slot breaks the second token); the kernel that differs from generate's was not found"))
 def test_bf16_greedy_tokens_equal_generate():
     from vlmrl.models.graph_decode import install_graph_decoding
 
