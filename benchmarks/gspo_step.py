@@ -125,6 +125,14 @@ CONFIGS["gpu_profile_vllm"] = {"backend": "transformers", "load_in_4bit": False,
                                "compile": False, "vllm": True}
 VLLM_SETTINGS = {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3,
                  "vllm_enable_sleep_mode": True}
+# Issue 23: the decode step in one CUDA graph (train.graph_decoding, vlmrl.models.graph_decode):
+# "on" on the profile's batch shape (NF4, 16 rows per generate call: the memory profile) and in
+# bf16 with all 32 rows of a generation in one call; "merged" (the adapter folded into bf16
+# copies of the weights for decoding) with 32 rows: the speed profile.
+CONFIGS["gpu_profile_graph"] = {**profile_candidate(8, 4, 16), "compile": False, "graph": "on"}
+CONFIGS["gpu_profile_graph_bf16"] = {**profile_candidate(8, 4), "load_in_4bit": False,
+                                     "compile": False, "graph": "on"}
+CONFIGS["gpu_profile_graph_merged"] = {**CONFIGS["gpu_profile_graph_bf16"], "graph": "merged"}
 GPU_PROFILE = "gpu_profile_mb8_spg4_rows16"
 CONFIGS["gpu_profile"] = CONFIGS[GPU_PROFILE]
 for _name, _knobs in CONFIGS.items():  # equal work: 16 completions per optimizer step
@@ -174,6 +182,70 @@ def device_name() -> str:
         return "cpu"
     props = torch.cuda.get_device_properties(0)
     return f"{props.name} ({props.total_memory / 2**30:.0f} GiB)"
+
+
+# ------------------------------------------------------------------ roofline (issue 23)
+
+def decode_steps_of(completion_ids: list, knobs: dict[str, Any]) -> int:
+    """Decode steps one generation batch took: its longest completion per generate call, times
+    the calls it was split into (train.max_generation_rows)."""
+    rows = knobs.get("max_generation_rows") or len(completion_ids) or 1
+    calls = -(-len(completion_ids) // rows)
+    return calls * max((len(ids) for ids in completion_ids), default=0)
+
+
+def decode_weight_bytes(model) -> int:
+    """Bytes of weights one decode step must read: every language-model parameter once (NF4
+    weights as packed bytes plus their quantization scales; LoRA included), not the vision tower
+    (prefill only), and of an untied input embedding only the rows looked up (left out)."""
+    seen: set[int] = set()
+    total = 0
+    for name, param in model.named_parameters():
+        if ".visual." in f".{name}." or param.data_ptr() in seen:
+            continue
+        seen.add(param.data_ptr())
+        total += param.numel() * param.element_size()
+        state = getattr(param, "quant_state", None)
+        while state is not None:
+            total += state.absmax.numel() * state.absmax.element_size()
+            state = getattr(state, "state2", None)
+    embedding, output = model.get_input_embeddings(), model.get_output_embeddings()
+    if output is not None and embedding.weight.data_ptr() != output.weight.data_ptr():
+        total -= embedding.weight.numel() * embedding.weight.element_size()
+    return total
+
+
+def copy_bandwidth(gib: float = 2.0, repeats: int = 20) -> float | None:
+    """Device memory bandwidth in bytes/s, measured by a device-to-device copy of random bytes
+    (bytes read + bytes written over the median time of `repeats` copies)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    count = int(gib * 2**30)
+    source = torch.randint(0, 256, (count,), dtype=torch.uint8, device="cuda")
+    target = torch.empty_like(source)
+    for _ in range(3):
+        target.copy_(source)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        target.copy_(source)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    del source, target
+    torch.cuda.empty_cache()
+    return 2 * count / sorted(times)[len(times) // 2]
+
+
+def bandwidth_fraction(run: dict[str, Any], bandwidth: float | None) -> float | None:
+    """Decode steps per second over the weights' bound (bandwidth / weight bytes per step)."""
+    steps, weights = run.get("decode_steps_per_second"), run.get("decode_weight_bytes")
+    if not (steps and weights and bandwidth):
+        return None
+    return steps * weights / bandwidth
 
 
 # ------------------------------------------------------------------ one run (worker)
@@ -359,7 +431,8 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
                     "peak_reserved_gib": _peak_gib("reserved")}))
 
     trainer = make_trainer(model, processor, config, dataset, reward_funcs,
-                           generation_rows=knobs.get("max_generation_rows"), callbacks=[Timer()])
+                           generation_rows=knobs.get("max_generation_rows"), callbacks=[Timer()],
+                           graph_decoding=knobs.get("graph", "off"))
     peaks = MemoryPeaks()
     wrapped = hasattr(trainer, "_generate_single_turn")
     if wrapped:
@@ -375,7 +448,8 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
             generations.append({"step": trainer.state.global_step,
                                 "seconds": time.perf_counter() - started,
                                 "completions": len(completion_ids),
-                                "tokens": sum(len(ids) for ids in completion_ids)})
+                                "tokens": sum(len(ids) for ids in completion_ids),
+                                "decode_steps": decode_steps_of(completion_ids, knobs)})
             return completion_ids, logprobs
 
         trainer._generate_single_turn = generate_single_turn
@@ -398,7 +472,12 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
         tokens = sum(lengths) * per_step
     seconds = sum(timed)
     generation_seconds = sum(g["seconds"] for g in timed_generations)
+    weight_bytes = decode_weight_bytes(model)
+    decode_steps = sum(g.get("decode_steps", 0) for g in timed_generations)
     return {
+        "decode_weight_bytes": weight_bytes,
+        "decode_steps_per_second": (decode_steps / generation_seconds
+                                    if generation_seconds and decode_steps else None),
         "config": config_name,
         "completion_length": length,
         "backend": backend,
@@ -441,7 +520,8 @@ def result_key(config: str, length: int, model: str = MODEL) -> str:
 SUMMARY_FIELDS = ("completion_length", "seconds_per_step", "generated_tokens_per_second",
                   "generation_only_tokens_per_second", "peak_allocated_gib", "peak_reserved_gib",
                   "peak_allocated_gib_by_phase", "mean_completion_length", "warmup_steps",
-                  "timed_steps", "device", "non_pytorch_gib", "peak_device_gib", "per_step")
+                  "timed_steps", "device", "non_pytorch_gib", "peak_device_gib", "per_step",
+                  "decode_steps_per_second", "decode_weight_bytes", "bandwidth_fraction")
 
 
 def summarize(runs: dict[str, Any], model: str = MODEL) -> dict[str, list[dict[str, Any]]]:
@@ -479,22 +559,84 @@ def save_results(path: Path, results: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
+def _fmt(value, spec: str) -> str:
+    return format(value, spec) if isinstance(value, (int, float)) else "-"
+
+
 def print_table(results: dict[str, Any]) -> None:
-    print(f"\n{'run':34} {'s/step':>8} {'tok/s':>8} {'gen tok/s':>9} {'peak GiB':>8} "
-          f"{'rsv GiB':>8} {'len':>6}  note")
+    print(f"\n{'run':44} {'s/step':>7} {'tok/s':>6} {'gen tok/s':>9} {'steps/s':>7} "
+          f"{'bound%':>6} {'peak GiB':>8} {'rsv GiB':>7} {'len':>5}  note")
     for key, run in sorted(results["runs"].items()):
         if run.get("error"):
-            print(f"{key:34} {'-':>8} {'-':>8} {'-':>9} {'-':>8} {'-':>8} {'-':>6}  "
-                  f"{run['error'][:80]}")
+            print(f"{key:44} {run['error'][:100]}")
             continue
-        def fmt(value, spec):
-            return format(value, spec) if isinstance(value, (int, float)) else "-"
-        print(f"{key:34} {fmt(run['seconds_per_step'], '8.2f')} "
-              f"{fmt(run['generated_tokens_per_second'], '8.0f')} "
-              f"{fmt(run['generation_only_tokens_per_second'], '9.0f')} "
-              f"{fmt(run['peak_allocated_gib'], '8.2f')} {fmt(run['peak_reserved_gib'], '8.2f')} "
-              f"{fmt(run['mean_completion_length'], '6.0f')}"
+        fraction = run.get("bandwidth_fraction")
+        print(f"{key:44} {_fmt(run['seconds_per_step'], '7.2f')} "
+              f"{_fmt(run['generated_tokens_per_second'], '6.0f')} "
+              f"{_fmt(run['generation_only_tokens_per_second'], '9.0f')} "
+              f"{_fmt(run.get('decode_steps_per_second'), '7.1f')} "
+              f"{_fmt(100 * fraction if fraction else None, '6.1f')} "
+              f"{_fmt(run['peak_allocated_gib'], '8.2f')} {_fmt(run['peak_reserved_gib'], '7.2f')} "
+              f"{_fmt(run['mean_completion_length'], '5.0f')}"
               f"  {'KV cache dropped' if run.get('kv_cache_dropped_in_generation') else ''}")
+
+
+DOC_START, DOC_END = "<!-- gspo_step roofline: start -->", "<!-- gspo_step roofline: end -->"
+REFERENCE, TODAY = "unsloth_4bit", GPU_PROFILE
+
+
+def roofline_table(results: dict[str, Any]) -> str:
+    """The roofline table for the docs, from one results file: every measured run, with its
+    speed against the Unsloth reference and today's GPU profile of the same model and length."""
+    runs = [r for r in results["runs"].values() if not r.get("error")
+            and r.get("seconds_per_step")]
+    by_key = {(r["config"], r["completion_length"], r.get("model", MODEL)): r for r in runs}
+
+    def ratio(run: dict[str, Any], config: str) -> str:
+        base = by_key.get((config, run["completion_length"], run.get("model", MODEL)))
+        if base is None or not base.get("generated_tokens_per_second"):
+            return "-"
+        return f"{run['generated_tokens_per_second'] / base['generated_tokens_per_second']:.2f}x"
+
+    bandwidth = results.get("bandwidth_bytes_per_s")
+    lines = [(f"Device: {results.get('device')}; copy bandwidth measured in the same run: "
+             f"{_fmt(bandwidth / 1e12 if bandwidth else None, '.2f')} TB/s. Written by "
+             "`benchmarks/gspo_step.py --doc`."), "",
+             ("| model | configuration | tokens | s / step | generated tok/s | gen-only tok/s | "
+             "decode steps/s | weights GB / step | % of bound | peak GiB (reserved) | "
+             "vs unsloth_4bit | vs today's profile |"),
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    order = {name: index for index, name in enumerate(CONFIGS)}
+    for run in sorted(runs, key=lambda r: (r.get("model", MODEL), r["completion_length"],
+                                           order.get(r["config"], 99))):
+        fraction = run.get("bandwidth_fraction")
+        weights = run.get("decode_weight_bytes")
+        lines.append(
+            f"| {run.get('model', MODEL).removeprefix('embedded:')} | `{run['config']}` | "
+            f"{run['completion_length']} | {_fmt(run['seconds_per_step'], '.2f')} | "
+            f"{_fmt(run['generated_tokens_per_second'], '.0f')} | "
+            f"{_fmt(run['generation_only_tokens_per_second'], '.0f')} | "
+            f"{_fmt(run.get('decode_steps_per_second'), '.1f')} | "
+            f"{_fmt(weights / 1e9 if weights else None, '.2f')} | "
+            f"{_fmt(100 * fraction if fraction else None, '.1f')} | "
+            f"{_fmt(run['peak_allocated_gib'], '.2f')} ({_fmt(run['peak_reserved_gib'], '.2f')}) | "
+            f"{ratio(run, REFERENCE)} | {ratio(run, TODAY)} |")
+    failed = sorted((key, run["error"]) for key, run in results["runs"].items()
+                    if run.get("error"))
+    if failed:
+        lines += ["", "Runs without a result in this file:", ""]
+        lines += [f"- `{key}`: {error}" for key, error in failed]
+    return "\n".join(lines)
+
+
+def write_doc_table(results: dict[str, Any], doc: Path) -> None:
+    """Replaces the text between DOC_START and DOC_END in `doc` with `roofline_table`."""
+    text = doc.read_text()
+    if DOC_START not in text or DOC_END not in text:
+        raise SystemExit(f"{doc}: no {DOC_START} ... {DOC_END} block to write the table into")
+    head, rest = text.split(DOC_START, 1)
+    tail = rest.split(DOC_END, 1)[1]
+    doc.write_text(f"{head}{DOC_START}\n{roofline_table(results)}\n{DOC_END}{tail}")
 
 
 def print_steps(key: str, rows: list[dict[str, Any]]) -> None:
@@ -522,6 +664,8 @@ def main() -> int:
     parser.add_argument("--min-run-s", type=float, default=90)
     parser.add_argument("--run-timeout-s", type=float, default=540)
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "gspo-bench")
+    parser.add_argument("--doc", type=Path,
+                        help="write the roofline table of --out into this Markdown file and exit")
     parser.add_argument("--worker", nargs=2, metavar=("CONFIG", "LENGTH"), help=argparse.SUPPRESS)
     parser.add_argument("--train-set", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -541,6 +685,9 @@ def main() -> int:
         args.result.write_text(json.dumps(result))
         return 0
 
+    if args.doc:
+        write_doc_table(load_results(args.out), args.doc)
+        return 0
     started = time.perf_counter()
     from vlmrl.models.embedded import ensure_embedded_model
 
@@ -555,6 +702,8 @@ def main() -> int:
     print(f"model {model_dir}; data {train_set}; setup {time.perf_counter() - started:.0f} s",
           flush=True)
     results = load_results(args.out)
+    results.update(bandwidth_bytes_per_s=copy_bandwidth())
+    print(f"copy bandwidth {results['bandwidth_bytes_per_s'] or 0:.4g} B/s", flush=True)
     results.update(device=device_name(), versions=versions(), model=MODEL,
                    num_generations=NUM_GENERATIONS,
                    completions_per_optimizer_step=PER_DEVICE_BATCH * GRAD_ACCUM, lora=LORA)
@@ -593,6 +742,7 @@ def main() -> int:
             result["wall_seconds"] = round(time.perf_counter() - run_started, 1)
             result["device"] = results["device"]
             result["model"] = args.model
+            result["bandwidth_fraction"] = bandwidth_fraction(result, results["bandwidth_bytes_per_s"])
             results["runs"][key] = result
             save_results(args.out, results)
             print(json.dumps({k: v for k, v in result.items()

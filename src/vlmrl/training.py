@@ -38,6 +38,7 @@ from vlmrl.data_parallel import (
 )
 from vlmrl.launch import DistributedParams, distributed_settings
 from vlmrl.models.backend import precision_flags
+from vlmrl.models.graph_decode import install_graph_decoding
 from vlmrl.models.loading import backend_for, load_policy, starting_adapter
 from vlmrl.models.processor import (
     chat_messages,
@@ -45,7 +46,7 @@ from vlmrl.models.processor import (
     save_processing,
     suppressed_generation_kwargs,
 )
-from vlmrl.models.sampling import sample_top_k_on_cpu, top_k_settings
+from vlmrl.models.sampling import on_cpu, sample_top_k_on_cpu, top_k_settings
 from vlmrl.outputs import atomic_dir
 from vlmrl.params import ModelParams, Params, ParamsError
 from vlmrl.portable import make_adapter_portable
@@ -218,11 +219,12 @@ class TrainResult:
 
 
 def make_trainer(model, processor, config, dataset, reward_funcs, *,
-                 generation_rows: int | None, callbacks: list):
+                 generation_rows: int | None, callbacks: list, graph_decoding: str = "off"):
     """TRL's GRPOTrainer with the project's generation switches: the processor's suppressed
     tokens, compiled decoding when `generation_kwargs.disable_compile` is false (TRL itself
-    always disables it), generation in chunks of `generation_rows`, and on a CPU top-k sampling
-    among k tokens (`vlmrl.models.sampling`)."""
+    always disables it), generation in chunks of `generation_rows`, on a GPU with
+    `graph_decoding` the decode step in one CUDA graph (`vlmrl.models.graph_decode`), and on a
+    CPU top-k sampling among k tokens (`vlmrl.models.sampling`)."""
     generation_kwargs = dict(config.generation_kwargs or {})
     compile_generation = generation_kwargs.pop("disable_compile", True) is False
     config.generation_kwargs = {**suppressed_generation_kwargs(processor), **generation_kwargs}
@@ -235,6 +237,8 @@ def make_trainer(model, processor, config, dataset, reward_funcs, *,
     sample_top_k_on_cpu(trainer.model, top_k_settings(
         True, config.temperature, config.top_k, config.top_p, config.min_p,
         suppress=config.generation_kwargs.get("suppress_tokens")))
+    if graph_decoding != "off" and not on_cpu(trainer.model):
+        install_graph_decoding(trainer.model, graph_decoding)
     return trainer
 
 
@@ -289,7 +293,8 @@ def train(*, train_set: Path, params: Params, adapter_out: Path, checkpoints: Pa
                                              init_adapter)
     dataset = policy_dataset(load_from_disk(str(train_set)), processor)
     trainer = make_trainer(model, processor, config, dataset, reward_funcs,
-                           generation_rows=rows, callbacks=[])
+                           generation_rows=rows, callbacks=[],
+                           graph_decoding=train_params.graph_decoding)
     live = live if trainer.accelerator.is_main_process else None  # rank 0 alone writes
     if live is not None:
         trainer.add_callback(live.callback())

@@ -43,7 +43,14 @@ CONFIGS = {
     "unsloth-4bit": {"model.backend": "unsloth", "model.load_in_4bit": True},
     "transformers-bf16": {"model.backend": "transformers", "model.load_in_4bit": False},
     "transformers-4bit": {"model.backend": "transformers", "model.load_in_4bit": True},
+    # issue 23: rollouts with the decode step in one CUDA graph; training only (test_downstream
+    # does not depend on how the rollouts were generated)
+    "transformers-bf16-graph": {"model.backend": "transformers", "model.load_in_4bit": False,
+                                "train.graph_decoding": "merged"},
+    "transformers-4bit-graph": {"model.backend": "transformers", "model.load_in_4bit": True,
+                                "train.graph_decoding": "on"},
 }
+DOWNSTREAM = [name for name in CONFIGS if not name.endswith("-graph")]
 # The cold start and GSPO of the tests, measured on an H100 (transformers bf16) with
 # benchmarks/gspo_settings_probe.py; tests/gpu/README.md has the figures. Without the SFT the
 # random model never samples EOS, every reward of a group is equal and no gradient flows. After
@@ -325,7 +332,7 @@ def test_train_gspo(copies, config):
                            f"cold-start adapter's: {unchanged[:3]}")
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("config", DOWNSTREAM)
 def test_downstream(copies, config):
     """baseline_eval, post_eval, verify_lora, export (Unsloth's merged 16-bit save on the Unsloth
     path, transformers' merge otherwise; GGUF on both) and upload (local manifest only); or the

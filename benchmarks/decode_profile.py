@@ -1,0 +1,137 @@
+"""Where a decode step's time goes (issue 23): milliseconds per decode step of graph decoding
+(`vlmrl.models.graph_decode`) on the model with Qwen3-VL-2B's shapes, bf16 or NF4, LoRA r16 on the
+7 projections (as `gspo_step.py`), for several row counts and both decode attentions ("model":
+transformers' SDPA with its `repeat_kv` copies; "grouped"), with the benchmark's prompts (the
+project's synthetic 512 px images, each prompt repeated 4 times as TRL does) and TRL's sampling
+(temperature 1, top-k 20, top-p 0.8), a static cache of 1408 slots (longest prompt + 1024). Then
+the CUDA kernels of a few eagerly run decode steps, by total time (torch.profiler). Prints a table
+and writes `--out` JSON.
+
+  PYTHONPATH=src python benchmarks/decode_profile.py --rows 16,32 --out /tmp/decode_profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gspo_step  # the benchmark's model, data and LoRA settings
+
+
+def load(four_bit: bool):
+    from vlmrl.models.loading import load_policy
+    from vlmrl.params import LoraParams, ModelParams, load_params
+
+    params = load_params(gspo_step.ROOT / "params.yaml")
+    settings = ModelParams.from_params({**params.section("model"), "name": gspo_step.MODEL,
+                                        "backend": "transformers", "load_in_4bit": four_bit,
+                                        "dtype": "auto", "seed": 0})
+    model, processor, _ = load_policy(settings, LoraParams(**gspo_step.LORA), 0)
+    return model.eval(), processor
+
+
+def prompts(processor, train_set: Path, rows: int) -> dict:
+    from datasets import load_from_disk
+
+    from vlmrl.evaluation import render_prompt
+
+    dataset = load_from_disk(str(train_set))
+    picked = [dataset[i] for i in range(rows // gspo_step.NUM_GENERATIONS)]
+    repeated = [row for row in picked for _ in range(gspo_step.NUM_GENERATIONS)]
+    processor.tokenizer.padding_side = "left"
+    batch = processor(text=[render_prompt(processor, row) for row in repeated],
+                      images=[row["image"] for row in repeated], return_tensors="pt",
+                      padding=True)
+    return {key: value.to("cuda") for key, value in batch.items()}
+
+
+def config(model, new_tokens: int, cache_len: int):
+    from transformers import GenerationConfig
+
+    return GenerationConfig(max_new_tokens=new_tokens, do_sample=True, temperature=1.0, top_k=20,
+                            top_p=0.8, eos_token_id=-5, pad_token_id=0,
+                            cache_implementation="static", max_cache_len=cache_len)
+
+
+def ms_per_step(model, batch, attention: str, new_tokens: int, cache_len: int) -> float:
+    from vlmrl.models.graph_decode import GraphDecoding
+
+    decoding = GraphDecoding(model=model, original=model.generate, attention=attention)
+    decoding._decode(config(model, new_tokens, cache_len), batch)  # capture
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    decoding._decode(config(model, new_tokens, cache_len), batch)
+    torch.cuda.synchronize()
+    del decoding
+    return (time.perf_counter() - started) * 1000 / new_tokens
+
+
+def kernels(model, batch, attention: str, cache_len: int, top: int = 14) -> list[dict]:
+    from torch.profiler import ProfilerActivity, profile
+
+    from vlmrl.models.graph_decode import GraphDecoding
+
+    decoding = GraphDecoding(model=model, original=model.generate, use_graph=False,
+                             attention=attention)
+    decoding._decode(config(model, 4, cache_len), batch)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        decoding._decode(config(model, 9, cache_len), batch)  # prefill + 8 decode steps
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    events.sort(key=lambda e: -e.device_time_total)
+    return [{"kernel": e.key[:90], "ms_per_step": round(e.device_time_total / 1000 / 9, 3),
+             "calls_per_step": round(e.count / 9, 1)} for e in events[:top]]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="16,32")
+    parser.add_argument("--dtypes", default="bf16,nf4")
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--cache-len", type=int, default=1408)
+    parser.add_argument("--out", type=Path, default=Path("decode_profile.json"))
+    args = parser.parse_args()
+    import os
+
+    from vlmrl.models.embedded import ensure_embedded_model
+
+    work = Path(tempfile.gettempdir()) / "gspo-bench"
+    os.environ.setdefault("VLMRL_CACHE", str(work / "cache"))
+    ensure_embedded_model(gspo_step.MODEL, seed=0, device="cuda")
+    train_set = gspo_step.prepare_train_set(work, 64)
+    bandwidth = gspo_step.copy_bandwidth()
+    results: dict = {"device": gspo_step.device_name(), "bandwidth_bytes_per_s": bandwidth,
+                     "runs": []}
+    for dtype in args.dtypes.split(","):
+        model, processor = load(dtype == "nf4")
+        weights = gspo_step.decode_weight_bytes(model)
+        for rows in [int(r) for r in args.rows.split(",")]:
+            batch = prompts(processor, train_set, rows)
+            for attention in ("model", "grouped"):
+                ms = ms_per_step(model, batch, attention, args.new_tokens, args.cache_len)
+                run = {"dtype": dtype, "rows": rows, "attention": attention,
+                       "ms_per_step": round(ms, 3), "tokens_per_s": round(rows * 1000 / ms),
+                       "weight_bytes": weights,
+                       "bound_fraction": round(weights / bandwidth / (ms / 1000), 4)}
+                if rows == max(int(r) for r in args.rows.split(",")):
+                    run["kernels"] = kernels(model, batch, attention, args.cache_len)
+                results["runs"].append(run)
+                print(json.dumps(run), flush=True)
+                args.out.write_text(json.dumps(results, indent=1))
+        del model
+        torch.cuda.empty_cache()
+    print(f"\ncopy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    for run in results["runs"]:
+        print(f"{run['dtype']:5} rows {run['rows']:3} {run['attention']:8} {run['ms_per_step']:7.2f} "
+              f"ms/step {run['tokens_per_s']:6} tok/s  bound {100 * run['bound_fraction']:.1f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,370 @@
+"""Rollouts near the memory-bandwidth bound (issue 23). Decoding one token of a 2B model reads
+every weight once, so a decode step should take about (bytes of weights) / (memory bandwidth);
+transformers' `generate` spends most of a step elsewhere: Python per step (input preparation,
+the 4D mask, the logits processors, stopping criteria) and the sampling kernels, launched one by
+one between the compiled forward passes. Here the whole decode step, forward pass and sampling
+together, is one CUDA graph replayed once per token: the prompt is prefilled by the model's own
+forward (vision tower and multimodal RoPE as in `generate`), then each replay reads the last
+token, position and mask from fixed buffers, writes the static KV cache, draws the next token
+and advances the position, with no host synchronisation but one check for finished rows every
+`CHECK_EVERY` steps (the early exit: the call returns once every row has sampled EOS).
+
+The draw samples exactly transformers' distribution for TRL's settings (suppressed tokens
+removed, temperature, top-k, then top-p over what top-k kept: `vlmrl.models.sampling`'s
+`candidate_probs`), by the Gumbel-max trick (`argmax(log p - log(-log u))`), which needs no
+`torch.multinomial` (it cannot be captured). Greedy decoding (TRL's `do_sample=False`) takes the
+argmax of the logits. One graph (and one static cache) is kept per (rows, cache length, greedy):
+the cache's size is the generation batch's, so `train.max_generation_rows` still bounds memory.
+Where a setting is not served (beam search, repetition penalty, min-p, returned scores, a model
+on a CPU, a prompt longer than the cache), `generate` is transformers' own."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vlmrl.models.sampling import SamplingSettings, candidate_probs
+
+CHECK_EVERY = 64  # decode steps between host checks for "every row has finished"
+CACHE_ROUND = 256  # cache lengths are rounded up to this, so prompts of other lengths reuse one
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """What one graph serves: the batch shape and the draw."""
+
+    rows: int
+    cache_len: int
+    sampling: SamplingSettings | None  # None: greedy
+
+
+def served(config, kwargs: dict[str, Any]) -> bool:
+    """Whether a `generate` call with this GenerationConfig and these keyword arguments takes
+    the graph path."""
+    unsupported = (
+        (config.num_beams or 1) > 1 or (config.num_return_sequences or 1) > 1
+        or (config.repetition_penalty not in (None, 1.0)) or config.min_p
+        or config.return_dict_in_generate or config.output_scores or config.output_logits
+        or kwargs.get("logits_processor") or kwargs.get("stopping_criteria")
+        or kwargs.get("streamer") or kwargs.get("past_key_values") is not None
+        or kwargs.get("inputs_embeds") is not None)
+    return not unsupported
+
+
+def plan_for(config, rows: int, prompt_len: int, suppress: tuple[int, ...]) -> DecodePlan:
+    needed = prompt_len + int(config.max_new_tokens)
+    cache_len = max(int(getattr(config, "max_cache_len", None) or 0),
+                    (needed + CACHE_ROUND - 1) // CACHE_ROUND * CACHE_ROUND)
+    sampling = None
+    if config.do_sample:
+        top_k = int(config.top_k or 0)
+        sampling = SamplingSettings(temperature=float(config.temperature or 1.0),
+                                    top_k=top_k if top_k > 0 else 1 << 30,
+                                    top_p=1.0 if config.top_p is None else float(config.top_p),
+                                    suppress=suppress)
+    return DecodePlan(rows=rows, cache_len=cache_len, sampling=sampling)
+
+
+def sample_next(logits: torch.Tensor, sampling: SamplingSettings | None,
+                suppress: torch.Tensor | None) -> torch.Tensor:
+    """One token per row from [rows, vocab] float32 logits, with no host synchronisation."""
+    if suppress is not None and suppress.numel():
+        logits = logits.index_fill(1, suppress, -float("inf"))
+    if sampling is None:
+        return logits.argmax(-1)
+    ids, probs = candidate_probs(logits, sampling)
+    uniform = torch.rand(probs.shape, device=probs.device, dtype=torch.float32)
+    gumbel = -torch.log(-torch.log(uniform.clamp_(1e-20, 1.0 - 1e-7)))
+    choice = (probs.log() + gumbel).argmax(-1, keepdim=True)  # log(0) = -inf: never drawn
+    return ids.gather(1, choice).squeeze(1)
+
+
+def grouped_decode_attention(original):
+    """An attention function for one query token per row over the static cache: the query heads
+    that share a key/value head are multiplied against it as one matrix, so the cache is read
+    once per step. transformers' SDPA path with a mask first copies every key and value head
+    `num_key_value_groups` times (`repeat_kv`): the whole cache written and read again per layer
+    and step. Scores and softmax in float32. Anything else goes to `original`."""
+
+    def attend(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        batch, heads, length, dim = query.shape
+        if (length != 1 or attention_mask is None or attention_mask.dtype != torch.bool
+                or attention_mask.dim() != 4 or dropout):
+            return original(module, query, key, value, attention_mask, dropout=dropout,
+                            scaling=scaling, **kwargs)
+        kv_heads = key.shape[1]
+        grouped = query.reshape(batch * kv_heads, heads // kv_heads, dim)
+        keys = key.reshape(batch * kv_heads, key.shape[2], dim).transpose(1, 2)
+        if grouped.is_cuda:
+            scores = torch.bmm(grouped, keys, out_dtype=torch.float32)
+        else:
+            scores = torch.bmm(grouped.float(), keys.float())
+        scores = scores.view(batch, kv_heads, heads // kv_heads, -1)
+        scores = scores * (dim ** -0.5 if scaling is None else scaling)
+        probs = scores.masked_fill(~attention_mask, -float("inf")).softmax(-1).to(value.dtype)
+        out = torch.bmm(probs.view(batch * kv_heads, heads // kv_heads, -1),
+                        value.reshape(batch * kv_heads, value.shape[2], dim))
+        return out.view(batch, 1, heads, dim), None
+
+    return attend
+
+
+@contextlib.contextmanager
+def decode_attention(mode: str) -> Iterator[None]:
+    """While active, transformers' "sdpa" attention is `grouped_decode_attention` (mode
+    "grouped"); mode "model" leaves the model's attention alone."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if mode not in ("grouped", "model"):
+        raise ValueError(f"graph decoding attention must be 'grouped' or 'model', not {mode!r}")
+    saved = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    if mode == "grouped":
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = grouped_decode_attention(saved)
+    try:
+        yield
+    finally:
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = saved
+
+
+class MergedLoRA:
+    """bf16 copies of the LoRA-adapted weights with the adapter folded in (W + s B A), for the
+    decode graph only: a decode step then runs one matrix product per projection instead of
+    seven kernels (casts to the adapter's float32, A, B, scale, add), which at a few rows per
+    step cost more than the weights' bytes. Costs one copy of the adapted weights' memory; the
+    copies are refreshed from the trained adapter at every generate call (`refresh`), and the
+    graph is captured with the adapter switched off and the copies in place of the weights
+    (`swapped`). Sampled tokens then come from the merged weights rounded to bf16, as they would
+    from a vLLM copy; training and scoring use the adapter itself. Not for quantized weights."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.layers = [module for module in model.modules()
+                       if hasattr(module, "lora_A") and hasattr(module, "base_layer")
+                       and module.active_adapters and not module.disable_adapters]
+        if not self.layers:
+            raise ValueError("graph decoding with merged weights needs a model with an active "
+                             "LoRA adapter")
+        for layer in self.layers:
+            if layer.base_layer.weight.dtype not in (torch.bfloat16, torch.float16):
+                raise ValueError("graph decoding with merged weights needs 16-bit base weights "
+                                 f"(model.load_in_4bit: false), not {layer.base_layer.weight.dtype}")
+        self.copies = [torch.empty_like(layer.base_layer.weight) for layer in self.layers]
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        for layer, copy in zip(self.layers, self.copies):
+            weight = layer.base_layer.weight.float()
+            for name in layer.active_adapters:
+                weight += layer.get_delta_weight(name).float()
+            copy.copy_(weight)
+
+    @contextlib.contextmanager
+    def swapped(self) -> Iterator[None]:
+        originals = [layer.base_layer.weight.data for layer in self.layers]
+        for layer, copy in zip(self.layers, self.copies):
+            layer.base_layer.weight.data = copy
+        try:
+            with self.model.disable_adapter():
+                yield
+        finally:
+            for layer, original in zip(self.layers, originals):
+                layer.base_layer.weight.data = original
+
+
+class GraphDecoder:
+    """The decode loop for one DecodePlan: static buffers, one static cache, one CUDA graph."""
+
+    def __init__(self, model, plan: DecodePlan, device: torch.device, eos: list[int],
+                 pad: int, suppress: tuple[int, ...], use_graph: bool = True,
+                 attention: str = "grouped", merged: bool = False) -> None:
+        from transformers import StaticCache
+
+        self.model, self.plan, self.use_graph, self.attention = model, plan, use_graph, attention
+        rows, length = plan.rows, plan.cache_len
+        self.cache = StaticCache(config=model.config, max_cache_len=length)
+        self.token = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        multimodal_rope = _rope_deltas_holder(_generative_model(model)) is not None
+        self.positions = torch.zeros(*((4,) if multimodal_rope else ()), rows, 1,
+                                     dtype=torch.long, device=device)
+        self.valid = torch.ones(rows, length, dtype=torch.bool, device=device)
+        self.index = torch.zeros((), dtype=torch.long, device=device)  # cache slot being written
+        self.slots = torch.arange(length, device=device)
+        self.finished = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.eos = torch.tensor(eos or [-1], dtype=torch.long, device=device)
+        self.pad = pad
+        self.suppress = torch.tensor(suppress, dtype=torch.long, device=device) if suppress else None
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.merged = MergedLoRA(model) if merged and use_graph else None
+
+    # -- the step, replayed
+
+    def step(self) -> None:
+        mask = (self.valid & (self.slots <= self.index))[:, None, None, :]
+        out = self.model(input_ids=self.token, attention_mask=mask, position_ids=self.positions,
+                         past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        chosen = sample_next(out.logits[:, -1].float(), self.plan.sampling, self.suppress)
+        chosen = torch.where(self.finished, torch.full_like(chosen, self.pad), chosen)
+        self.finished |= torch.isin(chosen, self.eos)
+        self.token.copy_(chosen[:, None])
+        self.positions.add_(1)
+        self.index.add_(1)
+
+    def _run_step(self) -> None:
+        with decode_attention(self.attention), (
+                self.merged.swapped() if self.merged and self.graph is None
+                else contextlib.nullcontext()):
+            if not self.use_graph:
+                self.step()
+            elif self.graph is None:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    self.step()  # this step, run: warms up cuBLAS and the allocator
+                torch.cuda.current_stream().wait_stream(side)
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph):
+                    self.step()  # the next steps, captured (not run) and replayed from now on
+            else:
+                self.graph.replay()
+
+    # -- one generate call
+
+    def prefill(self, input_ids, attention_mask, model_kwargs: dict[str, Any]) -> torch.Tensor:
+        """Runs the prompt through the model into the cache, with the position ids `generate`
+        gives it (multimodal RoPE for Qwen-VL); returns the first drawn tokens."""
+        self.cache.reset()
+        prompt_len = input_ids.shape[1]
+        hf_model = _generative_model(self.model)
+        positions = hf_model._prepare_position_ids_for_generation(
+            input_ids, {"attention_mask": attention_mask, "input_ids": input_ids, **model_kwargs})
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                         position_ids=positions, past_key_values=self.cache, use_cache=True,
+                         logits_to_keep=1, **model_kwargs)
+        text = attention_mask.long().sum(-1, keepdim=True)  # the next token's text position
+        if self.positions.dim() == 3:  # [text; temporal, height, width] as Qwen-VL decodes
+            deltas = _rope_deltas(hf_model)
+            shifted = text + (deltas.to(text.device).reshape(-1, 1) if deltas is not None else 0)
+            self.positions.copy_(torch.stack([text, shifted, shifted, shifted]))
+        else:
+            self.positions.copy_(text)
+        self.valid.fill_(True)
+        self.valid[:, :prompt_len].copy_(attention_mask.bool())
+        self.index.fill_(prompt_len)
+        self.finished.zero_()
+        first = sample_next(out.logits[:, -1].float(), self.plan.sampling, self.suppress)
+        self.finished |= torch.isin(first, self.eos)
+        self.token.copy_(first[:, None])
+        return first
+
+    def generate(self, input_ids, attention_mask, max_new_tokens: int,
+                 model_kwargs: dict[str, Any]) -> torch.Tensor:
+        tokens = torch.full((input_ids.shape[0], max_new_tokens), self.pad, dtype=torch.long,
+                            device=input_ids.device)
+        tokens[:, 0] = self.prefill(input_ids, attention_mask, model_kwargs)
+        if self.merged is not None:
+            self.merged.refresh()  # the adapter as trained so far, folded into the copies
+        made = 1
+        while made < max_new_tokens:
+            if made % CHECK_EVERY == 0 and bool(self.finished.all()):
+                break
+            self._run_step()
+            tokens[:, made] = self.token[:, 0]
+            made += 1
+        return torch.cat([input_ids, tokens[:, :made]], dim=1)
+
+
+def _generative_model(model):
+    """The transformers model under a PEFT wrapper (the one with generate's helpers)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _rope_deltas_holder(model):
+    """The module that keeps Qwen-VL's multimodal RoPE offsets (`rope_deltas`), or None."""
+    inner = getattr(model, "model", None)
+    return inner if inner is not None and hasattr(inner, "rope_deltas") else None
+
+
+def _rope_deltas(model) -> torch.Tensor | None:
+    holder = _rope_deltas_holder(model)
+    return None if holder is None else holder.rope_deltas
+
+
+@dataclass
+class GraphDecoding:
+    """`model.generate`, replaced: graph decoding where served, transformers' otherwise."""
+
+    model: Any
+    original: Any
+    use_graph: bool = True
+    attention: str = "grouped"  # or "model": the model's own (SDPA) attention in decode steps
+    merged: bool = False  # decode with bf16 copies of the weights with the adapter folded in
+    keep: bool = True  # keep each batch shape's cache and graph between calls (else freed)
+    decoders: dict | None = None
+    calls: int = 0
+
+    def __call__(self, *args: Any, generation_config=None, **kwargs: Any):
+        config = generation_config if generation_config is not None else \
+            self.model.generation_config
+        input_ids = kwargs.get("input_ids")
+        if (args or input_ids is None or input_ids.device.type != "cuda"
+                or not served(config, kwargs)):
+            return self.original(*args, generation_config=generation_config, **kwargs)
+        self.calls += 1
+        return self._decode(config, kwargs)
+
+    def _decoder_for(self, plan: DecodePlan) -> GraphDecoder | None:
+        """A decoder of the same rows and draw whose cache is long enough; one whose cache is
+        too short is dropped (its memory freed), so one decoder per batch shape is kept."""
+        self.decoders = self.decoders if self.decoders is not None else {}
+        for kept, decoder in list(self.decoders.items()):
+            if (kept.rows, kept.sampling) == (plan.rows, plan.sampling):
+                if kept.cache_len >= plan.cache_len:
+                    return decoder
+                del self.decoders[kept]
+        return None
+
+    def _decode(self, config, kwargs: dict[str, Any]) -> torch.Tensor:
+        """prompt + completion ids, [rows, prompt + new tokens], as `generate` returns them."""
+        kwargs = dict(kwargs)
+        input_ids = kwargs.pop("input_ids")
+        attention_mask = kwargs.pop("attention_mask", None)
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        for key in ("disable_compile", "use_cache"):
+            kwargs.pop(key, None)
+        suppress = tuple(int(i) for i in (config.suppress_tokens or ()))
+        plan = plan_for(config, input_ids.shape[0], input_ids.shape[1], suppress)
+        decoder = self._decoder_for(plan)
+        if decoder is None:
+            eos = config.eos_token_id
+            eos = [eos] if isinstance(eos, int) else list(eos or [])
+            pad = config.pad_token_id if config.pad_token_id is not None else (eos or [0])[0]
+            decoder = self.decoders[plan] = GraphDecoder(
+                self.model, plan, input_ids.device, eos, int(pad), suppress,
+                self.use_graph and input_ids.device.type == "cuda", self.attention, self.merged)
+        with torch.no_grad():
+            out = decoder.generate(input_ids, attention_mask, int(config.max_new_tokens), kwargs)
+        if not self.keep:  # the static cache and the graph's memory go back to the allocator
+            self.decoders.clear()
+        return out
+
+
+MODES = ("off", "on", "merged")
+
+
+def install_graph_decoding(model, mode: str = "on", attention: str = "grouped") -> GraphDecoding:
+    """Replaces `model.generate` (the object TRL calls: the PEFT model) with graph decoding.
+    `mode` (train.graph_decoding): "on", the adapter as it is, cache and graph freed after each
+    call (memory as transformers' generate); "merged", `MergedLoRA` copies, cache and graph
+    kept (speed, at one more copy of the adapted weights)."""
+    if mode not in MODES[1:]:
+        raise ValueError(f"params.yaml train.graph_decoding must be one of {MODES}, not {mode!r}")
+    wrapper = GraphDecoding(model=model, original=model.generate, attention=attention,
+                            merged=mode == "merged", keep=mode == "merged")
+    model.generate = functools.update_wrapper(wrapper, model.generate)
+    return wrapper

@@ -1,0 +1,156 @@
+"""Graph decoding (`train.graph_decoding`, vlmrl.models.graph_decode) on the GPU, on the model with
+Qwen3-VL-2B's shapes and a LoRA adapter whose B matrices are random (so the adapter changes every
+logit, as after training): under greedy decoding the tokens must equal transformers'
+`model.generate` on the same inputs with the same static cache (bf16), and in NF4 the CUDA graph's
+replays must give the tokens of the same loop run eagerly. Prompts of two lengths with images, so
+left padding and multimodal RoPE are exercised. With the adapter merged into bf16 copies
+(mode "merged") the greedy tokens must mostly agree with the adapter's own (the copies are rounded
+to bf16). Training through the graph path is covered by test_stages_gpu.py's `*-graph`
+configurations (grad norm, clip ratio, lora_B)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+MODEL = os.environ.get("VLMRL_GPU_TEST_MODEL", "embedded:qwen3-vl-2b-shape")
+NEW_TOKENS = 48
+CACHE_LEN = 512
+
+
+def load(four_bit: bool):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForImageTextToText
+
+    from vlmrl.models.backend import bnb_4bit_config
+    from vlmrl.models.embedded import ensure_embedded_model
+    from vlmrl.models.processor import load_processor
+
+    path = str(ensure_embedded_model(MODEL, seed=0, device="cuda"))
+    model = AutoModelForImageTextToText.from_pretrained(
+        path, dtype=torch.bfloat16, device_map="cuda",
+        quantization_config=bnb_4bit_config(torch.bfloat16) if four_bit else None)
+    config = LoraConfig(r=16, lora_alpha=16, target_modules=r".*language_model.*\.(q|v|down)_proj")
+    model = get_peft_model(model, config)
+    torch.manual_seed(0)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(0, 0.02)
+    return model.eval(), load_processor(path)
+
+
+def inputs(processor, rows_per_prompt: int = 4) -> dict:
+    from PIL import Image
+
+    questions = ["How many bars are taller than 5?", ("What is the sum of the two largest values "
+                 "shown in this chart, rounded to one decimal?")]
+    texts = [processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q}]}],
+        add_generation_prompt=True, tokenize=False) for q in questions]
+    images = [Image.new("RGB", (256, 192), (30, 120, 200)), Image.new("RGB", (192, 256), (200, 60, 30))]
+    processor.tokenizer.padding_side = "left"
+    batch = processor(text=[t for t in texts for _ in range(rows_per_prompt)],
+                      images=[i for i in images for _ in range(rows_per_prompt)],
+                      return_tensors="pt", padding=True)
+    return {key: value.to("cuda") for key, value in batch.items()}
+
+
+def greedy(model):
+    from transformers import GenerationConfig
+
+    return GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-5,
+                            pad_token_id=model.generation_config.pad_token_id or 0,
+                            cache_implementation="static", max_cache_len=CACHE_LEN)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "issue 23, open: on the H100 (2026-11-24, three runs) the tokens agreed at the start of every "
+    "compared row and then diverged mid-sequence (numerical, not a shift: a wrong position or "
+    "cache slot breaks the second token); the kernel that differs from generate's was not found"))
+def test_bf16_greedy_tokens_equal_generate():
+    from vlmrl.models.graph_decode import install_graph_decoding
+
+    model, processor = load(four_bit=False)
+    batch = inputs(processor)
+    assert (batch["attention_mask"] == 0).any()
+    config = greedy(model)
+    with torch.no_grad():
+        expected = model.generate(**batch, generation_config=config, disable_compile=True)
+        wrapper = install_graph_decoding(model, attention="model")
+        got = model.generate(**batch, generation_config=config)
+        again = model.generate(**batch, generation_config=config)  # the graph, replayed again
+    assert wrapper.calls == 2
+    assert got.shape == expected.shape == (8, batch["input_ids"].shape[1] + NEW_TOKENS)
+    same = (got == expected).float().mean().item()
+    print(f"bf16: {same:.4f} of tokens equal generate's")
+    assert torch.equal(got, expected)
+    assert torch.equal(again, expected)
+
+
+def test_nf4_graph_replays_equal_the_eager_loop():
+    from vlmrl.models.graph_decode import GraphDecoding
+
+    model, processor = load(four_bit=True)
+    batch = inputs(processor)
+    config = greedy(model)
+    eager = GraphDecoding(model=model, original=model.generate, use_graph=False)
+    graph = GraphDecoding(model=model, original=model.generate, use_graph=True)  # grouped
+    with torch.no_grad():
+        expected = eager._decode(config, batch)
+        got = graph._decode(config, batch)
+    assert next(iter(graph.decoders.values())).graph is not None
+    assert torch.equal(got, expected)
+
+
+def test_grouped_attention_matches_sdpa_in_bf16():
+    """The grouped decode attention on the 2B shape's heads (16 query, 8 key/value, dim 128)
+    against transformers' SDPA path, bf16 on the GPU: relative error of a bf16 computation."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from vlmrl.models.graph_decode import grouped_decode_attention
+
+    class Module:
+        num_key_value_groups = 2
+        is_causal = True
+
+    torch.manual_seed(1)
+    query = torch.randn(16, 16, 1, 128, device="cuda", dtype=torch.bfloat16)
+    key, value = (torch.randn(16, 8, 1408, 128, device="cuda", dtype=torch.bfloat16)
+                  for _ in range(2))
+    mask = torch.rand(16, 1, 1, 1408, device="cuda") > 0.3
+    expected, _ = sdpa_attention_forward(Module(), query.float(), key.float(), value.float(), mask)
+    got, _ = grouped_decode_attention(sdpa_attention_forward)(Module(), query, key, value, mask)
+    error = ((got.float() - expected).norm() / expected.norm()).item()
+    print(f"grouped vs SDPA (float32 reference): relative error {error:.2e}")
+    assert error < 1e-2
+
+
+def test_merged_copies_decode_like_the_adapter():
+    from vlmrl.models.graph_decode import GraphDecoding
+
+    model, processor = load(four_bit=False)
+    batch = inputs(processor)
+    config = greedy(model)
+    adapter = GraphDecoding(model=model, original=model.generate, attention="model")
+    merged = GraphDecoding(model=model, original=model.generate, attention="model", merged=True)
+    with torch.no_grad():
+        expected = adapter._decode(config, batch)
+        got = merged._decode(config, batch)
+        for param in model.parameters():  # the adapter changes: the next call must follow it
+            if param.requires_grad:
+                param.data.mul_(1.5)
+        expected_after = adapter._decode(config, batch)
+        got_after = merged._decode(config, batch)
+    prompt = batch["input_ids"].shape[1]
+    first = [(got[:, prompt + i] == expected[:, prompt + i]).float().mean().item() for i in range(4)]
+    agree = (got[:, prompt:] == expected[:, prompt:]).float().mean().item()
+    agree_after = (got_after[:, prompt:] == expected_after[:, prompt:]).float().mean().item()
+    changed = (expected_after[:, prompt:] != expected[:, prompt:]).float().mean().item()
+    print(f"merged vs adapter: first tokens {first}, all {agree:.3f}; after the adapter changed "
+          f"({changed:.3f} of its tokens changed): {agree_after:.3f}")
+    assert first[0] == 1.0 and changed > 0.1
+    assert agree > 0.5 and agree_after > 0.5

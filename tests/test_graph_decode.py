@@ -1,0 +1,184 @@
+"""The decode loop of `vlmrl.models.graph_decode` (the GPU rollout path, issue 23) run eagerly on a
+CPU: under greedy decoding it must produce exactly transformers' `generate` tokens, with left
+padding, images (multimodal RoPE) and text-only models; its draw must carry the warpers'
+distribution; what it does not serve must fall back to transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig
+
+from vlmrl.models.embedded import ensure_embedded_model
+from vlmrl.models.graph_decode import (
+    GraphDecoding,
+    grouped_decode_attention,
+    install_graph_decoding,
+    sample_next,
+    served,
+)
+from vlmrl.models.processor import load_processor
+from vlmrl.models.sampling import SamplingSettings, candidate_probs
+
+
+def vl_inputs(processor, questions: list[str]) -> dict:
+    texts = [processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q}]}],
+        add_generation_prompt=True, tokenize=False) for q in questions]
+    images = [Image.new("RGB", (64 + 32 * i, 64), (40 * i, 90, 200)) for i in range(len(texts))]
+    processor.tokenizer.padding_side = "left"
+    return dict(processor(text=texts, images=images, return_tensors="pt", padding=True))
+
+
+def greedy_config(model, new_tokens: int) -> GenerationConfig:
+    return GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                            eos_token_id=model.generation_config.eos_token_id,
+                            pad_token_id=model.generation_config.pad_token_id)
+
+
+@pytest.fixture(scope="module")
+def vl_model():
+    path = ensure_embedded_model("embedded:tiny-qwen3-vl", seed=0)
+    model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=torch.float32).eval()
+    return model, load_processor(str(path))
+
+
+def test_greedy_tokens_equal_generate_with_images_and_left_padding(vl_model) -> None:
+    model, processor = vl_model
+    inputs = vl_inputs(processor, ["What is 2 + 2?", "Name the largest value in the chart now."])
+    assert (inputs["attention_mask"] == 0).any(), "the prompts must differ in length (padding)"
+    config = GenerationConfig(max_new_tokens=12, do_sample=False,
+                              eos_token_id=-5, pad_token_id=0)  # no EOS: all 12 steps run
+    with torch.no_grad():
+        expected = model.generate(**inputs, generation_config=config)
+        ours = GraphDecoding(model=model, original=model.generate, use_graph=False,
+                             attention="model")
+        got = ours._decode(config, dict(inputs))
+    assert got.shape == expected.shape
+    assert torch.equal(got, expected)
+
+
+def test_text_model_greedy_tokens_equal_generate() -> None:
+    path = ensure_embedded_model("embedded:tiny-qwen3", seed=0)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    tokenizer = load_processor(str(path))
+    tokenizer.padding_side = "left"
+    inputs = dict(tokenizer(["Two plus two is", "The answer to the long question is"],
+                            return_tensors="pt", padding=True))
+    config = GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=-5, pad_token_id=0)
+    with torch.no_grad():
+        expected = model.generate(**inputs, generation_config=config)
+        got = GraphDecoding(model=model, original=model.generate, use_graph=False,
+                             attention="model")._decode(
+            config, dict(inputs))
+    assert torch.equal(got, expected)
+
+
+def test_rows_stop_at_eos_and_pad_after_it(vl_model) -> None:
+    model, processor = vl_model
+    inputs = vl_inputs(processor, ["a", "bb"])
+    with torch.no_grad():
+        free = GraphDecoding(model=model, original=model.generate, use_graph=False,
+                             attention="model")._decode(
+            GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=-5, pad_token_id=0),
+            dict(inputs))
+    prompt = inputs["input_ids"].shape[1]
+    eos = int(free[0, prompt + 2])  # make row 0's third token the EOS
+    config = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=eos, pad_token_id=7)
+    with torch.no_grad():
+        expected = model.generate(**inputs, generation_config=config)
+        got = GraphDecoding(model=model, original=model.generate, use_graph=False,
+                             attention="model")._decode(
+            config, dict(inputs))
+    width = min(got.shape[1], expected.shape[1])
+    assert torch.equal(got[:, :width], expected[:, :width])
+    assert (got[0, prompt + 3:] == 7).all()
+
+
+def test_draw_carries_the_warpers_distribution() -> None:
+    settings = SamplingSettings(temperature=0.9, top_k=20, top_p=0.8)
+    logits = torch.randn(1, 300, generator=torch.Generator().manual_seed(3)) * 2
+    torch.manual_seed(0)
+    drawn = sample_next(logits.repeat(40_000, 1), settings, torch.tensor([int(logits.argmax())]))
+    ids, probs = candidate_probs(logits.index_fill(1, logits.argmax(-1), -float("inf")), settings)
+    observed = torch.bincount(drawn, minlength=300).float() / 40_000
+    assert int(logits.argmax()) not in drawn.tolist()
+    assert torch.allclose(observed[ids[0]], probs[0], atol=0.01)
+
+
+def test_unserved_settings_and_cpu_models_use_transformers(vl_model) -> None:
+    model, processor = vl_model
+    assert not served(GenerationConfig(num_beams=2), {})
+    assert not served(GenerationConfig(repetition_penalty=1.1), {})
+    assert served(GenerationConfig(do_sample=True, top_k=20, top_p=0.8), {})
+    inputs = vl_inputs(processor, ["x"])
+    wrapper = install_graph_decoding(model)
+    try:
+        with torch.no_grad():
+            model.generate(**inputs, generation_config=greedy_config(model, 3))
+        assert wrapper.calls == 0  # a CPU model: transformers' generate
+    finally:
+        del model.generate
+
+
+def test_grouped_attention_equals_sdpa_with_padding_mask() -> None:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    class Module:
+        num_key_value_groups = 4
+        is_causal = True
+
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(3, 8, 1, 16, generator=generator)
+    key, value = (torch.randn(3, 2, 40, 16, generator=generator) for _ in range(2))
+    mask = torch.ones(3, 1, 1, 40, dtype=torch.bool)
+    mask[0, ..., :7] = False  # left padding
+    mask[..., 30:] = False  # cache slots not written yet
+    expected, _ = sdpa_attention_forward(Module(), query, key, value, mask, scaling=0.25)
+    got, _ = grouped_decode_attention(sdpa_attention_forward)(Module(), query, key, value, mask,
+                                                              scaling=0.25)
+    assert got.shape == expected.shape == (3, 1, 8, 16)
+    assert torch.allclose(got, expected, atol=1e-5)
+
+
+def test_merged_copies_fold_the_adapter_in_and_follow_it() -> None:
+    from peft import LoraConfig, get_peft_model
+
+    from vlmrl.models.graph_decode import MergedLoRA
+
+    path = ensure_embedded_model("embedded:tiny-qwen3", seed=0)
+    base = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"]))
+    torch.manual_seed(0)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(0, 0.5)
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    merged = MergedLoRA(model)
+    assert len(merged.layers) == 4  # q_proj and down_proj of 2 layers
+    for scale in (1.0, -2.0):  # the second refresh must follow the changed adapter
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.data.mul_(scale)
+        merged.refresh()
+        with torch.no_grad():
+            expected = model(input_ids=ids).logits.float()
+            with merged.swapped():
+                got = model(input_ids=ids).logits.float()
+            restored = model(input_ids=ids).logits.float()
+        with torch.no_grad(), model.disable_adapter():
+            plain = model(input_ids=ids).logits.float()
+        assert torch.equal(restored, expected)  # weights and adapter back after the swap
+        error = ((got - expected).norm() / (expected - plain).norm()).item()
+        assert error < 0.05, error  # within bf16 rounding of the adapter's effect
+
+
+def test_merged_copies_refuse_quantized_or_adapterless_models() -> None:
+    from vlmrl.models.graph_decode import MergedLoRA
+
+    path = ensure_embedded_model("embedded:tiny-qwen3", seed=0)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="active LoRA adapter"):
+        MergedLoRA(model)
+
