@@ -140,7 +140,8 @@ def test_two_process_training_on_cpu_writes_from_rank_0_and_resumes(tmp_path: Pa
     assert "launching 2 process(es) with ddp.yaml" in output
     assert "resuming from" in output
     assert "global batch 4 (2 x 2 x 1 accumulation)" in output
-    summary = json.loads((repo / "data/metrics/train.json").read_text())
+    assert json.loads((repo / "data/metrics/train.json").read_text())["steps"] == 4
+    summary = json.loads((repo / "data/reports/details/train_gspo.json").read_text())
     assert summary["steps"] == 4 and summary["resumed_from"].endswith("checkpoint-2")
     batch = summary["batch"]
     # TEST_PARAMS' per_device_train_batch_size 4 is the global batch, as in one process
@@ -149,8 +150,7 @@ def test_two_process_training_on_cpu_writes_from_rank_0_and_resumes(tmp_path: Pa
     # two resumed steps, one generation batch of 8 rows (2 groups of 4): 4 rows, 1 prompt each
     assert batch["rows_per_process"] == [4, 4] and batch["prompts_per_process"] == [1, 1]
     assert batch["prompts_in_several_processes"] == 0
-    log = [json.loads(line) for line in
-           (repo / "data/metrics/train_log.jsonl").read_text().splitlines()]
+    log = json.loads((repo / "data/metrics/train_log.json").read_text())
     assert [row["step"] for row in log][-1] == 4
     assert (repo / "data/models/adapter/adapter_model.safetensors").is_file()
     assert list((repo / "data/reports/train_completions").glob("*.parquet"))
@@ -173,6 +173,7 @@ def eval_records(repo: Path, tmp_path: Path, name: str, update: dict) -> list[di
     command = stage_command("baseline_eval")  # the base model: --start-adapter left out
     command = command[:command.index("--start-adapter")] + [
         "--out", str(out), "--metrics", str(out / "metrics.json"),
+        "--details", str(out / "details.json"), "--by-category", str(out / "by_category.json"),
         "--timings", str(out / "timings.json"), "--params", str(params_file)]
     result = run(command, repo)
     metrics = json.loads((out / "metrics.json").read_text())
