@@ -1,0 +1,75 @@
+"""Prefect work pools: the scheduler on one machine, the GPU stages on another. A real
+`prefect server` and a real process worker on 127.0.0.1; `vlmrl schedule --pool` registers the
+real flow (flows/pipeline.py) of a tiny project repo on the pool with a cron schedule, Prefect's
+scheduler creates the run, and the worker, started in another directory, runs it in the repo:
+DVC reproduces prepare_data there."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import TEST_PARAMS, make_project_repo, run
+from prefect_server import (
+    Api,
+    background,
+    first_scheduled_run,
+    prefect_command,
+    prefect_env,
+    prefect_server,
+    task_names,
+    wait_for_final_state,
+)
+
+POOL = "gpu-test"
+EVERY_MINUTE = "* * * * *"  # the first scheduled run starts within a minute
+
+
+@pytest.fixture(scope="module")
+def server_url(tmp_path_factory) -> Iterator[str]:
+    with prefect_server(tmp_path_factory.mktemp("prefect-server")) as url:
+        yield url
+
+
+@pytest.mark.slow
+def test_a_worker_runs_the_scheduled_pipeline_in_the_repo(server_url: str, tmp_path: Path):
+    repo = make_project_repo(tmp_path / "repo", TEST_PARAMS)
+    env = prefect_env(tmp_path / "client-home", server_url)
+    registered = run([sys.executable, "-m", "vlmrl.cli", "schedule", "--pool", POOL,
+                      "--cron", EVERY_MINUTE, "--name", "on-pool", "--stages", "prepare_data"],
+                     repo, env=env, timeout=300)
+    assert f"prefect worker start --pool {POOL}" in registered.stdout
+
+    api = Api(server_url)
+    deployment = api.deployment("on-pool")
+    (pool,) = api.post("work_pools/filter", {"work_pools": {"name": {"any_": [POOL]}}})
+    assert pool["type"] == "process"
+    assert deployment["work_pool_name"] == POOL
+    assert deployment["pull_steps"] == [
+        {"prefect.deployments.steps.set_working_directory": {"directory": str(repo)}}]
+    assert [schedule["schedule"]["cron"] for schedule in deployment["schedules"]] == [EVERY_MINUTE]
+
+    elsewhere = tmp_path / "worker"  # the worker's own directory: the pull step finds the repo
+    elsewhere.mkdir()
+    log_path = tmp_path / "worker.log"
+    with background(prefect_command("worker", "start", "--pool", POOL), log_path,
+                    env, cwd=elsewhere) as worker:
+        flow_run = first_scheduled_run(api, deployment["id"], worker, log_path)
+        assert flow_run["auto_scheduled"]  # created by Prefect's scheduler, not by this test
+        state = wait_for_final_state(api, flow_run["id"], worker, log_path)
+        assert state == "COMPLETED", log_path.read_text()
+
+    finished = api.get(f"flow_runs/{flow_run['id']}")
+    assert finished["work_pool_name"] == POOL
+    assert task_names(api.task_runs(flow_run["id"])) == Counter(["prepare_data"])
+    logs = api.logs(flow_run["id"])
+    assert "Running stage 'prepare_data':" in logs  # DVC's own line, from the worker's run
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())
+    assert set(lock["stages"]) == {"prepare_data"}
+    assert os.listdir(repo / "data" / "prepared" / "train")
+    assert not os.listdir(elsewhere)  # nothing was copied to or written in the worker's directory
