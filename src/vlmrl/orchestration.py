@@ -422,8 +422,8 @@ def cli_schedule(argv: list[str]) -> int:
     set_offline_defaults()
     parser = argparse.ArgumentParser(prog="vlmrl schedule", description=cli_schedule.__doc__)
     parser.add_argument("--cron", default=None,
-                        help='cron expression, e.g. "0 3 * * *" (required without --pool; '
-                             "with --pool, default: none, runs start from the UI or the API)")
+                        help='cron expression, e.g. "0 3 * * *"; required without --pool, '
+                             "optional with it (default: none, runs start from the UI or API)")
     parser.add_argument("--pool", default=None, metavar="WORK_POOL",
                         help="register on this Prefect work pool (created as a process pool if "
                              "missing) instead of serving (default: none, serve here)")
