@@ -318,21 +318,23 @@ def register_deployment_on(api_url: str, name: str, repo: Path) -> str:
 
 
 @pytest.mark.slow
-def test_vlmrl_schedule_serves_a_cron_deployment(two_runs, server_url: str, tmp_path):
+def test_vlmrl_schedule_serves_a_cron_deployment(server_url: str, tmp_path):
     """The cron fires and the serving process runs what Prefect's scheduler created; the test
     only reads the API (see tests/prefect_server.py for why it never writes)."""
+    repo = make_project_repo(tmp_path / "repo", QUICK_PARAMS)
     env = prefect_env(tmp_path / "client-home", server_url)
     log_path = tmp_path / "serve.log"
     command = [sys.executable, "-m", "vlmrl.cli", "schedule", "--cron", EVERY_MINUTE,
-               "--name", "served", "--stages", "prepare_data,train_gspo"]
+               "--name", "served", "--stages", "prepare_data"]
     api = Api(server_url)
-    with background(command, log_path, env, cwd=two_runs["repo"]) as serving:
+    with background(command, log_path, env, cwd=repo) as serving:
         (deployment,) = wait_for("the served deployment", lambda: api.deployments("served"),
                                  serving, log_path)
         assert deployment["schedules"][0]["schedule"]["cron"] == EVERY_MINUTE
         assert deployment["schedules"][0]["active"]
-        assert deployment["parameters"]["stages"] == ["prepare_data", "train_gspo"]
+        assert deployment["parameters"]["stages"] == ["prepare_data"]
         flow_run = first_scheduled_run(api, deployment["id"], serving, log_path)
         assert flow_run["auto_scheduled"]  # created by the scheduler from the cron
         assert wait_for_final_state(api, flow_run["id"], serving, log_path) == "COMPLETED"
-        assert task_names(api.task_runs(flow_run["id"])) == Counter(["prepare_data", "train_gspo"])
+        assert task_names(api.task_runs(flow_run["id"])) == Counter(["prepare_data"])
+    assert (repo / "data" / "metrics" / "prepare_data.json").is_file()  # DVC ran it in the repo
