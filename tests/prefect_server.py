@@ -1,13 +1,16 @@
 """A real `prefect server` on 127.0.0.1 for the Prefect tests, its REST API as the UI uses it,
 and the processes the tests start against it (a serving `vlmrl schedule`, a process worker).
 
-The tests read the server through the API and never write to it themselves: writes go through
-Prefect's own components (its client, scheduler, runner and worker). The SQLite server answers a
-write with 503 when a write of its own services (the scheduler inserting a new cron deployment's
-runs, the event persister, the late-runs marker) commits between that request's first read and
-its first write (SQLITE_BUSY_SNAPSHOT, which SQLite's busy timeout cannot wait out); a test that
-posted `create_flow_run` itself while the scheduler was filling in the new deployment's runs
-failed that way now and then (issue 24). See docs/prefect.md, "Why a test never writes".
+The tests read the server through the API and never write to it themselves: runs come from
+Prefect's scheduler, writes from Prefect's own client, runner and worker, which retry the 503 that
+the SQLite server sends for a write it lost to another writer. That 503 is what made the served-cron
+test fail now and then (issue 24): it posted `create_flow_run` itself the moment the served
+deployment appeared, when other writers are busy with it (the serving runner updates it, and
+Prefect's scheduler inserts a new cron deployment's runs within 5 s of its creation). SQLite (WAL) fails a transaction that read before another connection's
+commit and writes after it with SQLITE_BUSY_SNAPSHOT at once, whatever the busy timeout, and the
+server answers 503 "try again"; the bare post did not. Reproduced with a bare post against a fresh
+served deployment: 1 of 15 got a 503 (the INSERT INTO flow_run), and the runner's own update of
+that deployment got one 150 ms later. docs/prefect.md, section 4, says the same for users.
 """
 
 from __future__ import annotations
