@@ -8,9 +8,9 @@ test fail now and then (issue 24): it posted `create_flow_run` itself the moment
 deployment appeared, when other writers are busy with it (the serving runner updates it, and
 Prefect's scheduler inserts a new cron deployment's runs within 5 s of its creation). SQLite (WAL) fails a transaction that read before another connection's
 commit and writes after it with SQLITE_BUSY_SNAPSHOT at once, whatever the busy timeout, and the
-server answers 503 "try again"; the bare post did not. Reproduced with a bare post against a fresh
-served deployment: 1 of 15 got a 503 (the INSERT INTO flow_run), and the runner's own update of
-that deployment got one 150 ms later. docs/prefect.md, section 4, says the same for users.
+server answers 503 "try again"; the bare post did not. Reproduced with bare posts against freshly
+served deployments: the server log showed the INSERT INTO flow_run failing, and the runner's own
+update of that deployment failing the same way a moment later. docs/prefect.md, section 4, says the same for users.
 """
 
 from __future__ import annotations
