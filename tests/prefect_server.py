@@ -24,6 +24,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -178,9 +179,21 @@ def wait_for_final_state(api: Api, flow_run_id: str, process: subprocess.Popen,
     return wait_for(f"flow run {flow_run_id} finishing", final_state, process, log_path, timeout)
 
 
+def daily_cron_soon(lead_seconds: float = 60) -> str:
+    """A daily cron (UTC) that next fires at the first whole minute at least lead_seconds from
+    now: time to register the deployment first, and one run during a test, the next a day later."""
+    at = datetime.now(UTC) + timedelta(seconds=lead_seconds)
+    at = at.replace(second=0, microsecond=0) + timedelta(minutes=1)
+    return f"{at.minute} {at.hour} * * *"
+
+
 def first_scheduled_run(api: Api, deployment_id: str, process: subprocess.Popen,
                         log_path: Path) -> dict:
-    """The deployment's earliest run, once Prefect's scheduler has created it."""
+    """The deployment's earliest run, once Prefect's scheduler has created it; it must be due
+    within minutes (else the deployment was registered after the cron's first firing)."""
     runs = wait_for(f"a scheduled run of deployment {deployment_id}",
                     lambda: api.deployment_runs(deployment_id), process, log_path)
+    due = datetime.fromisoformat(runs[0]["expected_start_time"])
+    assert due - datetime.now(UTC) < timedelta(minutes=3), (
+        f"the first scheduled run is due at {due}: registering took longer than the cron's lead")
     return runs[0]

@@ -22,6 +22,7 @@ from conftest import ROOT, make_project_repo, run
 from prefect_server import (
     Api,
     background,
+    daily_cron_soon,
     first_scheduled_run,
     prefect_env,
     prefect_server,
@@ -41,7 +42,6 @@ from vlmrl.orchestration import (
 )
 
 CRON = "0 3 * * *"
-EVERY_MINUTE = "* * * * *"  # a served cron deployment's first run starts within a minute
 STAGES = ("prepare_data", "sft_cold_start", "baseline_eval", "train_gspo", "post_eval",
           "verify_lora", "export", "upload")
 METRICS_ARTIFACTS = ("eval-before-after", "lora-verification", "published-version")
@@ -324,13 +324,14 @@ def test_vlmrl_schedule_serves_a_cron_deployment(server_url: str, tmp_path):
     repo = make_project_repo(tmp_path / "repo", QUICK_PARAMS)
     env = prefect_env(tmp_path / "client-home", server_url)
     log_path = tmp_path / "serve.log"
-    command = [sys.executable, "-m", "vlmrl.cli", "schedule", "--cron", EVERY_MINUTE,
+    cron = daily_cron_soon()
+    command = [sys.executable, "-m", "vlmrl.cli", "schedule", "--cron", cron,
                "--name", "served", "--stages", "prepare_data"]
     api = Api(server_url)
     with background(command, log_path, env, cwd=repo) as serving:
         (deployment,) = wait_for("the served deployment", lambda: api.deployments("served"),
                                  serving, log_path)
-        assert deployment["schedules"][0]["schedule"]["cron"] == EVERY_MINUTE
+        assert deployment["schedules"][0]["schedule"]["cron"] == cron
         assert deployment["schedules"][0]["active"]
         assert deployment["parameters"]["stages"] == ["prepare_data"]
         flow_run = first_scheduled_run(api, deployment["id"], serving, log_path)

@@ -18,6 +18,7 @@ from conftest import TEST_PARAMS, make_project_repo, run
 from prefect_server import (
     Api,
     background,
+    daily_cron_soon,
     first_scheduled_run,
     prefect_command,
     prefect_env,
@@ -27,7 +28,6 @@ from prefect_server import (
 )
 
 POOL = "gpu-test"
-EVERY_MINUTE = "* * * * *"  # the first scheduled run starts within a minute
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +40,9 @@ def server_url(tmp_path_factory) -> Iterator[str]:
 def test_a_worker_runs_the_scheduled_pipeline_in_the_repo(server_url: str, tmp_path: Path):
     repo = make_project_repo(tmp_path / "repo", TEST_PARAMS)
     env = prefect_env(tmp_path / "client-home", server_url)
+    cron = daily_cron_soon()
     registered = run([sys.executable, "-m", "vlmrl.cli", "schedule", "--pool", POOL,
-                      "--cron", EVERY_MINUTE, "--name", "on-pool", "--stages", "prepare_data"],
+                      "--cron", cron, "--name", "on-pool", "--stages", "prepare_data"],
                      repo, env=env, timeout=300)
     assert f"prefect worker start --pool {POOL}" in registered.stdout
 
@@ -52,7 +53,7 @@ def test_a_worker_runs_the_scheduled_pipeline_in_the_repo(server_url: str, tmp_p
     assert deployment["work_pool_name"] == POOL
     assert deployment["pull_steps"] == [
         {"prefect.deployments.steps.set_working_directory": {"directory": str(repo)}}]
-    assert [schedule["schedule"]["cron"] for schedule in deployment["schedules"]] == [EVERY_MINUTE]
+    assert [schedule["schedule"]["cron"] for schedule in deployment["schedules"]] == [cron]
 
     elsewhere = tmp_path / "worker"  # the worker's own directory: the pull step finds the repo
     elsewhere.mkdir()
