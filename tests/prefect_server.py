@@ -29,11 +29,24 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from project_repo import dvc_env
+
+from vlmrl.orchestration import OFFLINE_DEFAULTS
 
 FINAL_STATES = frozenset({"COMPLETED", "FAILED", "CRASHED", "CANCELLED"})
 # Prefect's runner and worker poll every 10 s by default; the tests do not need to wait that long.
 FAST_POLLING = {"PREFECT_RUNNER_POLL_FREQUENCY": "2", "PREFECT_WORKER_QUERY_SECONDS": "2"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def offline_prefect() -> Iterator[None]:
+    """What `vlmrl run` sets before importing Prefect, set before a test module imports it."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in OFFLINE_DEFAULTS.items():
+            if name not in os.environ:
+                patch.setenv(name, value)
+        yield
 
 
 class Api:

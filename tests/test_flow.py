@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import sys
 import time
 from collections import Counter
@@ -24,6 +23,7 @@ from prefect_server import (
     background,
     daily_cron_soon,
     first_scheduled_run,
+    offline_prefect,  # noqa: F401 (an autouse fixture)
     prefect_env,
     prefect_server,
     task_names,
@@ -33,7 +33,6 @@ from prefect_server import (
 
 from vlmrl.dvc_records import DvcRecords, Outcome, stage_outcomes, stage_seconds
 from vlmrl.orchestration import (
-    OFFLINE_DEFAULTS,
     StageFailed,
     register_deployment,
     run_stage,
@@ -49,16 +48,6 @@ METRICS_ARTIFACTS = ("eval-before-after", "lora-verification", "published-versio
 # the stages' own tests cover their results; it keeps the one full pipeline run short.
 QUICK_PARAMS = {"data.eval_size": 4, "eval.max_new_tokens": 16, "train.grpo.max_steps": 2,
                 "sft.args.max_steps": 2}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def offline_prefect() -> Iterator[None]:
-    """What `vlmrl run` sets before importing Prefect, set before this module first imports it."""
-    with pytest.MonkeyPatch.context() as patch:
-        for name, value in OFFLINE_DEFAULTS.items():
-            if name not in os.environ:
-                patch.setenv(name, value)
-        yield
 
 
 def load_flow_module() -> ModuleType:

@@ -14,12 +14,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import TEST_PARAMS, make_project_repo, run
+from conftest import ROOT, TEST_PARAMS, make_project_repo, run
 from prefect_server import (
     Api,
     background,
     daily_cron_soon,
     first_scheduled_run,
+    offline_prefect,  # noqa: F401 (an autouse fixture)
     prefect_command,
     prefect_env,
     prefect_server,
@@ -28,6 +29,24 @@ from prefect_server import (
 )
 
 POOL = "gpu-test"
+
+
+def test_schedule_needs_a_cron_or_a_pool():
+    result = run([sys.executable, "-m", "vlmrl.cli", "schedule"], ROOT, check=False)
+    assert result.returncode == 2
+    assert "--cron is required unless --pool is given" in result.stderr
+
+
+def test_a_pool_deployment_runs_in_the_repo_it_was_registered_from():
+    from vlmrl.orchestration import pipeline_deployment
+
+    deployment = pipeline_deployment("on-pool", None, ROOT, ["prepare_data"], work_pool=POOL)
+    assert deployment.work_pool_name == POOL
+    assert deployment.schedules == []
+    assert deployment.entrypoint == "flows/pipeline.py:pipeline"
+    assert deployment.storage.to_pull_step() == {
+        "prefect.deployments.steps.set_working_directory": {"directory": str(ROOT)}}
+    assert deployment.parameters == {"repo": str(ROOT), "stages": ["prepare_data"]}
 
 
 @pytest.fixture(scope="module")
