@@ -3,7 +3,8 @@
 Prefect schedules the pipeline and shows it (per-stage logs, metrics artifacts, retries); DVC
 decides what is stale, so each task runs its stage through `dvc repro` and Prefect's own caching is
 off. Param overrides become one DVC experiment (`dvc exp run -S`) instead of edits to params.yaml.
-Run once with `vlmrl run`, on a schedule with `vlmrl schedule --cron "0 3 * * *"`; those commands
+Run once with `vlmrl run`, on a schedule with `vlmrl schedule --cron "0 3 * * *"` (served there), or
+by a worker on the GPU machine with `vlmrl schedule --pool gpu` (docs/prefect.md); those commands
 set the project's offline defaults for Prefect (`vlmrl.orchestration.set_offline_defaults`) before
 Prefect is imported. Importing this file from Python imports Prefect with the environment as it is.
 """

@@ -7,10 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -19,14 +15,24 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import httpx
 import pytest
 import yaml
-from conftest import ROOT, dvc_env, make_project_repo, run
+from conftest import ROOT, make_project_repo, run
+from prefect_server import (
+    Api,
+    background,
+    daily_cron_soon,
+    first_scheduled_run,
+    offline_prefect,  # noqa: F401 (an autouse fixture)
+    prefect_env,
+    prefect_server,
+    task_names,
+    wait_for,
+    wait_for_final_state,
+)
 
 from vlmrl.dvc_records import DvcRecords, Outcome, stage_outcomes, stage_seconds
 from vlmrl.orchestration import (
-    OFFLINE_DEFAULTS,
     StageFailed,
     register_deployment,
     run_stage,
@@ -44,62 +50,12 @@ QUICK_PARAMS = {"data.eval_size": 4, "eval.max_new_tokens": 16, "train.grpo.max_
                 "sft.args.max_steps": 2}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def offline_prefect() -> Iterator[None]:
-    """What `vlmrl run` sets before importing Prefect, set before this module first imports it."""
-    with pytest.MonkeyPatch.context() as patch:
-        for name, value in OFFLINE_DEFAULTS.items():
-            if name not in os.environ:
-                patch.setenv(name, value)
-        yield
-
-
 def load_flow_module() -> ModuleType:
     spec = importlib.util.spec_from_file_location("vlmrl_flow_under_test",
                                                   ROOT / "flows" / "pipeline.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-class Api:
-    """The Prefect REST API, as the UI uses it."""
-
-    def __init__(self, url: str):
-        self.client = httpx.Client(base_url=url.rstrip("/") + "/", timeout=30)
-
-    def post(self, path: str, body: dict[str, Any]) -> Any:
-        response = self.client.post(path, json=body)
-        response.raise_for_status()
-        return response.json()
-
-    def flow_runs(self, flow_name: str) -> list[dict]:
-        return self.post("flow_runs/filter", {"flows": {"name": {"any_": [flow_name]}}})
-
-    def task_runs(self, flow_run_id: str) -> list[dict]:
-        return self.post("task_runs/filter", {"flow_runs": {"id": {"any_": [flow_run_id]}}})
-
-    def artifacts(self, flow_run_id: str) -> dict[str, dict]:
-        found = self.post("artifacts/filter",
-                          {"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}})
-        return {artifact["key"]: artifact for artifact in found if artifact["key"]}
-
-    def logs(self, flow_run_id: str) -> list[str]:
-        messages: list[str] = []
-        while True:
-            page = self.post("logs/filter", {"logs": {"flow_run_id": {"any_": [flow_run_id]}},
-                                             "limit": 200, "offset": len(messages)})
-            messages += [entry["message"] for entry in page]
-            if len(page) < 200:
-                return messages
-
-    def deployment(self, name: str) -> dict:
-        (found,) = self.post("deployments/filter", {"deployments": {"name": {"any_": [name]}}})
-        return found
-
-
-def task_names(task_runs: list[dict]) -> Counter:
-    return Counter(task_run["task_key"].split("-")[0] for task_run in task_runs)
 
 
 def drain_logs() -> None:
@@ -315,72 +271,28 @@ def test_overrides_run_as_a_dvc_experiment(harness_api, flow_module, tmp_path):
 # --- a real Prefect server, seen through its REST API -------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def prefect_env(home: Path, api_url: str | None = None) -> dict[str, str]:
-    env = {key: value for key, value in dvc_env().items() if not key.startswith("PREFECT_")}
-    env.update(PREFECT_HOME=str(home), DO_NOT_TRACK="1", PREFECT_SERVER_ANALYTICS_ENABLED="false")
-    if api_url:
-        env["PREFECT_API_URL"] = api_url
-    return env
-
-
-def stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-
-
 @pytest.fixture(scope="module")
-def prefect_server(tmp_path_factory) -> Iterator[str]:
-    home = tmp_path_factory.mktemp("prefect-server")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}/api"
-    with open(home / "server.log", "w") as log:
-        server = subprocess.Popen(
-            [str(Path(sys.executable).parent / "prefect"), "server", "start", "--host", "127.0.0.1",
-             "--port", str(port)], env=prefect_env(home), stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and server.poll() is None:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.5)
-        else:
-            log_text = (home / "server.log").read_text()
-            raise AssertionError(f"prefect server did not come up:\n{log_text}")
+def server_url(tmp_path_factory) -> Iterator[str]:
+    with prefect_server(tmp_path_factory.mktemp("prefect-server")) as url:
         yield url
-    finally:
-        stop(server)
 
 
 @pytest.mark.slow
-def test_server_sees_run_tasks_artifacts_and_schedule(two_runs, prefect_server: str, tmp_path):
+def test_server_sees_run_tasks_artifacts_and_schedule(two_runs, server_url: str, tmp_path):
     repo = two_runs["repo"]  # already reproduced: every stage is cached, so this is quick
-    env = prefect_env(tmp_path / "client-home", prefect_server)
+    env = prefect_env(tmp_path / "client-home", server_url)
     result = run([sys.executable, "-m", "vlmrl.cli", "run"], repo, env=env, timeout=600)
     printed = dict(line.split()[:2] for line in result.stdout.splitlines()
                    if line.split() and line.split()[0] in STAGES)
     assert printed == {stage: "cached" for stage in STAGES}
 
-    api = Api(prefect_server)
+    api = Api(server_url)
     (flow_run,) = api.flow_runs("vlmrl-pipeline")
     assert flow_run["state_type"] == "COMPLETED"
     assert task_names(api.task_runs(flow_run["id"])) == Counter(STAGES)
     assert "eval-before-after" in api.artifacts(flow_run["id"])
 
-    deployment_id = register_deployment_on(prefect_server, "nightly-test", repo)
+    deployment_id = register_deployment_on(server_url, "nightly-test", repo)
     deployment = api.deployment("nightly-test")
     assert deployment["id"] == deployment_id
     assert [schedule["schedule"]["cron"] for schedule in deployment["schedules"]] == [CRON]
@@ -395,52 +307,24 @@ def register_deployment_on(api_url: str, name: str, repo: Path) -> str:
 
 
 @pytest.mark.slow
-def test_vlmrl_schedule_serves_a_cron_deployment(two_runs, prefect_server: str, tmp_path):
-    env = prefect_env(tmp_path / "client-home", prefect_server)
-    with open(tmp_path / "serve.log", "w") as log:
-        serving = subprocess.Popen(
-            [sys.executable, "-m", "vlmrl.cli", "schedule", "--cron", CRON, "--name", "served",
-             "--stages", "prepare_data,train_gspo"], cwd=two_runs["repo"], env=env, stdout=log,
-            stderr=subprocess.STDOUT, start_new_session=True)
-    api = Api(prefect_server)
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and serving.poll() is None:
-            found = api.post("deployments/filter", {"deployments": {"name": {"any_": ["served"]}}})
-            if found:
-                break
-            time.sleep(1)
-        else:
-            raise AssertionError(f"no deployment served:\n{(tmp_path / 'serve.log').read_text()}")
-        (deployment,) = found
-        assert deployment["schedules"][0]["schedule"]["cron"] == CRON
+def test_vlmrl_schedule_serves_a_cron_deployment(server_url: str, tmp_path):
+    """The cron fires and the serving process runs what Prefect's scheduler created; the test
+    only reads the API (see tests/prefect_server.py for why it never writes)."""
+    repo = make_project_repo(tmp_path / "repo", QUICK_PARAMS)
+    env = prefect_env(tmp_path / "client-home", server_url)
+    log_path = tmp_path / "serve.log"
+    cron = daily_cron_soon()
+    command = [sys.executable, "-m", "vlmrl.cli", "schedule", "--cron", cron,
+               "--name", "served", "--stages", "prepare_data"]
+    api = Api(server_url)
+    with background(command, log_path, env, cwd=repo) as serving:
+        (deployment,) = wait_for("the served deployment", lambda: api.deployments("served"),
+                                 serving, log_path)
+        assert deployment["schedules"][0]["schedule"]["cron"] == cron
         assert deployment["schedules"][0]["active"]
-        assert deployment["parameters"]["stages"] == ["prepare_data", "train_gspo"]
-        # What the schedule does at 03:00, now: the serving process picks the run up.
-        flow_run_id = create_flow_run(prefect_server, deployment["id"])
-        assert wait_for_final_state(api, flow_run_id, serving) == "COMPLETED"
-        assert task_names(api.task_runs(flow_run_id)) == Counter(["prepare_data", "train_gspo"])
-    finally:
-        stop(serving)
-
-
-def create_flow_run(api_url: str, deployment_id: str) -> str:
-    """A run of the deployment, created as the scheduler creates one: through Prefect's client.
-    The server answers 503 when SQLite reports SQLITE_BUSY_SNAPSHOT (a write racing the
-    scheduler's own writes) and expects the client to try again; Prefect's client does, a bare
-    HTTP post does not, which made this test fail now and then."""
-    from prefect.deployments import run_deployment
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    with temporary_settings(updates={PREFECT_API_URL: api_url}):
-        return str(run_deployment(deployment_id, timeout=0).id)
-
-
-def wait_for_final_state(api: Api, flow_run_id: str, serving: subprocess.Popen) -> str:
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and serving.poll() is None:
-        state = api.client.get(f"flow_runs/{flow_run_id}").json()["state_type"]
-        if state in {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}:
-            return state
-        time.sleep(1)
-    return "NOT FINISHED"
+        assert deployment["parameters"]["stages"] == ["prepare_data"]
+        flow_run = first_scheduled_run(api, deployment["id"], serving, log_path)
+        assert flow_run["auto_scheduled"]  # created by the scheduler from the cron
+        assert wait_for_final_state(api, flow_run["id"], serving, log_path) == "COMPLETED"
+        assert task_names(api.task_runs(flow_run["id"])) == Counter(["prepare_data"])
+    assert (repo / "data" / "metrics" / "prepare_data.json").is_file()  # DVC ran it in the repo

@@ -43,7 +43,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "schedule": Subcommand(
         "vlmrl.orchestration",
         "cli_schedule",
-        "serve the pipeline on a cron schedule with Prefect (blocks)",
+        "serve the pipeline on a cron schedule with Prefect (blocks), or register it on a work pool",
     ),
     "ui": Subcommand(
         "vlmrl.ui.app", "cli_ui", "open the reward playground and eval browser on 127.0.0.1"

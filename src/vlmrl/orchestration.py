@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 
     from prefect import Flow
     from prefect.deployments.runner import RunnerDeployment
+    from prefect.schedules import Cron
 
 FLOW_FILE = Path("flows") / "pipeline.py"
 FLOW_FUNCTION = "pipeline"
@@ -308,13 +309,15 @@ def load_pipeline_flow(repo: str | Path | None = None) -> Flow:
     return load_flow_from_entrypoint(f"{path}:{FLOW_FUNCTION}")
 
 
-def pipeline_deployment(name: str, cron: str, repo: str | Path | None = None,
+def pipeline_deployment(name: str, cron: str | None, repo: str | Path | None = None,
                         stages: list[str] | None = None,
                         overrides: dict[str, Any] | None = None,
-                        timezone: str | None = None) -> RunnerDeployment:
-    """A deployment of the pipeline flow on a cron schedule, its code read from the repo."""
+                        timezone: str | None = None,
+                        work_pool: str | None = None) -> RunnerDeployment:
+    """A deployment of the pipeline flow (on a cron schedule unless cron is None), its code read
+    from the repo. With a work pool, its pull step sets the working directory to the repo, so a
+    worker of that pool runs it there: on the machine where the repo lives at that path."""
     from prefect.deployments.runner import RunnerDeployment
-    from prefect.schedules import Cron
 
     path = resolve_repo(repo)
     parameters: dict[str, Any] = {"repo": str(path)}
@@ -322,21 +325,53 @@ def pipeline_deployment(name: str, cron: str, repo: str | Path | None = None,
         parameters["stages"] = stages
     if overrides:
         parameters["overrides"] = overrides
-    schedule = Cron(cron, timezone=timezone) if timezone else Cron(cron)
+    when = f"on cron '{cron}'" if cron else "run on demand"
+    options: dict[str, Any] = {
+        "name": name, "schedule": cron_schedule(cron, timezone), "parameters": parameters,
+        "tags": ["vlmrl"], "description": f"The vlmrl DVC pipeline in {path}, {when}"}
+    if work_pool:
+        from prefect.runner.storage import LocalStorage
+
+        return RunnerDeployment.from_storage(
+            LocalStorage(str(path)), entrypoint=f"{FLOW_FILE.as_posix()}:{FLOW_FUNCTION}",
+            work_pool_name=work_pool, **options)
     with contextlib.chdir(path):  # the deployment's code path is the current directory
         return RunnerDeployment.from_entrypoint(
-            entrypoint=f"{path / FLOW_FILE}:{FLOW_FUNCTION}", name=name, schedule=schedule,
-            parameters=parameters, tags=["vlmrl"],
-            description=f"The vlmrl DVC pipeline in {path}, on cron '{cron}'")
+            entrypoint=f"{path / FLOW_FILE}:{FLOW_FUNCTION}", **options)
 
 
-def register_deployment(name: str, cron: str, repo: str | Path | None = None,
+def cron_schedule(cron: str | None, timezone: str | None) -> Cron | None:
+    from prefect.schedules import Cron
+
+    if cron is None:
+        return None
+    return Cron(cron, timezone=timezone) if timezone else Cron(cron)
+
+
+def ensure_process_pool(name: str) -> None:
+    """Creates a process work pool of that name unless one exists (of any type)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectAlreadyExists
+    from prefect.workers.process import ProcessWorker
+
+    template = ProcessWorker.get_default_base_job_template()
+    with get_client(sync_client=True) as client, contextlib.suppress(ObjectAlreadyExists):
+        client.create_work_pool(
+            WorkPoolCreate(name=name, type=ProcessWorker.type, base_job_template=template))
+
+
+def register_deployment(name: str, cron: str | None, repo: str | Path | None = None,
                         stages: list[str] | None = None,
                         overrides: dict[str, Any] | None = None,
-                        timezone: str | None = None) -> UUID:
+                        timezone: str | None = None, work_pool: str | None = None) -> UUID:
     """Creates or updates the deployment and its schedule without serving it; returns its id.
-    Runs are only executed while `vlmrl schedule` (or a served copy) is running."""
-    return pipeline_deployment(name, cron, repo, stages, overrides, timezone).apply()
+    Without a work pool, runs are only executed while `vlmrl schedule` (or a served copy) is
+    running; with one, by a worker of that pool (`prefect worker start --pool NAME`), which is
+    created as a process pool if it does not exist."""
+    if work_pool:
+        ensure_process_pool(work_pool)
+    return pipeline_deployment(name, cron, repo, stages, overrides, timezone, work_pool).apply()
 
 
 def parse_overrides(pairs: Iterable[str]) -> dict[str, str]:
@@ -382,21 +417,37 @@ def cli_run(argv: list[str]) -> int:
 
 def cli_schedule(argv: list[str]) -> int:
     """`vlmrl schedule --cron CRON`: registers a deployment on that schedule and serves it
-    (blocks; the scheduled runs execute in this process's children until it is stopped)."""
+    (blocks; the scheduled runs execute in this process's children until it is stopped).
+    `--pool NAME`: registers it on that process work pool instead and returns; a worker on the
+    machine that holds the repo (`prefect worker start --pool NAME`) runs what is scheduled."""
     set_offline_defaults()
-    from prefect import serve
-
     parser = argparse.ArgumentParser(prog="vlmrl schedule", description=cli_schedule.__doc__)
-    parser.add_argument("--cron", required=True,
-                        help='cron expression, e.g. "0 3 * * *" (required)')
+    parser.add_argument("--cron", default=None,
+                        help='cron expression, e.g. "0 3 * * *"; required without --pool, '
+                             "optional with it (default: none, runs start from the UI or API)")
+    parser.add_argument("--pool", default=None, metavar="WORK_POOL",
+                        help="register on this Prefect work pool (created as a process pool if "
+                             "missing) instead of serving (default: none, serve here)")
     parser.add_argument("--name", default=DEFAULT_DEPLOYMENT_NAME,
                         help=f"Prefect deployment name (default: {DEFAULT_DEPLOYMENT_NAME})")
     parser.add_argument("--timezone", default=None, help="IANA zone of the cron (default UTC)")
     _common_options(parser)
     args = parser.parse_args(argv)
+    if args.cron is None and args.pool is None:
+        parser.error("--cron is required unless --pool is given")
     repo = resolve_repo(args.repo)
-    deployment = pipeline_deployment(args.name, args.cron, repo, args.stages,
-                                     parse_overrides(args.overrides) or None, args.timezone)
+    overrides = parse_overrides(args.overrides) or None
+    if args.pool:
+        deployment_id = register_deployment(args.name, args.cron, repo, args.stages, overrides,
+                                            args.timezone, args.pool)
+        print(f"deployment vlmrl-pipeline/{args.name} ({deployment_id}) on work pool "
+              f"'{args.pool}', running in {repo}; start a worker where that path holds the "
+              f"repo: prefect worker start --pool {args.pool}")
+        return 0
+    from prefect import serve
+
+    deployment = pipeline_deployment(args.name, args.cron, repo, args.stages, overrides,
+                                     args.timezone)
     # Scheduled runs start in this process's directory, which must be the deployment's code path.
     os.chdir(repo)
     serve(deployment, limit=1)
