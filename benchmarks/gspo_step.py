@@ -126,12 +126,12 @@ CONFIGS["gpu_profile_vllm"] = {"backend": "transformers", "load_in_4bit": False,
 VLLM_SETTINGS = {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3,
                  "vllm_enable_sleep_mode": True}
 # Issue 23: the decode step in one CUDA graph (train.graph_decoding, vlmrl.models.graph_decode):
-# "on" on the profile's batch shape (NF4, 16 rows per generate call: the memory profile) and in
+# "graph" on the profile's batch shape (NF4, 16 rows per generate call: the memory profile) and in
 # bf16 with all 32 rows of a generation in one call; "merged" (the adapter folded into bf16
 # copies of the weights for decoding) with 32 rows: the speed profile.
-CONFIGS["gpu_profile_graph"] = {**profile_candidate(8, 4, 16), "compile": False, "graph": "on"}
+CONFIGS["gpu_profile_graph"] = {**profile_candidate(8, 4, 16), "compile": False, "graph": "graph"}
 CONFIGS["gpu_profile_graph_bf16"] = {**profile_candidate(8, 4), "load_in_4bit": False,
-                                     "compile": False, "graph": "on"}
+                                     "compile": False, "graph": "graph"}
 CONFIGS["gpu_profile_graph_merged"] = {**CONFIGS["gpu_profile_graph_bf16"], "graph": "merged"}
 GPU_PROFILE = "gpu_profile_mb8_spg4_rows16"
 CONFIGS["gpu_profile"] = CONFIGS[GPU_PROFILE]
@@ -432,7 +432,7 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
 
     trainer = make_trainer(model, processor, config, dataset, reward_funcs,
                            generation_rows=knobs.get("max_generation_rows"), callbacks=[Timer()],
-                           graph_decoding=knobs.get("graph", "off"))
+                           graph_decoding=knobs.get("graph", "eager"))
     peaks = MemoryPeaks()
     wrapped = hasattr(trainer, "_generate_single_turn")
     if wrapped:

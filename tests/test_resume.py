@@ -171,10 +171,6 @@ def test_a_checkpoint_of_the_last_step_is_a_finished_run(tmp_path) -> None:
     assert not finished_run(None, 4)
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def checkpoint_states(checkpoints: Path) -> dict[str, int]:
     """Each checkpoint's trainer state and when it was written: a step redone rewrites one."""
     return {path.parent.name: path.stat().st_mtime_ns
@@ -197,7 +193,7 @@ def test_dvc_repro_resumes_after_a_memory_only_change_and_moves_aside_after_anot
     step. A learning-rate change then starts over, with the old checkpoints moved aside."""
     checkpoints = fresh_repo / "data/checkpoints/train_gspo"
     dvc_repro(fresh_repo, "train_gspo")
-    first_log = read_jsonl(fresh_repo / "data/metrics/train_log.jsonl")
+    first_log = json.loads((fresh_repo / "data/metrics/train_log.json").read_text())
     states = checkpoint_states(checkpoints)
     assert sorted(states) == ["checkpoint-2", "checkpoint-4"]
 
@@ -209,10 +205,10 @@ def test_dvc_repro_resumes_after_a_memory_only_change_and_moves_aside_after_anot
     assert "resuming from data/checkpoints/train_gspo/checkpoint-4" in out
     assert "not resuming" not in out
     assert checkpoint_states(checkpoints) == states  # no step redone, no checkpoint rewritten
-    summary = json.loads((fresh_repo / "data/metrics/train.json").read_text())
+    summary = json.loads((fresh_repo / "data/reports/details/train_gspo.json").read_text())
     assert summary["steps"] == 4
     assert summary["resumed_from"].endswith("checkpoint-4")
-    assert read_jsonl(fresh_repo / "data/metrics/train_log.jsonl") == first_log
+    assert json.loads((fresh_repo / "data/metrics/train_log.json").read_text()) == first_log
     assert "finished all 4 steps: nothing left to train" in out
     assert adapter_tensors(fresh_repo / "data/models/adapter") == adapter_tensors(
         checkpoints / "checkpoint-4")

@@ -266,7 +266,7 @@ class TrainParams(Section):
     resume: Boolean = True
     max_generation_rows: PositiveInteger | None = None
     distributed: dict[str, Any] = {}  # checked by vlmrl.launch.DistributedParams
-    graph_decoding: Literal["off", "on", "merged"] = "off"  # GPU rollouts: vlmrl.models.graph_decode
+    graph_decoding: Literal["eager", "graph", "merged"] = "eager"  # GPU rollouts: vlmrl.models.graph_decode
     lora: LoraParams
     grpo: dict[str, Any] = {}
 

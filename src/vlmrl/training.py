@@ -219,7 +219,7 @@ class TrainResult:
 
 
 def make_trainer(model, processor, config, dataset, reward_funcs, *,
-                 generation_rows: int | None, callbacks: list, graph_decoding: str = "off"):
+                 generation_rows: int | None, callbacks: list, graph_decoding: str = "eager"):
     """TRL's GRPOTrainer with the project's generation switches: the processor's suppressed
     tokens, compiled decoding when `generation_kwargs.disable_compile` is false (TRL itself
     always disables it), generation in chunks of `generation_rows`, on a GPU with
@@ -237,7 +237,7 @@ def make_trainer(model, processor, config, dataset, reward_funcs, *,
     sample_top_k_on_cpu(trainer.model, top_k_settings(
         True, config.temperature, config.top_k, config.top_p, config.min_p,
         suppress=config.generation_kwargs.get("suppress_tokens")))
-    if graph_decoding != "off" and not on_cpu(trainer.model):
+    if graph_decoding != "eager" and not on_cpu(trainer.model):
         install_graph_decoding(trainer.model, graph_decoding)
     return trainer
 

@@ -48,7 +48,7 @@ CONFIGS = {
     "transformers-bf16-graph": {"model.backend": "transformers", "model.load_in_4bit": False,
                                 "train.graph_decoding": "merged"},
     "transformers-4bit-graph": {"model.backend": "transformers", "model.load_in_4bit": True,
-                                "train.graph_decoding": "on"},
+                                "train.graph_decoding": "graph"},
 }
 DOWNSTREAM = [name for name in CONFIGS if not name.endswith("-graph")]
 # The cold start and GSPO of the tests, measured on an H100 (transformers bf16) with

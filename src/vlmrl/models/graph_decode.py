@@ -354,12 +354,12 @@ class GraphDecoding:
         return out
 
 
-MODES = ("off", "on", "merged")
+MODES = ("eager", "graph", "merged")
 
 
-def install_graph_decoding(model, mode: str = "on", attention: str = "grouped") -> GraphDecoding:
+def install_graph_decoding(model, mode: str = "graph", attention: str = "grouped") -> GraphDecoding:
     """Replaces `model.generate` (the object TRL calls: the PEFT model) with graph decoding.
-    `mode` (train.graph_decoding): "on", the adapter as it is, cache and graph freed after each
+    `mode` (train.graph_decoding): "graph", the adapter as it is, cache and graph freed after each
     call (memory as transformers' generate); "merged", `MergedLoRA` copies, cache and graph
     kept (speed, at one more copy of the adapted weights)."""
     if mode not in MODES[1:]:
