@@ -71,7 +71,7 @@ def train_once(repo: Path, variant: str, warmup: int, log: Path) -> dict[str, An
     update_params(repo, VARIANTS[variant])
     wall = run_stage(repo, "train_gspo", log)
     timings = json.loads((repo / "data/reports/timings/train_gspo.json").read_text())
-    batch = json.loads((repo / "data/metrics/train.json").read_text())["batch"]
+    batch = json.loads((repo / "data/reports/details/train_gspo.json").read_text())["batch"]
     timed = timings["step_seconds"][warmup:]
     return {"variant": variant, "seconds_per_step": round(statistics.mean(timed), 3),
             "step_seconds": timings["step_seconds"], "stage_wall_seconds": round(wall, 1),

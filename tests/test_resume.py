@@ -222,7 +222,7 @@ def test_dvc_repro_resumes_after_a_memory_only_change_and_moves_aside_after_anot
     assert "train.grpo.learning_rate: 0.0003 -> 0.0001" in out
     assert "train.max_generation_rows" not in out  # a memory-only key is never a reason
     assert sorted(checkpoint_states(moved)) == ["checkpoint-2", "checkpoint-4"]
-    summary = json.loads((fresh_repo / "data/metrics/train.json").read_text())
+    summary = json.loads((fresh_repo / "data/reports/details/train_gspo.json").read_text())
     assert summary["steps"] == 4
     assert summary["resumed_from"] is None
     assert sorted(checkpoint_states(checkpoints)) == ["checkpoint-2", "checkpoint-4"]
