@@ -3,7 +3,10 @@ through `dvc repro` exactly as users run them, without touching the checkout."""
 
 from __future__ import annotations
 
+import importlib.util
+import subprocess
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 from project_repo import dvc_env, make_project_repo, run, update_params  # noqa: F401
@@ -78,3 +81,21 @@ def fresh_repo(tmp_path) -> Path:
 def stage_command(name: str, root: Path = ROOT) -> list[str]:
     """dvc.yaml's command for stage `name` as argv (vlmrl's tests/project_repo.py)."""
     return _stage_command(name, root)
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """benchmarks/<name>.py as a module: the benchmarks are scripts, not a package."""
+    spec = importlib.util.spec_from_file_location(f"{name}_benchmark", ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def stop_process(process: subprocess.Popen, timeout_s: float) -> None:
+    """Terminates a server a test started, killing it if it outlives `timeout_s`."""
+    process.terminate()
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()

@@ -479,6 +479,7 @@ def test_exported_files_name_nothing_of_this_machine(exported: Exported) -> None
     from vlmrl.portable import machine_values, machine_values_in
 
     files = [p for p in [*exported.merged.iterdir(), *exported.gguf.iterdir()] if p.is_file()]
+    assert {p.name for p in files} >= set(GGUF_NAMES)
     assert machine_values_in(files) == []
     tokenizer_config = json.loads((exported.merged / "tokenizer_config.json").read_text())
     assert "local_files_only" not in tokenizer_config and "is_local" not in tokenizer_config

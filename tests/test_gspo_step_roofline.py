@@ -4,22 +4,15 @@ a results file (failed runs listed, ratios against the Unsloth reference and tod
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
+from conftest import load_benchmark
 from transformers import AutoModelForCausalLM
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gspo_step.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("gspo_step_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("gspo_step")
 
 
 def test_decode_steps_count_every_generate_call(bench) -> None:

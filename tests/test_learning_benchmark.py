@@ -4,20 +4,15 @@ minutes each and are the benchmark's job)."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "learning.py"
+from conftest import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def learning():
-    spec = importlib.util.spec_from_file_location("learning_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("learning")
 
 
 def run(seed: int, format_delta: float, reward_delta: float) -> dict:

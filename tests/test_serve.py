@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, stop_process
 from s3_server import free_port, start_moto_server
 
 from vlmrl import publish as pub
@@ -96,12 +96,7 @@ def server_url(pulled_gguf: Path, tmp_path_factory) -> Iterator[str]:
         wait_until_up(process, f"{base}/models", log)
         yield base
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process, 20)
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import stop_process
 from test_ui import (
     BASELINE,
     OPTIONS,
@@ -77,11 +78,7 @@ def server_url(ui_repo: Path) -> Iterator[str]:
     try:
         yield read_url(server)
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop_process(server, 10)
 
 
 @pytest.fixture
