@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ from typing import Any
 import httpx
 import pytest
 from project_repo import dvc_env
+from s3_server import free_port
 
 from vlmrl.orchestration import OFFLINE_DEFAULTS
 
@@ -100,12 +100,6 @@ class Api:
 
 def task_names(task_runs: list[dict]) -> Counter:
     return Counter(task_run["task_key"].split("-")[0] for task_run in task_runs)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def prefect_env(home: Path, api_url: str | None = None) -> dict[str, str]:
