@@ -60,10 +60,12 @@ def config(model, new_tokens: int, cache_len: int):
                             cache_implementation="static", max_cache_len=cache_len)
 
 
-def ms_per_step(model, batch, attention: str, new_tokens: int, cache_len: int) -> float:
+def ms_per_step(model, batch, attention: str, new_tokens: int, cache_len: int,
+                nf4_kernel: bool) -> float:
     from vlmrl.models.graph_decode import GraphDecoding
 
-    decoding = GraphDecoding(model=model, original=model.generate, attention=attention)
+    decoding = GraphDecoding(model=model, original=model.generate, attention=attention,
+                             nf4_kernel=nf4_kernel)
     decoding._decode(config(model, new_tokens, cache_len), batch)  # capture
     torch.cuda.synchronize()
     started = time.perf_counter()
@@ -73,20 +75,28 @@ def ms_per_step(model, batch, attention: str, new_tokens: int, cache_len: int) -
     return (time.perf_counter() - started) * 1000 / new_tokens
 
 
-def kernels(model, batch, attention: str, cache_len: int, top: int = 14) -> list[dict]:
+def kernels(model, batch, attention: str, cache_len: int, nf4_kernel: bool,
+            top: int = 14) -> list[dict]:
+    """The kernels of 8 eagerly run decode steps (the prefill's profiled apart and subtracted)."""
     from torch.profiler import ProfilerActivity, profile
 
     from vlmrl.models.graph_decode import GraphDecoding
 
     decoding = GraphDecoding(model=model, original=model.generate, use_graph=False,
-                             attention=attention)
+                             attention=attention, nf4_kernel=nf4_kernel)
     decoding._decode(config(model, 4, cache_len), batch)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        decoding._decode(config(model, 9, cache_len), batch)  # prefill + 8 decode steps
-    events = [e for e in prof.key_averages() if e.device_time_total > 0]
-    events.sort(key=lambda e: -e.device_time_total)
-    return [{"kernel": e.key[:90], "ms_per_step": round(e.device_time_total / 1000 / 9, 3),
-             "calls_per_step": round(e.count / 9, 1)} for e in events[:top]]
+    totals: list[dict] = []
+    for new_tokens in (1, 9):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            decoding._decode(config(model, new_tokens, cache_len), batch)
+        totals.append({e.key: (e.device_time_total, e.count) for e in prof.key_averages()
+                       if e.device_time_total > 0})
+    prefill, both = totals
+    steps = {key: (time - prefill.get(key, (0, 0))[0], count - prefill.get(key, (0, 0))[1])
+             for key, (time, count) in both.items()}
+    ranked = sorted(steps.items(), key=lambda item: -item[1][0])[:top]
+    return [{"kernel": key[:90], "ms_per_step": round(time / 1000 / 8, 3),
+             "calls_per_step": round(count / 8, 1)} for key, (time, count) in ranked]
 
 
 def main() -> int:
@@ -95,6 +105,9 @@ def main() -> int:
     parser.add_argument("--dtypes", default="bf16,nf4")
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--cache-len", type=int, default=1408)
+    parser.add_argument("--attentions", default="model,grouped")
+    parser.add_argument("--nf4-kernels", default="off,on",
+                        help="NF4 projections by bitsandbytes + PEFT (off) or vlmrl.models.nf4_decode (on)")
     parser.add_argument("--out", type=Path, default=Path("decode_profile.json"))
     args = parser.parse_args()
     import os
@@ -113,14 +126,19 @@ def main() -> int:
         weights = gspo_step.decode_weight_bytes(model)
         for rows in [int(r) for r in args.rows.split(",")]:
             batch = prompts(processor, train_set, rows)
-            for attention in ("model", "grouped"):
-                ms = ms_per_step(model, batch, attention, args.new_tokens, args.cache_len)
+            for attention, kernel in [(a, k) for a in args.attentions.split(",")
+                                      for k in args.nf4_kernels.split(",")
+                                      if dtype == "nf4" or k == "off"]:
+                ms = ms_per_step(model, batch, attention, args.new_tokens, args.cache_len,
+                                 kernel == "on")
                 run = {"dtype": dtype, "rows": rows, "attention": attention,
+                       "nf4_kernel": kernel if dtype == "nf4" else None,
                        "ms_per_step": round(ms, 3), "tokens_per_s": round(rows * 1000 / ms),
                        "weight_bytes": weights,
                        "bound_fraction": round(weights / bandwidth / (ms / 1000), 4)}
                 if rows == max(int(r) for r in args.rows.split(",")):
-                    run["kernels"] = kernels(model, batch, attention, args.cache_len)
+                    run["kernels"] = kernels(model, batch, attention, args.cache_len,
+                                             kernel == "on")
                 results["runs"].append(run)
                 print(json.dumps(run), flush=True)
                 args.out.write_text(json.dumps(results, indent=1))
@@ -128,7 +146,8 @@ def main() -> int:
         torch.cuda.empty_cache()
     print(f"\ncopy bandwidth {bandwidth / 1e12:.2f} TB/s")
     for run in results["runs"]:
-        print(f"{run['dtype']:5} rows {run['rows']:3} {run['attention']:8} {run['ms_per_step']:7.2f} "
+        print(f"{run['dtype']:5} rows {run['rows']:3} {run['attention']:8} "
+              f"kernel {run['nf4_kernel'] or '-':3} {run['ms_per_step']:7.2f} "
               f"ms/step {run['tokens_per_s']:6} tok/s  bound {100 * run['bound_fraction']:.1f}%")
     return 0
 

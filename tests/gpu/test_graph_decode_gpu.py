@@ -154,3 +154,41 @@ def test_merged_copies_decode_like_the_adapter():
           f"({changed:.3f} of its tokens changed): {agree_after:.3f}")
     assert first[0] == 1.0 and changed > 0.1
     assert agree > 0.5 and agree_after > 0.5
+
+
+@pytest.mark.parametrize("rows", [1, 16, 33])
+def test_nf4_kernel_is_as_exact_as_bitsandbytes_and_peft(rows):
+    """`vlmrl.models.nf4_decode` on the 2B shape's projections, with and without an adapter (the
+    LoRA here covers q, v and down; k and the MLP's gate are bare): against a float32 product of
+    the same decoded weights and adapter, its error is no larger than bitsandbytes + PEFT's."""
+    from bitsandbytes.functional import dequantize_4bit
+
+    from vlmrl.models.nf4_decode import NF4Decode, _adapter
+
+    model, _ = load(four_bit=True)
+    nf4 = NF4Decode(model)
+    names = {id(module): name for name, module in model.named_modules()}
+    picked = {}
+    for module, base in nf4.layers:
+        kind = names[id(module)].rsplit(".", 1)[-1]
+        picked.setdefault((kind, module is base), (module, base))
+    assert {kind for kind, _ in picked} >= {"q_proj", "k_proj", "down_proj", "gate_proj"}
+    torch.manual_seed(rows)
+    for (kind, bare), (module, base) in picked.items():
+        state = base.weight.quant_state
+        x = torch.randn(rows, state.shape[1], dtype=torch.bfloat16, device="cuda")
+        weight = dequantize_4bit(base.weight.data, state).float()
+        exact = x.float() @ weight.t()
+        lora = None if bare else _adapter(module)
+        if lora:
+            a, b, scaling = lora
+            exact += scaling * (x.float() @ a.t()) @ b.t()
+        with torch.no_grad():
+            theirs = module(x).float()
+            with nf4.active():
+                ours = module(x).float()
+        their_error = (theirs - exact).abs().max().item()
+        our_error = (ours - exact).abs().max().item()
+        print(f"{kind} bare={bare} rows={rows}: bnb+PEFT {their_error:.2e}, kernel {our_error:.2e}")
+        assert our_error <= their_error * 1.25 + 1e-6, kind
+        assert our_error < 1e-2 * exact.abs().max().item(), kind

@@ -181,10 +181,11 @@ class GraphDecoder:
 
     def __init__(self, model, plan: DecodePlan, device: torch.device, eos: list[int],
                  pad: int, suppress: tuple[int, ...], use_graph: bool = True,
-                 attention: str = "grouped", merged: bool = False) -> None:
+                 attention: str = "grouped", merged: bool = False, nf4=None) -> None:
         from transformers import StaticCache
 
         self.model, self.plan, self.use_graph, self.attention = model, plan, use_graph, attention
+        self.nf4 = nf4  # an NF4Decode, or None: bitsandbytes' and PEFT's own projections
         rows, length = plan.rows, plan.cache_len
         self.cache = StaticCache(config=model.config, max_cache_len=length)
         self.token = torch.zeros(rows, 1, dtype=torch.long, device=device)
@@ -215,9 +216,11 @@ class GraphDecoder:
         self.index.add_(1)
 
     def _run_step(self) -> None:
+        capturing = self.graph is None
         with decode_attention(self.attention), (
-                self.merged.swapped() if self.merged and self.graph is None
-                else contextlib.nullcontext()):
+                self.merged.swapped() if self.merged and capturing
+                else contextlib.nullcontext()), (
+                self.nf4.active() if self.nf4 and capturing else contextlib.nullcontext()):
             if not self.use_graph:
                 self.step()
             elif self.graph is None:
@@ -304,7 +307,9 @@ class GraphDecoding:
     attention: str = "grouped"  # or "model": the model's own (SDPA) attention in decode steps
     merged: bool = False  # decode with bf16 copies of the weights with the adapter folded in
     keep: bool = True  # keep each batch shape's cache and graph between calls (else freed)
+    nf4_kernel: bool = True  # NF4 projections by `vlmrl.models.nf4_decode` in decode steps
     decoders: dict | None = None
+    nf4: Any = None
     calls: int = 0
 
     def __call__(self, *args: Any, generation_config=None, **kwargs: Any):
@@ -328,6 +333,14 @@ class GraphDecoding:
                 del self.decoders[kept]
         return None
 
+    def _nf4(self):
+        """The model's NF4Decode, made once (it keeps the block scales), or None."""
+        if self.nf4 is None and self.nf4_kernel and not self.merged:
+            from vlmrl.models.nf4_decode import NF4Decode, kernel_available
+
+            self.nf4 = NF4Decode(self.model) if kernel_available() else False
+        return self.nf4 or None
+
     def _decode(self, config, kwargs: dict[str, Any]) -> torch.Tensor:
         """prompt + completion ids, [rows, prompt + new tokens], as `generate` returns them."""
         kwargs = dict(kwargs)
@@ -346,7 +359,8 @@ class GraphDecoding:
             pad = config.pad_token_id if config.pad_token_id is not None else (eos or [0])[0]
             decoder = self.decoders[plan] = GraphDecoder(
                 self.model, plan, input_ids.device, eos, int(pad), suppress,
-                self.use_graph and input_ids.device.type == "cuda", self.attention, self.merged)
+                self.use_graph and input_ids.device.type == "cuda", self.attention, self.merged,
+                self._nf4())
         with torch.no_grad():
             out = decoder.generate(input_ids, attention_mask, int(config.max_new_tokens), kwargs)
         if not self.keep:  # the static cache and the graph's memory go back to the allocator

@@ -1,0 +1,193 @@
+"""NF4 projections for decode steps (issue 23). A decode step multiplies a few rows by each 4-bit
+weight; bitsandbytes does it by writing the whole weight out in bf16 (`dequantize_4bit`, after
+dequantizing the nested block scales) and reading it back for a bf16 matrix product, and PEFT adds
+the adapter in float32 with a clone, two casts, two products, a scale and an add: about ten kernels
+and five times the weight's bytes per projection. Here one Triton kernel reads the packed 4-bit
+weight once, decodes it in registers (bitsandbytes' own NF4 table, `dequantize_nf4_tree`), and
+adds the adapter's `x A^T` (one small product before it) times `s B^T` in the same tile, so a
+projection costs about its 4-bit bytes. Block scales are dequantized once per weight and kept
+(float32, 1/16 of the 4-bit bytes): the base weights are frozen. The adapter is read where it
+lives (`lora_A.weight`, `lora_B.weight`), so a CUDA graph captured over it sees every optimizer
+step. Rows and values are those of bitsandbytes + PEFT up to float32 summation order: the weight
+is decoded to the same bf16 values, products accumulate in float32, and the adapter's output is
+added before the one rounding to bf16 (PEFT rounds it first). Dropout is not applied (as in
+`MergedLoRA` and vLLM): with `train.lora.dropout` above 0 the layers of a module in training mode
+keep PEFT's forward."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+
+import torch
+
+MAX_ROWS = 64  # rows per call served by the kernel; more rows (prefill) take bitsandbytes' path
+
+
+def kernel_available() -> bool:
+    """Whether this machine can run the kernel: CUDA, Triton and bitsandbytes present."""
+    from importlib.util import find_spec
+
+    return (torch.cuda.is_available() and find_spec("triton") is not None
+            and find_spec("bitsandbytes") is not None)
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+    from bitsandbytes.backends.triton.kernels_4bit import dequantize_nf4_tree
+
+    @triton.jit
+    def nf4_lora_matmul(x_ptr, w_ptr, absmax_ptr, xa_ptr, b_ptr, out_ptr, M, N, K, rank,
+                        scaling, stride_x, stride_out, HAS_LORA: tl.constexpr,
+                        QBLOCK: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        rows = tl.arange(0, BLOCK_M)
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < M
+        col_ok = cols < N
+        half = tl.arange(0, BLOCK_K // 2)
+        depth = tl.arange(0, BLOCK_K)
+        blocks = tl.arange(0, BLOCK_K // QBLOCK)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            x = tl.load(x_ptr + rows[:, None] * stride_x + (k0 + depth)[None, :],
+                        mask=row_ok[:, None], other=0.0)
+            packed = tl.load(w_ptr + cols[:, None] * (K // 2) + (k0 // 2 + half)[None, :],
+                             mask=col_ok[:, None], other=0)
+            weight = tl.interleave(dequantize_nf4_tree(packed >> 4),
+                                   dequantize_nf4_tree(packed & 0xF))
+            scale = tl.load(absmax_ptr + cols[:, None] * (K // QBLOCK) + (k0 // QBLOCK + blocks)[None, :],
+                            mask=col_ok[:, None], other=0.0)
+            weight = tl.reshape(weight, (BLOCK_N, BLOCK_K // QBLOCK, QBLOCK)) * scale[:, :, None]
+            weight = tl.reshape(weight, (BLOCK_N, BLOCK_K)).to(tl.bfloat16)
+            acc += tl.dot(x, tl.trans(weight))
+        if HAS_LORA:
+            ranks = tl.arange(0, R)
+            xa = tl.load(xa_ptr + rows[:, None] * rank + ranks[None, :],
+                         mask=row_ok[:, None] & (ranks[None, :] < rank), other=0.0)
+            b = tl.load(b_ptr + cols[:, None] * rank + ranks[None, :],
+                        mask=col_ok[:, None] & (ranks[None, :] < rank), other=0.0)
+            acc += tl.dot(xa, tl.trans(b), input_precision="ieee") * scaling
+        tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], acc.to(tl.bfloat16),
+                 mask=row_ok[:, None] & col_ok[None, :])
+
+    return triton, nf4_lora_matmul
+
+
+BLOCK_N = 32
+BLOCK_K = 256
+
+
+def servable(layer) -> bool:
+    """Whether a bitsandbytes Linear4bit can take the kernel: NF4, bf16 compute, no bias, a block
+    size that divides the kernel's K tile, an input width that the K tile divides."""
+    weight = getattr(layer, "weight", None)
+    state = getattr(weight, "quant_state", None)
+    if state is None or state.quant_type != "nf4" or getattr(layer, "bias", None) is not None:
+        return False
+    out_features, in_features = tuple(state.shape)
+    return (state.dtype == torch.bfloat16 and BLOCK_K % state.blocksize == 0
+            and in_features % BLOCK_K == 0 and weight.is_cuda)
+
+
+def block_scales(layer) -> torch.Tensor:
+    """The layer's float32 scale per block of `blocksize` weights, the nested quantization undone."""
+    from bitsandbytes.functional import dequantize_blockwise
+
+    state = layer.weight.quant_state
+    if not state.nested:
+        return state.absmax.float().contiguous()
+    return (dequantize_blockwise(state.absmax, state.state2) + state.offset).float().contiguous()
+
+
+def nf4_matmul(x: torch.Tensor, layer, scales: torch.Tensor, lora: tuple | None = None) -> torch.Tensor:
+    """`x @ W^T (+ s (x A^T) B^T)` for x of at most MAX_ROWS rows (any leading shape), bf16 out.
+    `lora` is (A [r, in] float32, B [out, r] float32, s)."""
+    triton, kernel = _kernel()
+    state = layer.weight.quant_state
+    out_features, in_features = tuple(state.shape)
+    flat = x.reshape(-1, in_features)
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    rows = flat.shape[0]
+    out = torch.empty(rows, out_features, dtype=torch.bfloat16, device=x.device)
+    if lora is not None:
+        a, b, scaling = lora
+        xa = torch.mm(flat.to(a.dtype), a.t())
+        rank = a.shape[0]
+    else:
+        xa, b, scaling, rank = flat, flat, 1.0, 1
+    block_m = max(16, triton.next_power_of_2(rows))
+    kernel[(triton.cdiv(out_features, BLOCK_N),)](
+        flat, layer.weight, scales, xa, b, out, rows, out_features, in_features, rank,
+        float(scaling), flat.stride(0), out.stride(0), HAS_LORA=lora is not None,
+        QBLOCK=state.blocksize, R=max(16, triton.next_power_of_2(rank)), BLOCK_M=block_m,
+        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4, num_stages=3)
+    return out.view(*x.shape[:-1], out_features)
+
+
+def _adapter(module) -> tuple | None:
+    """(A, B, s) of a PEFT LoRA layer's one active adapter, None where the kernel can't add it."""
+    names = list(module.active_adapters)
+    if module.disable_adapters or not names:
+        return ()
+    if len(names) > 1 or names[0] not in module.lora_A or module.use_dora.get(names[0]):
+        return None
+    name = names[0]
+    dropout = module.lora_dropout[name]
+    if module.training and isinstance(dropout, torch.nn.Dropout) and dropout.p > 0:
+        return None
+    a, b = module.lora_A[name].weight, module.lora_B[name].weight
+    return a, b, module.scaling[name]
+
+
+class NF4Decode:
+    """The model's NF4 projections (bare or under a LoRA layer), switched to `nf4_matmul` while
+    `active()`; block scales are computed on first use and kept."""
+
+    def __init__(self, model) -> None:
+        import bitsandbytes as bnb
+
+        self.layers = []
+        for module in model.modules():
+            base = getattr(module, "base_layer", None)
+            if isinstance(base, bnb.nn.Linear4bit) and hasattr(module, "lora_A"):
+                self.layers.append((module, base))
+            elif isinstance(module, bnb.nn.Linear4bit) and not any(
+                    module is base for _, base in self.layers):
+                self.layers.append((module, module))
+        self.layers = [(module, base) for module, base in self.layers if servable(base)]
+        self.scales: dict[int, torch.Tensor] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.layers)
+
+    def _forward(self, module, base, original):
+        def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+            lora = _adapter(module) if module is not base else ()
+            rows = x.numel() // x.shape[-1]
+            if lora is None or args or kwargs or rows > MAX_ROWS or x.dtype != torch.bfloat16:
+                return original(x, *args, **kwargs)
+            scales = self.scales.get(id(base))
+            if scales is None:
+                scales = self.scales[id(base)] = block_scales(base)
+            return nf4_matmul(x, base, scales, lora or None)
+
+        return forward
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        saved = [module.__dict__.get("forward") for module, _ in self.layers]
+        for module, base in self.layers:
+            module.forward = self._forward(module, base, module.forward)
+        try:
+            yield
+        finally:
+            for (module, _), own in zip(self.layers, saved):
+                if own is None:
+                    del module.forward  # back to the class's forward
+                else:
+                    module.forward = own  # e.g. an accelerate hook's
