@@ -99,6 +99,52 @@ def kernels(model, batch, attention: str, cache_len: int, nf4_kernel: bool,
              "calls_per_step": round(count / 8, 1)} for key, (time, count) in ranked]
 
 
+SWEEP = [(64, 128, 4, 3, 4), (32, 128, 4, 3, 4), (128, 128, 4, 3, 4), (64, 256, 4, 3, 4),
+         (64, 64, 4, 3, 4), (64, 128, 8, 3, 4), (64, 128, 4, 2, 8), (32, 64, 4, 3, 8),
+         (16, 128, 4, 3, 8), (128, 64, 8, 3, 2)]
+
+
+def kernel_sweep(model, rows_list: list[int], bandwidth: float) -> list[dict]:
+    """Microseconds per `nf4_matmul` call (replayed in a CUDA graph of 20 calls) for each
+    distinct projection shape, adapter on, per tile shape in SWEEP."""
+    from vlmrl.models.nf4_decode import NF4Decode, Tiles, _adapter, nf4_matmul
+
+    nf4 = NF4Decode(model)
+    shapes = {}
+    for module, base in nf4.layers:
+        shapes.setdefault(tuple(base.weight.quant_state.shape), (module, base))
+    found = []
+    for (out_features, in_features), (module, base) in shapes.items():
+        from vlmrl.models.nf4_decode import block_scales
+
+        scales, lora = block_scales(base), _adapter(module) or None
+        for rows in rows_list:
+            x = torch.randn(rows, in_features, dtype=torch.bfloat16, device="cuda")
+            for values in SWEEP:
+                tiles = Tiles(*values)
+                nf4_matmul(x, base, scales, lora, tiles)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for _ in range(20):
+                        nf4_matmul(x, base, scales, lora, tiles)
+                graph.replay()
+                torch.cuda.synchronize()
+                started = time.perf_counter()
+                for _ in range(10):
+                    graph.replay()
+                torch.cuda.synchronize()
+                us = (time.perf_counter() - started) * 1e6 / 200
+                row = {"out": out_features, "in": in_features, "rows": rows,
+                       "tiles": values, "us_per_call": round(us, 2),
+                       "bound_fraction": round(out_features * in_features / 2 / bandwidth
+                                               / (us / 1e6), 3)}
+                found.append(row)
+                print(json.dumps(row), flush=True)
+                del graph
+    return found
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="16,32")
@@ -106,6 +152,8 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--cache-len", type=int, default=1408)
     parser.add_argument("--attentions", default="model,grouped")
+    parser.add_argument("--sweep", action="store_true",
+                        help="first time the NF4 kernel's tile shapes (SWEEP) per projection shape")
     parser.add_argument("--nf4-kernels", default="off,on",
                         help="NF4 projections by bitsandbytes + PEFT (off) or vlmrl.models.nf4_decode (on)")
     parser.add_argument("--out", type=Path, default=Path("decode_profile.json"))
@@ -124,6 +172,9 @@ def main() -> int:
     for dtype in args.dtypes.split(","):
         model, processor = load(dtype == "nf4")
         weights = gspo_step.decode_weight_bytes(model)
+        if args.sweep and dtype == "nf4":
+            results["kernel_sweep"] = kernel_sweep(
+                model, [int(r) for r in args.rows.split(",")], bandwidth)
         for rows in [int(r) for r in args.rows.split(",")]:
             batch = prompts(processor, train_set, rows)
             for attention, kernel in [(a, k) for a in args.attentions.split(",")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -40,10 +41,13 @@ def _kernel():
     from bitsandbytes.backends.triton.kernels_4bit import dequantize_nf4_tree
 
     @triton.jit
-    def nf4_lora_matmul(x_ptr, w_ptr, absmax_ptr, xa_ptr, b_ptr, out_ptr, M, N, K, rank,
-                        scaling, stride_x, stride_out, HAS_LORA: tl.constexpr,
+    def nf4_lora_matmul(x_ptr, w_ptr, absmax_ptr, xa_ptr, b_ptr, part_ptr, M, N, K, rank,
+                        scaling, stride_x, K_SPLIT: tl.constexpr, HAS_LORA: tl.constexpr,
                         QBLOCK: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """One [rows, BLOCK_N] tile of x W^T over K_SPLIT of K (program_id 1 says which), in
+        float32 to the partial sums part[split]; split 0 adds the adapter."""
+        split = tl.program_id(1)
         rows = tl.arange(0, BLOCK_M)
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < M
@@ -52,7 +56,7 @@ def _kernel():
         depth = tl.arange(0, BLOCK_K)
         blocks = tl.arange(0, BLOCK_K // QBLOCK)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(split * K_SPLIT, (split + 1) * K_SPLIT, BLOCK_K):
             x = tl.load(x_ptr + rows[:, None] * stride_x + (k0 + depth)[None, :],
                         mask=row_ok[:, None], other=0.0)
             packed = tl.load(w_ptr + cols[:, None] * (K // 2) + (k0 // 2 + half)[None, :],
@@ -65,20 +69,51 @@ def _kernel():
             weight = tl.reshape(weight, (BLOCK_N, BLOCK_K)).to(tl.bfloat16)
             acc += tl.dot(x, tl.trans(weight))
         if HAS_LORA:
-            ranks = tl.arange(0, R)
-            xa = tl.load(xa_ptr + rows[:, None] * rank + ranks[None, :],
-                         mask=row_ok[:, None] & (ranks[None, :] < rank), other=0.0)
-            b = tl.load(b_ptr + cols[:, None] * rank + ranks[None, :],
-                        mask=col_ok[:, None] & (ranks[None, :] < rank), other=0.0)
-            acc += tl.dot(xa, tl.trans(b), input_precision="ieee") * scaling
-        tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], acc.to(tl.bfloat16),
+            if split == 0:
+                ranks = tl.arange(0, R)
+                xa = tl.load(xa_ptr + rows[:, None] * rank + ranks[None, :],
+                             mask=row_ok[:, None] & (ranks[None, :] < rank), other=0.0)
+                b = tl.load(b_ptr + cols[:, None] * rank + ranks[None, :],
+                            mask=col_ok[:, None] & (ranks[None, :] < rank), other=0.0)
+                acc += tl.dot(xa, tl.trans(b), input_precision="ieee") * scaling
+        tl.store(part_ptr + split * M * N + rows[:, None] * N + cols[None, :], acc,
                  mask=row_ok[:, None] & col_ok[None, :])
 
-    return triton, nf4_lora_matmul
+    @triton.jit
+    def sum_splits(part_ptr, out_ptr, size, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+        """out = bf16(sum over the splits), added in split order (replays give equal bits)."""
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = offsets < size
+        total = tl.load(part_ptr + offsets, mask=ok, other=0.0)
+        for split in tl.static_range(1, SPLITS):
+            total += tl.load(part_ptr + split * size + offsets, mask=ok, other=0.0)
+        tl.store(out_ptr + offsets, total.to(tl.bfloat16), mask=ok)
+
+    return triton, nf4_lora_matmul, sum_splits
 
 
-BLOCK_N = 32
-BLOCK_K = 256
+@dataclass(frozen=True)
+class Tiles:
+    """The kernel's tile shape; `programs` is how many it aims to run at once (splitting K)."""
+
+    block_n: int = 64
+    block_k: int = 128
+    warps: int = 4
+    stages: int = 3
+    programs_per_sm: int = 4
+
+
+TILES = Tiles()
+
+
+def k_splits(out_features: int, in_features: int, tiles: Tiles, sms: int) -> int:
+    """The fewest splits of K (a divisor of its tile count) that give every SM
+    `programs_per_sm` programs, or all of them."""
+    column_blocks = -(-out_features // tiles.block_n)
+    k_tiles = in_features // tiles.block_k
+    divisors = [d for d in range(1, k_tiles + 1) if k_tiles % d == 0]
+    wanted = tiles.programs_per_sm * sms
+    return next((d for d in divisors if column_blocks * d >= wanted), divisors[-1])
 
 
 def servable(layer) -> bool:
@@ -89,8 +124,8 @@ def servable(layer) -> bool:
     if state is None or state.quant_type != "nf4" or getattr(layer, "bias", None) is not None:
         return False
     out_features, in_features = tuple(state.shape)
-    return (state.dtype == torch.bfloat16 and BLOCK_K % state.blocksize == 0
-            and in_features % BLOCK_K == 0 and weight.is_cuda)
+    return (state.dtype == torch.bfloat16 and TILES.block_k % state.blocksize == 0
+            and in_features % TILES.block_k == 0 and weight.is_cuda)
 
 
 def block_scales(layer) -> torch.Tensor:
@@ -103,30 +138,41 @@ def block_scales(layer) -> torch.Tensor:
     return (dequantize_blockwise(state.absmax, state.state2) + state.offset).float().contiguous()
 
 
-def nf4_matmul(x: torch.Tensor, layer, scales: torch.Tensor, lora: tuple | None = None) -> torch.Tensor:
+def nf4_matmul(x: torch.Tensor, layer, scales: torch.Tensor, lora: tuple | None = None,
+               tiles: Tiles = TILES) -> torch.Tensor:
     """`x @ W^T (+ s (x A^T) B^T)` for x of at most MAX_ROWS rows (any leading shape), bf16 out.
     `lora` is (A [r, in] float32, B [out, r] float32, s)."""
-    triton, kernel = _kernel()
+    triton, kernel, sum_splits = _kernel()
     state = layer.weight.quant_state
     out_features, in_features = tuple(state.shape)
     flat = x.reshape(-1, in_features)
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
     rows = flat.shape[0]
-    out = torch.empty(rows, out_features, dtype=torch.bfloat16, device=x.device)
+    splits = k_splits(out_features, in_features, tiles, _sm_count(x.device))
+    parts = torch.empty(splits, rows, out_features, dtype=torch.float32, device=x.device)
     if lora is not None:
         a, b, scaling = lora
         xa = torch.mm(flat.to(a.dtype), a.t())
         rank = a.shape[0]
     else:
         xa, b, scaling, rank = flat, flat, 1.0, 1
-    block_m = max(16, triton.next_power_of_2(rows))
-    kernel[(triton.cdiv(out_features, BLOCK_N),)](
-        flat, layer.weight, scales, xa, b, out, rows, out_features, in_features, rank,
-        float(scaling), flat.stride(0), out.stride(0), HAS_LORA=lora is not None,
-        QBLOCK=state.blocksize, R=max(16, triton.next_power_of_2(rank)), BLOCK_M=block_m,
-        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4, num_stages=3)
+    kernel[(triton.cdiv(out_features, tiles.block_n), splits)](
+        flat, layer.weight, scales, xa, b, parts, rows, out_features, in_features, rank,
+        float(scaling), flat.stride(0), K_SPLIT=in_features // splits,
+        HAS_LORA=lora is not None, QBLOCK=state.blocksize,
+        R=max(16, triton.next_power_of_2(rank)), BLOCK_M=max(16, triton.next_power_of_2(rows)),
+        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.warps,
+        num_stages=tiles.stages)
+    out = torch.empty(rows, out_features, dtype=torch.bfloat16, device=x.device)
+    size = rows * out_features
+    sum_splits[(triton.cdiv(size, 1024),)](parts, out, size, SPLITS=splits, BLOCK=1024)
     return out.view(*x.shape[:-1], out_features)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _adapter(module) -> tuple | None:
