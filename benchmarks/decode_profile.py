@@ -99,9 +99,25 @@ def kernels(model, batch, attention: str, cache_len: int, nf4_kernel: bool,
              "calls_per_step": round(count / 8, 1)} for key, (time, count) in ranked]
 
 
-SWEEP = [(64, 128, 4, 3, 4), (32, 128, 4, 3, 4), (128, 128, 4, 3, 4), (64, 256, 4, 3, 4),
-         (64, 64, 4, 3, 4), (64, 128, 8, 3, 4), (64, 128, 4, 2, 8), (32, 64, 4, 3, 8),
-         (16, 128, 4, 3, 8), (128, 64, 8, 3, 2)]
+SWEEP = [(64, 128, 4, 3, 4, False), (64, 128, 4, 3, 4, True), (32, 128, 4, 3, 4, True),
+         (64, 256, 4, 3, 2, True), (128, 128, 8, 3, 2, True), (64, 128, 4, 3, 1, True),
+         (32, 256, 4, 3, 1, False), (64, 64, 4, 3, 8, True)]
+
+
+def kernel_times(call, calls: int = 20) -> dict:
+    """Device microseconds per call: the NF4 kernel, the sum of splits, everything else."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    times = {"nf4_us": 0.0, "sum_us": 0.0, "other_us": 0.0}
+    for event in prof.key_averages():
+        key = ("nf4_us" if "nf4_lora_matmul" in event.key else
+               "sum_us" if "sum_splits" in event.key else "other_us")
+        times[key] += event.device_time_total / calls
+    return {key: round(value, 2) for key, value in times.items()}
 
 
 def kernel_sweep(model, rows_list: list[int], bandwidth: float) -> list[dict]:
@@ -137,6 +153,7 @@ def kernel_sweep(model, rows_list: list[int], bandwidth: float) -> list[dict]:
                 us = (time.perf_counter() - started) * 1e6 / 200
                 row = {"out": out_features, "in": in_features, "rows": rows,
                        "tiles": values, "us_per_call": round(us, 2),
+                       **kernel_times(lambda: nf4_matmul(x, base, scales, lora, tiles)),
                        "bound_fraction": round(out_features * in_features / 2 / bandwidth
                                                / (us / 1e6), 3)}
                 found.append(row)

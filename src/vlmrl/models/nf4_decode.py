@@ -41,8 +41,9 @@ def _kernel():
     from bitsandbytes.backends.triton.kernels_4bit import dequantize_nf4_tree
 
     @triton.jit
-    def nf4_lora_matmul(x_ptr, w_ptr, absmax_ptr, xa_ptr, b_ptr, part_ptr, M, N, K, rank,
-                        scaling, stride_x, K_SPLIT: tl.constexpr, HAS_LORA: tl.constexpr,
+    def nf4_lora_matmul(x_ptr, w_ptr, absmax_ptr, code_ptr, xa_ptr, b_ptr, part_ptr, M, N, K,
+                        rank, scaling, stride_x, K_SPLIT: tl.constexpr, TABLE: tl.constexpr,
+                        HAS_LORA: tl.constexpr,
                         QBLOCK: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """One [rows, BLOCK_N] tile of x W^T over K_SPLIT of K (program_id 1 says which), in
@@ -52,22 +53,26 @@ def _kernel():
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < M
         col_ok = cols < N
-        half = tl.arange(0, BLOCK_K // 2)
-        depth = tl.arange(0, BLOCK_K)
-        blocks = tl.arange(0, BLOCK_K // QBLOCK)
+        pairs = tl.arange(0, BLOCK_K // 2)  # packed byte j holds weights 2j (high) and 2j+1
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(split * K_SPLIT, (split + 1) * K_SPLIT, BLOCK_K):
-            x = tl.load(x_ptr + rows[:, None] * stride_x + (k0 + depth)[None, :],
-                        mask=row_ok[:, None], other=0.0)
-            packed = tl.load(w_ptr + cols[:, None] * (K // 2) + (k0 // 2 + half)[None, :],
+            even = k0 + 2 * pairs
+            x_even = tl.load(x_ptr + rows[:, None] * stride_x + even[None, :],
+                             mask=row_ok[:, None], other=0.0)
+            x_odd = tl.load(x_ptr + rows[:, None] * stride_x + (even + 1)[None, :],
+                            mask=row_ok[:, None], other=0.0)
+            packed = tl.load(w_ptr + cols[:, None] * (K // 2) + (k0 // 2 + pairs)[None, :],
                              mask=col_ok[:, None], other=0)
-            weight = tl.interleave(dequantize_nf4_tree(packed >> 4),
-                                   dequantize_nf4_tree(packed & 0xF))
-            scale = tl.load(absmax_ptr + cols[:, None] * (K // QBLOCK) + (k0 // QBLOCK + blocks)[None, :],
+            scale = tl.load(absmax_ptr + cols[:, None] * (K // QBLOCK) + (even // QBLOCK)[None, :],
                             mask=col_ok[:, None], other=0.0)
-            weight = tl.reshape(weight, (BLOCK_N, BLOCK_K // QBLOCK, QBLOCK)) * scale[:, :, None]
-            weight = tl.reshape(weight, (BLOCK_N, BLOCK_K)).to(tl.bfloat16)
-            acc += tl.dot(x, tl.trans(weight))
+            if TABLE:
+                high = tl.load(code_ptr + (packed >> 4).to(tl.int32))
+                low = tl.load(code_ptr + (packed & 0xF).to(tl.int32))
+            else:
+                high = dequantize_nf4_tree(packed >> 4)
+                low = dequantize_nf4_tree(packed & 0xF)
+            acc += tl.dot(x_even, tl.trans((high * scale).to(tl.bfloat16)))
+            acc += tl.dot(x_odd, tl.trans((low * scale).to(tl.bfloat16)))
         if HAS_LORA:
             if split == 0:
                 ranks = tl.arange(0, R)
@@ -101,6 +106,7 @@ class Tiles:
     warps: int = 4
     stages: int = 3
     programs_per_sm: int = 4
+    table: bool = False  # NF4 values by a 16-entry table load, not bitsandbytes' select tree
 
 
 TILES = Tiles()
@@ -158,8 +164,8 @@ def nf4_matmul(x: torch.Tensor, layer, scales: torch.Tensor, lora: tuple | None 
     else:
         xa, b, scaling, rank = flat, flat, 1.0, 1
     kernel[(triton.cdiv(out_features, tiles.block_n), splits)](
-        flat, layer.weight, scales, xa, b, parts, rows, out_features, in_features, rank,
-        float(scaling), flat.stride(0), K_SPLIT=in_features // splits,
+        flat, layer.weight, scales, state.code, xa, b, parts, rows, out_features, in_features,
+        rank, float(scaling), flat.stride(0), K_SPLIT=in_features // splits, TABLE=tiles.table,
         HAS_LORA=lora is not None, QBLOCK=state.blocksize,
         R=max(16, triton.next_power_of_2(rank)), BLOCK_M=max(16, triton.next_power_of_2(rows)),
         BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.warps,
