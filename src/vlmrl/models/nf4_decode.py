@@ -41,58 +41,81 @@ def _kernel():
     from bitsandbytes.backends.triton.kernels_4bit import dequantize_nf4_tree
 
     @triton.jit
-    def nf4_lora_matmul(x_ptr, w_ptr, absmax_ptr, code_ptr, xa_ptr, b_ptr, part_ptr, M, N, K,
-                        rank, scaling, stride_x, K_SPLIT: tl.constexpr, TABLE: tl.constexpr,
-                        HAS_LORA: tl.constexpr,
-                        QBLOCK: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def nf4_lora_matmul(x_ptr, w_ptr, absmax_ptr, code_ptr, a_ptr, part_ptr, xa_part_ptr, M, N,
+                        K, rank, stride_x, K_SPLIT: tl.constexpr, TABLE: tl.constexpr,
+                        HAS_LORA: tl.constexpr, QBLOCK: tl.constexpr, R: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """One [rows, BLOCK_N] tile of x W^T over K_SPLIT of K (program_id 1 says which), in
-        float32 to the partial sums part[split]; split 0 adds the adapter."""
+        float32 to the partial sums part[split]; the first column tile also writes its split's
+        share of x A^T (float32, as PEFT) to xa_part[split]."""
         split = tl.program_id(1)
+        first_tile = tl.program_id(0) == 0
         rows = tl.arange(0, BLOCK_M)
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < M
         col_ok = cols < N
-        pairs = tl.arange(0, BLOCK_K // 2)  # packed byte j holds weights 2j (high) and 2j+1
+        half = tl.arange(0, BLOCK_K // 2)
+        depth = tl.arange(0, BLOCK_K)
+        ranks = tl.arange(0, R)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        xa = tl.zeros((BLOCK_M, R), dtype=tl.float32)
         for k0 in range(split * K_SPLIT, (split + 1) * K_SPLIT, BLOCK_K):
-            even = k0 + 2 * pairs
-            x_even = tl.load(x_ptr + rows[:, None] * stride_x + even[None, :],
-                             mask=row_ok[:, None], other=0.0)
-            x_odd = tl.load(x_ptr + rows[:, None] * stride_x + (even + 1)[None, :],
-                            mask=row_ok[:, None], other=0.0)
-            packed = tl.load(w_ptr + cols[:, None] * (K // 2) + (k0 // 2 + pairs)[None, :],
+            x = tl.load(x_ptr + rows[:, None] * stride_x + (k0 + depth)[None, :],
+                        mask=row_ok[:, None], other=0.0)
+            packed = tl.load(w_ptr + cols[:, None] * (K // 2) + (k0 // 2 + half)[None, :],
                              mask=col_ok[:, None], other=0)
-            scale = tl.load(absmax_ptr + cols[:, None] * (K // QBLOCK) + (even // QBLOCK)[None, :],
-                            mask=col_ok[:, None], other=0.0)
             if TABLE:
-                high = tl.load(code_ptr + (packed >> 4).to(tl.int32))
-                low = tl.load(code_ptr + (packed & 0xF).to(tl.int32))
+                weight = tl.interleave(tl.load(code_ptr + (packed >> 4).to(tl.int32)),
+                                       tl.load(code_ptr + (packed & 0xF).to(tl.int32)))
             else:
-                high = dequantize_nf4_tree(packed >> 4)
-                low = dequantize_nf4_tree(packed & 0xF)
-            acc += tl.dot(x_even, tl.trans((high * scale).to(tl.bfloat16)))
-            acc += tl.dot(x_odd, tl.trans((low * scale).to(tl.bfloat16)))
-        if HAS_LORA:
-            if split == 0:
-                ranks = tl.arange(0, R)
-                xa = tl.load(xa_ptr + rows[:, None] * rank + ranks[None, :],
-                             mask=row_ok[:, None] & (ranks[None, :] < rank), other=0.0)
-                b = tl.load(b_ptr + cols[:, None] * rank + ranks[None, :],
-                            mask=col_ok[:, None] & (ranks[None, :] < rank), other=0.0)
-                acc += tl.dot(xa, tl.trans(b), input_precision="ieee") * scaling
+                weight = tl.interleave(dequantize_nf4_tree(packed >> 4),
+                                       dequantize_nf4_tree(packed & 0xF))
+            if BLOCK_K == QBLOCK:  # one scale per column in this tile
+                scale = tl.load(absmax_ptr + cols * (K // QBLOCK) + k0 // QBLOCK, mask=col_ok,
+                                other=0.0)
+                weight = (weight * scale[:, None]).to(tl.bfloat16)
+            else:
+                blocks = tl.arange(0, BLOCK_K // QBLOCK)
+                scale = tl.load(absmax_ptr + cols[:, None] * (K // QBLOCK)
+                                + (k0 // QBLOCK + blocks)[None, :], mask=col_ok[:, None], other=0.0)
+                weight = tl.reshape(weight, (BLOCK_N, BLOCK_K // QBLOCK, QBLOCK)) * scale[:, :, None]
+                weight = tl.reshape(weight, (BLOCK_N, BLOCK_K)).to(tl.bfloat16)
+            acc += tl.dot(x, tl.trans(weight))
+            if HAS_LORA:
+                if first_tile:
+                    a = tl.load(a_ptr + ranks[:, None] * K + (k0 + depth)[None, :],
+                                mask=ranks[:, None] < rank, other=0.0).to(tl.float32)
+                    xa += tl.dot(x.to(tl.float32), tl.trans(a), input_precision="ieee")
         tl.store(part_ptr + split * M * N + rows[:, None] * N + cols[None, :], acc,
                  mask=row_ok[:, None] & col_ok[None, :])
+        if HAS_LORA:
+            if first_tile:
+                tl.store(xa_part_ptr + split * M * R + rows[:, None] * R + ranks[None, :], xa,
+                         mask=row_ok[:, None])
 
     @triton.jit
-    def sum_splits(part_ptr, out_ptr, size, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
-        """out = bf16(sum over the splits), added in split order (replays give equal bits)."""
-        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        ok = offsets < size
-        total = tl.load(part_ptr + offsets, mask=ok, other=0.0)
+    def sum_splits(part_ptr, xa_part_ptr, b_ptr, out_ptr, M, N, rank, scaling,
+                   SPLITS: tl.constexpr, HAS_LORA: tl.constexpr, R: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """out = bf16(sum of the splits + s (x A^T) B^T), added in split order (replays give
+        equal bits)."""
+        rows = tl.arange(0, BLOCK_M)
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ok = (rows < M)[:, None] & (cols < N)[None, :]
+        where = rows[:, None] * N + cols[None, :]
+        total = tl.load(part_ptr + where, mask=ok, other=0.0)
         for split in tl.static_range(1, SPLITS):
-            total += tl.load(part_ptr + split * size + offsets, mask=ok, other=0.0)
-        tl.store(out_ptr + offsets, total.to(tl.bfloat16), mask=ok)
+            total += tl.load(part_ptr + split * M * N + where, mask=ok, other=0.0)
+        if HAS_LORA:
+            ranks = tl.arange(0, R)
+            at = rows[:, None] * R + ranks[None, :]
+            xa = tl.load(xa_part_ptr + at, mask=(rows < M)[:, None], other=0.0)
+            for split in tl.static_range(1, SPLITS):
+                xa += tl.load(xa_part_ptr + split * M * R + at, mask=(rows < M)[:, None], other=0.0)
+            b = tl.load(b_ptr + cols[:, None] * rank + ranks[None, :],
+                        mask=(cols < N)[:, None] & (ranks[None, :] < rank), other=0.0).to(tl.float32)
+            total += tl.dot(xa, tl.trans(b), input_precision="ieee") * scaling
+        tl.store(out_ptr + where, total.to(tl.bfloat16), mask=ok)
 
     return triton, nf4_lora_matmul, sum_splits
 
@@ -157,22 +180,21 @@ def nf4_matmul(x: torch.Tensor, layer, scales: torch.Tensor, lora: tuple | None 
     rows = flat.shape[0]
     splits = k_splits(out_features, in_features, tiles, _sm_count(x.device))
     parts = torch.empty(splits, rows, out_features, dtype=torch.float32, device=x.device)
-    if lora is not None:
-        a, b, scaling = lora
-        xa = torch.mm(flat.to(a.dtype), a.t())
-        rank = a.shape[0]
-    else:
-        xa, b, scaling, rank = flat, flat, 1.0, 1
+    a, b, scaling = lora if lora is not None else (flat, flat, 1.0)
+    rank = a.shape[0] if lora is not None else 1
+    r_tile = max(16, triton.next_power_of_2(rank))
+    xa_parts = torch.empty(splits, rows, r_tile, dtype=torch.float32, device=x.device)
+    block_m = max(16, triton.next_power_of_2(rows))
     kernel[(triton.cdiv(out_features, tiles.block_n), splits)](
-        flat, layer.weight, scales, state.code, xa, b, parts, rows, out_features, in_features,
-        rank, float(scaling), flat.stride(0), K_SPLIT=in_features // splits, TABLE=tiles.table,
-        HAS_LORA=lora is not None, QBLOCK=state.blocksize,
-        R=max(16, triton.next_power_of_2(rank)), BLOCK_M=max(16, triton.next_power_of_2(rows)),
+        flat, layer.weight, scales, state.code, a, parts, xa_parts, rows, out_features,
+        in_features, rank, flat.stride(0), K_SPLIT=in_features // splits, TABLE=tiles.table,
+        HAS_LORA=lora is not None, QBLOCK=state.blocksize, R=r_tile, BLOCK_M=block_m,
         BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.warps,
         num_stages=tiles.stages)
     out = torch.empty(rows, out_features, dtype=torch.bfloat16, device=x.device)
-    size = rows * out_features
-    sum_splits[(triton.cdiv(size, 1024),)](parts, out, size, SPLITS=splits, BLOCK=1024)
+    sum_splits[(triton.cdiv(out_features, 64),)](
+        parts, xa_parts, b, out, rows, out_features, rank, float(scaling), SPLITS=splits,
+        HAS_LORA=lora is not None, R=r_tile, BLOCK_M=block_m, BLOCK_N=64)
     return out.view(*x.shape[:-1], out_features)
 
 
