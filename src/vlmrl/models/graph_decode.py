@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -335,7 +336,8 @@ class GraphDecoding:
 
     def _nf4(self):
         """The model's NF4Decode, made once (it keeps the block scales), or None."""
-        if self.nf4 is None and self.nf4_kernel and not self.merged:
+        if (self.nf4 is None and self.nf4_kernel and not self.merged
+                and os.environ.get("VLMRL_NF4_DECODE", "1") != "0"):
             from vlmrl.models.nf4_decode import NF4Decode, kernel_available
 
             self.nf4 = NF4Decode(self.model) if kernel_available() else False
