@@ -282,21 +282,6 @@ class GraphDecoder:
         return torch.cat([input_ids, tokens[:, :made]], dim=1)
 
 
-@contextlib.contextmanager
-def evaluation_mode(model) -> Iterator[None]:
-    """The model in eval mode while it decodes, each module's own mode restored after. TRL
-    generates with the model in training mode, where a layer built for gradient checkpointing
-    (transformers' GradientCheckpointingLayer) may drop the cache it is handed; rollouts are
-    drawn without dropout, as from a vLLM copy."""
-    modes = [(module, module.training) for module in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for module, training in modes:
-            module.training = training
-
-
 def _generative_model(model):
     """The transformers model under a PEFT wrapper (the one with generate's helpers)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -378,7 +363,7 @@ class GraphDecoding:
                 self.model, plan, input_ids.device, eos, int(pad), suppress,
                 self.use_graph and input_ids.device.type == "cuda", self.attention, self.merged,
                 self._nf4())
-        with torch.no_grad(), evaluation_mode(self.model):
+        with torch.no_grad():
             out = decoder.generate(input_ids, attention_mask, int(config.max_new_tokens), kwargs)
         if not self.keep:  # the static cache and the graph's memory go back to the allocator
             self.decoders.clear()
