@@ -13,6 +13,7 @@ and writes `--out` JSON.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import tempfile
@@ -153,7 +154,7 @@ def kernel_sweep(model, rows_list: list[int], bandwidth: float) -> list[dict]:
                 us = (time.perf_counter() - started) * 1e6 / 200
                 row = {"out": out_features, "in": in_features, "rows": rows,
                        "tiles": values, "us_per_call": round(us, 2),
-                       **kernel_times(lambda: nf4_matmul(x, base, scales, lora, tiles)),
+                       **kernel_times(functools.partial(nf4_matmul, x, base, scales, lora, tiles)),
                        "bound_fraction": round(out_features * in_features / 2 / bandwidth
                                                / (us / 1e6), 3)}
                 found.append(row)

@@ -582,6 +582,11 @@ def print_table(results: dict[str, Any]) -> None:
 
 
 DOC_START, DOC_END = "<!-- gspo_step roofline: start -->", "<!-- gspo_step roofline: end -->"
+
+
+def doc_markers(block: str) -> tuple[str, str]:
+    """The comment lines around a table block named `block` in the doc."""
+    return f"<!-- gspo_step {block}: start -->", f"<!-- gspo_step {block}: end -->"
 REFERENCE, TODAY = "unsloth_4bit", GPU_PROFILE
 
 
@@ -629,14 +634,16 @@ def roofline_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_doc_table(results: dict[str, Any], doc: Path) -> None:
-    """Replaces the text between DOC_START and DOC_END in `doc` with `roofline_table`."""
+def write_doc_table(results: dict[str, Any], doc: Path, block: str = "roofline") -> None:
+    """Replaces the text between the block's start and end markers in `doc` with
+    `roofline_table`."""
+    start, end = doc_markers(block)
     text = doc.read_text()
-    if DOC_START not in text or DOC_END not in text:
-        raise SystemExit(f"{doc}: no {DOC_START} ... {DOC_END} block to write the table into")
-    head, rest = text.split(DOC_START, 1)
-    tail = rest.split(DOC_END, 1)[1]
-    doc.write_text(f"{head}{DOC_START}\n{roofline_table(results)}\n{DOC_END}{tail}")
+    if start not in text or end not in text:
+        raise SystemExit(f"{doc}: no {start} ... {end} block to write the table into")
+    head, rest = text.split(start, 1)
+    tail = rest.split(end, 1)[1]
+    doc.write_text(f"{head}{start}\n{roofline_table(results)}\n{end}{tail}")
 
 
 def print_steps(key: str, rows: list[dict[str, Any]]) -> None:
@@ -666,6 +673,8 @@ def main() -> int:
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "gspo-bench")
     parser.add_argument("--doc", type=Path,
                         help="write the roofline table of --out into this Markdown file and exit")
+    parser.add_argument("--doc-block", default="roofline",
+                        help="which marked block of --doc the table replaces")
     parser.add_argument("--worker", nargs=2, metavar=("CONFIG", "LENGTH"), help=argparse.SUPPRESS)
     parser.add_argument("--train-set", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -686,7 +695,7 @@ def main() -> int:
         return 0
 
     if args.doc:
-        write_doc_table(load_results(args.out), args.doc)
+        write_doc_table(load_results(args.out), args.doc, args.doc_block)
         return 0
     started = time.perf_counter()
     from vlmrl.models.embedded import ensure_embedded_model
