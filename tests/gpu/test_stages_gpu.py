@@ -294,15 +294,7 @@ def test_model_has_qwen3_vl_2b_shapes(gpu_cache):
             list(vision.deepstack_visual_indexes)) == (24, 1024, 2048, [5, 11, 17])
 
 
-GRAPH_IN_TRAINING = pytest.mark.xfail(strict=True, reason=(
-    "issue 23, open: on the H100 (2026-11-24, three runs, NF4 kernel on and off) every rollout "
-    "of graph decoding inside TRL ran to the length limit without EOS, so rewards and grad norm "
-    "were 0; docs/benchmarks.md, known defect"))
-
-
-@pytest.mark.parametrize("config", [pytest.param(name, marks=GRAPH_IN_TRAINING)
-                                    if name == "transformers-4bit-graph" else name
-                                    for name in CONFIGS])
+@pytest.mark.parametrize("config", list(CONFIGS))
 def test_train_gspo(copies, config):
     """sft_cold_start, then train_gspo continuing its adapter; GSPO must act on every step."""
     import torch
