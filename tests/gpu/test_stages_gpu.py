@@ -39,16 +39,22 @@ ROOT = Path(__file__).resolve().parents[2]
 MODEL = os.environ.get("VLMRL_GPU_TEST_MODEL", "embedded:qwen3-vl-2b-shape")
 STAGE_TIMEOUT_S = int(os.environ.get("VLMRL_GPU_STAGE_TIMEOUT", "900"))
 
+# On NF4 weights the cold start needs twice the steps: with 12 steps at 2e-3 no completion of the
+# first generation scored and every group had reward std 0 (eager decoding, and graph decoding the
+# same); with 24 steps every group had reward std > 0. Measured on an H100 with
+# `tests/gpu/run_on_device.sh probe --config transformers-4bit --sft 2e-3:12,2e-3:24,1e-3:24`
+# (benchmarks/results/gspo_settings_probe_4bit.json).
+NF4_SFT = {"sft.args.max_steps": 24}
 CONFIGS = {
-    "unsloth-4bit": {"model.backend": "unsloth", "model.load_in_4bit": True},
+    "unsloth-4bit": {"model.backend": "unsloth", "model.load_in_4bit": True, **NF4_SFT},
     "transformers-bf16": {"model.backend": "transformers", "model.load_in_4bit": False},
-    "transformers-4bit": {"model.backend": "transformers", "model.load_in_4bit": True},
+    "transformers-4bit": {"model.backend": "transformers", "model.load_in_4bit": True, **NF4_SFT},
     # issue 23: rollouts with the decode step in one CUDA graph; training only (test_downstream
     # does not depend on how the rollouts were generated)
     "transformers-bf16-graph": {"model.backend": "transformers", "model.load_in_4bit": False,
                                 "train.graph_decoding": "merged"},
     "transformers-4bit-graph": {"model.backend": "transformers", "model.load_in_4bit": True,
-                                "train.graph_decoding": "graph"},
+                                "train.graph_decoding": "graph", **NF4_SFT},
 }
 DOWNSTREAM = [name for name in CONFIGS if not name.endswith("-graph")]
 # The cold start and GSPO of the tests, measured on an H100 (transformers bf16) with
