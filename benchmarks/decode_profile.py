@@ -100,9 +100,10 @@ def kernels(model, batch, attention: str, cache_len: int, nf4_kernel: bool,
              "calls_per_step": round(count / 8, 1)} for key, (time, count) in ranked]
 
 
-SWEEP = [(64, 128, 4, 3, 4, False), (64, 64, 4, 3, 4, False), (32, 64, 4, 3, 8, False),
-         (128, 64, 4, 3, 2, False), (64, 64, 8, 3, 4, False), (64, 64, 4, 3, 4, True),
-         (128, 128, 8, 3, 2, False)]
+SWEEP = [(64, 128, 4, 3, 4, False, False), (64, 64, 4, 3, 4, False, True),
+         (32, 64, 4, 3, 4, False, True), (128, 64, 4, 3, 4, False, True),
+         (64, 64, 8, 3, 4, False, True), (64, 64, 4, 3, 8, False, True),
+         (128, 64, 8, 3, 2, False, True)]
 
 
 def kernel_times(call, calls: int = 20) -> dict:

@@ -159,11 +159,11 @@ def test_merged_copies_decode_like_the_adapter():
 @pytest.mark.parametrize("rows", [1, 16, 33])
 def test_nf4_kernel_is_as_exact_as_bitsandbytes_and_peft(rows):
     """`vlmrl.models.nf4_decode` on the 2B shape's projections, with and without an adapter (the
-    LoRA here covers q, v and down; k and the MLP's gate are bare): against a float32 product of
-    the same decoded weights and adapter, its error is no larger than bitsandbytes + PEFT's."""
-    from bitsandbytes.functional import dequantize_4bit
-
-    from vlmrl.models.nf4_decode import NF4Decode, _adapter
+    LoRA here covers q, v and down; k and the MLP's gate are bare), for the shipped tiles and the
+    scale-after variant: against a float32 product of the NF4 values times their block scales
+    (unrounded) and the adapter, its error is no larger than bitsandbytes + PEFT's; and the
+    layers' forward under `active()` is `nf4_matmul` with the shipped tiles."""
+    from vlmrl.models.nf4_decode import TILES, NF4Decode, Tiles, _adapter, block_scales, nf4_matmul
 
     model, _ = load(four_bit=True)
     nf4 = NF4Decode(model)
@@ -176,8 +176,12 @@ def test_nf4_kernel_is_as_exact_as_bitsandbytes_and_peft(rows):
     torch.manual_seed(rows)
     for (kind, bare), (module, base) in picked.items():
         state = base.weight.quant_state
-        x = torch.randn(rows, state.shape[1], dtype=torch.bfloat16, device="cuda")
-        weight = dequantize_4bit(base.weight.data, state).float()
+        out_features, in_features = state.shape
+        x = torch.randn(rows, in_features, dtype=torch.bfloat16, device="cuda")
+        scales = block_scales(base)
+        packed = base.weight.data.view(-1)
+        values = torch.stack([state.code[(packed >> 4).long()], state.code[(packed & 15).long()]], 1)
+        weight = (values.reshape(-1, state.blocksize) * scales[:, None]).reshape(out_features, in_features)
         exact = x.float() @ weight.t()
         lora = None if bare else _adapter(module)
         if lora:
@@ -186,9 +190,13 @@ def test_nf4_kernel_is_as_exact_as_bitsandbytes_and_peft(rows):
         with torch.no_grad():
             theirs = module(x).float()
             with nf4.active():
-                ours = module(x).float()
-        their_error = (theirs - exact).abs().max().item()
-        our_error = (ours - exact).abs().max().item()
-        print(f"{kind} bare={bare} rows={rows}: bnb+PEFT {their_error:.2e}, kernel {our_error:.2e}")
-        assert our_error <= their_error * 1.25 + 1e-6, kind
-        assert our_error < 1e-2 * exact.abs().max().item(), kind
+                wired = module(x)
+            assert torch.equal(wired, nf4_matmul(x, base, scales, lora or None, TILES)), kind
+            their_error = (theirs - exact).abs().max().item()
+            for tiles in (TILES, Tiles(block_n=64, block_k=64, scale_after=True)):
+                ours = nf4_matmul(x, base, scales, lora or None, tiles).float()
+                our_error = (ours - exact).abs().max().item()
+                print(f"{kind} bare={bare} rows={rows} scale_after={tiles.scale_after}: "
+                      f"bnb+PEFT {their_error:.2e}, kernel {our_error:.2e}")
+                assert our_error <= their_error * 1.25 + 1e-6, (kind, tiles)
+                assert our_error < 1e-2 * exact.abs().max().item(), (kind, tiles)

@@ -43,6 +43,7 @@ def _kernel():
     @triton.jit
     def nf4_lora_matmul(x_ptr, w_ptr, absmax_ptr, code_ptr, a_ptr, part_ptr, xa_part_ptr, M, N,
                         K, rank, stride_x, K_SPLIT: tl.constexpr, TABLE: tl.constexpr,
+                        SCALE_AFTER: tl.constexpr,
                         HAS_LORA: tl.constexpr, QBLOCK: tl.constexpr, R: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """One [rows, BLOCK_N] tile of x W^T over K_SPLIT of K (program_id 1 says which), in
@@ -59,33 +60,58 @@ def _kernel():
         ranks = tl.arange(0, R)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         xa = tl.zeros((BLOCK_M, R), dtype=tl.float32)
+        pairs = tl.arange(0, BLOCK_K // 2)
         for k0 in range(split * K_SPLIT, (split + 1) * K_SPLIT, BLOCK_K):
-            x = tl.load(x_ptr + rows[:, None] * stride_x + (k0 + depth)[None, :],
-                        mask=row_ok[:, None], other=0.0)
-            packed = tl.load(w_ptr + cols[:, None] * (K // 2) + (k0 // 2 + half)[None, :],
-                             mask=col_ok[:, None], other=0)
-            if TABLE:
-                weight = tl.interleave(tl.load(code_ptr + (packed >> 4).to(tl.int32)),
-                                       tl.load(code_ptr + (packed & 0xF).to(tl.int32)))
-            else:
-                weight = tl.interleave(dequantize_nf4_tree(packed >> 4),
-                                       dequantize_nf4_tree(packed & 0xF))
-            if BLOCK_K == QBLOCK:  # one scale per column in this tile
+            if SCALE_AFTER:  # K tile = one scale block: weights 2j and 2j+1 against x's columns
+                even = k0 + 2 * pairs
+                x_even = tl.load(x_ptr + rows[:, None] * stride_x + even[None, :],
+                                 mask=row_ok[:, None], other=0.0).to(tl.float32)
+                x_odd = tl.load(x_ptr + rows[:, None] * stride_x + (even + 1)[None, :],
+                                mask=row_ok[:, None], other=0.0).to(tl.float32)
+                packed = tl.load(w_ptr + cols[:, None] * (K // 2) + (k0 // 2 + pairs)[None, :],
+                                 mask=col_ok[:, None], other=0)
+                codes = tl.dot(x_even, tl.trans(dequantize_nf4_tree(packed >> 4)),
+                               input_precision="tf32")
+                codes += tl.dot(x_odd, tl.trans(dequantize_nf4_tree(packed & 0xF)),
+                                input_precision="tf32")
                 scale = tl.load(absmax_ptr + cols * (K // QBLOCK) + k0 // QBLOCK, mask=col_ok,
                                 other=0.0)
-                weight = (weight * scale[:, None]).to(tl.bfloat16)
+                acc += codes * scale[None, :]
+                if HAS_LORA:  # noqa: SIM102  (a compile-time branch around a run-time one)
+                    if first_tile:
+                        a_even = tl.load(a_ptr + ranks[:, None] * K + even[None, :],
+                                         mask=ranks[:, None] < rank, other=0.0).to(tl.float32)
+                        a_odd = tl.load(a_ptr + ranks[:, None] * K + (even + 1)[None, :],
+                                        mask=ranks[:, None] < rank, other=0.0).to(tl.float32)
+                        xa += tl.dot(x_even, tl.trans(a_even), input_precision="ieee")
+                        xa += tl.dot(x_odd, tl.trans(a_odd), input_precision="ieee")
             else:
-                blocks = tl.arange(0, BLOCK_K // QBLOCK)
-                scale = tl.load(absmax_ptr + cols[:, None] * (K // QBLOCK)
-                                + (k0 // QBLOCK + blocks)[None, :], mask=col_ok[:, None], other=0.0)
-                weight = tl.reshape(weight, (BLOCK_N, BLOCK_K // QBLOCK, QBLOCK)) * scale[:, :, None]
-                weight = tl.reshape(weight, (BLOCK_N, BLOCK_K)).to(tl.bfloat16)
-            acc += tl.dot(x, tl.trans(weight))
-            if HAS_LORA:  # noqa: SIM102  (a compile-time branch around a run-time one)
-                if first_tile:
-                    a = tl.load(a_ptr + ranks[:, None] * K + (k0 + depth)[None, :],
-                                mask=ranks[:, None] < rank, other=0.0).to(tl.float32)
-                    xa += tl.dot(x.to(tl.float32), tl.trans(a), input_precision="ieee")
+                x = tl.load(x_ptr + rows[:, None] * stride_x + (k0 + depth)[None, :],
+                            mask=row_ok[:, None], other=0.0)
+                packed = tl.load(w_ptr + cols[:, None] * (K // 2) + (k0 // 2 + half)[None, :],
+                                 mask=col_ok[:, None], other=0)
+                if TABLE:
+                    weight = tl.interleave(tl.load(code_ptr + (packed >> 4).to(tl.int32)),
+                                           tl.load(code_ptr + (packed & 0xF).to(tl.int32)))
+                else:
+                    weight = tl.interleave(dequantize_nf4_tree(packed >> 4),
+                                           dequantize_nf4_tree(packed & 0xF))
+                if BLOCK_K == QBLOCK:  # one scale per column in this tile
+                    scale = tl.load(absmax_ptr + cols * (K // QBLOCK) + k0 // QBLOCK, mask=col_ok,
+                                    other=0.0)
+                    weight = (weight * scale[:, None]).to(tl.bfloat16)
+                else:
+                    blocks = tl.arange(0, BLOCK_K // QBLOCK)
+                    scale = tl.load(absmax_ptr + cols[:, None] * (K // QBLOCK)
+                                    + (k0 // QBLOCK + blocks)[None, :], mask=col_ok[:, None], other=0.0)
+                    weight = tl.reshape(weight, (BLOCK_N, BLOCK_K // QBLOCK, QBLOCK)) * scale[:, :, None]
+                    weight = tl.reshape(weight, (BLOCK_N, BLOCK_K)).to(tl.bfloat16)
+                acc += tl.dot(x, tl.trans(weight))
+                if HAS_LORA:  # noqa: SIM102  (a compile-time branch around a run-time one)
+                    if first_tile:
+                        a = tl.load(a_ptr + ranks[:, None] * K + (k0 + depth)[None, :],
+                                    mask=ranks[:, None] < rank, other=0.0).to(tl.float32)
+                        xa += tl.dot(x.to(tl.float32), tl.trans(a), input_precision="ieee")
         tl.store(part_ptr + split * M * N + rows[:, None] * N + cols[None, :], acc,
                  mask=row_ok[:, None] & col_ok[None, :])
         if HAS_LORA:  # noqa: SIM102  (a compile-time branch around a run-time one)
@@ -130,6 +156,7 @@ class Tiles:
     stages: int = 3
     programs_per_sm: int = 4
     table: bool = False  # NF4 values by a 16-entry table load, not bitsandbytes' select tree
+    scale_after: bool = False  # K tile = block size; codes (tf32) times x, then the block scale
 
 
 TILES = Tiles()
@@ -188,6 +215,7 @@ def nf4_matmul(x: torch.Tensor, layer, scales: torch.Tensor, lora: tuple | None 
     kernel[(triton.cdiv(out_features, tiles.block_n), splits)](
         flat, layer.weight, scales, state.code, a, parts, xa_parts, rows, out_features,
         in_features, rank, flat.stride(0), K_SPLIT=in_features // splits, TABLE=tiles.table,
+        SCALE_AFTER=tiles.scale_after and tiles.block_k == state.blocksize,
         HAS_LORA=lora is not None, QBLOCK=state.blocksize, R=r_tile, BLOCK_M=block_m,
         BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.warps,
         num_stages=tiles.stages)
