@@ -2,15 +2,17 @@
 weight; bitsandbytes does it by writing the whole weight out in bf16 (`dequantize_4bit`, after
 dequantizing the nested block scales) and reading it back for a bf16 matrix product, and PEFT adds
 the adapter in float32 with a clone, two casts, two products, a scale and an add: about ten kernels
-and five times the weight's bytes per projection. Here one Triton kernel reads the packed 4-bit
-weight once, decodes it in registers (bitsandbytes' own NF4 table, `dequantize_nf4_tree`), and
-adds the adapter's `x A^T` (one small product before it) times `s B^T` in the same tile, so a
-projection costs about its 4-bit bytes. Block scales are dequantized once per weight and kept
-(float32, 1/16 of the 4-bit bytes): the base weights are frozen. The adapter is read where it
-lives (`lora_A.weight`, `lora_B.weight`), so a CUDA graph captured over it sees every optimizer
-step. Rows and values are those of bitsandbytes + PEFT up to float32 summation order: the weight
-is decoded to the same bf16 values, products accumulate in float32, and the adapter's output is
-added before the one rounding to bf16 (PEFT rounds it first). Dropout is not applied (as in
+and five times the weight's bytes per projection. Here two Triton launches do it: the first reads
+the packed 4-bit weight once, decodes it in registers (bitsandbytes' own `dequantize_nf4_tree`),
+with K split over the SMs so that a few rows still keep the GPU busy, and its first column tile
+also computes the adapter's `x A^T`; the second adds the splits in a fixed order (replays give
+equal bits) plus `s (x A^T) B^T` and rounds once to bf16. Block scales are dequantized once per
+weight and kept (float32, 1/16 of the 4-bit bytes): the base weights are frozen. The adapter is
+read where it lives (`lora_A.weight`, `lora_B.weight`), so a CUDA graph captured over it sees every
+optimizer step. Values: the shipped tiles decode the weight to bitsandbytes' bf16 values and
+accumulate in float32, adding the adapter before the one rounding (PEFT rounds it first);
+`Tiles(scale_after=True)` multiplies the unrounded NF4 values (tf32) and applies the block scale to
+the product. Measured speed and exactness: docs/benchmarks.md. Dropout is not applied (as in
 `MergedLoRA` and vLLM): with `train.lora.dropout` above 0 the layers of a module in training mode
 keep PEFT's forward."""
 
@@ -148,7 +150,8 @@ def _kernel():
 
 @dataclass(frozen=True)
 class Tiles:
-    """The kernel's tile shape; `programs` is how many it aims to run at once (splitting K)."""
+    """The kernel's tile shape; `programs_per_sm` is how many programs per SM it aims for when it
+    splits K."""
 
     block_n: int = 64
     block_k: int = 128
