@@ -100,10 +100,9 @@ def kernels(model, batch, attention: str, cache_len: int, nf4_kernel: bool,
              "calls_per_step": round(count / 8, 1)} for key, (time, count) in ranked]
 
 
-SWEEP = [(64, 128, 4, 3, 4, False, False), (64, 64, 4, 3, 4, False, True),
-         (32, 64, 4, 3, 4, False, True), (128, 64, 4, 3, 4, False, True),
-         (64, 64, 8, 3, 4, False, True), (64, 64, 4, 3, 8, False, True),
-         (128, 64, 8, 3, 2, False, True)]
+SWEEP = [(64, 128, 4, 3, 4, False), (64, 64, 4, 3, 4, True), (32, 64, 4, 3, 4, True),
+         (128, 64, 4, 3, 4, True), (64, 64, 8, 3, 4, True), (64, 64, 4, 3, 8, True),
+         (128, 64, 8, 3, 2, True)]  # Tiles(block_n, block_k, warps, stages, programs_per_sm, scale_after)
 
 
 def kernel_times(call, calls: int = 20) -> dict:
@@ -125,7 +124,7 @@ def kernel_times(call, calls: int = 20) -> dict:
 def kernel_sweep(model, rows_list: list[int], bandwidth: float) -> list[dict]:
     """Microseconds per `nf4_matmul` call (replayed in a CUDA graph of 20 calls) for each
     distinct projection shape, adapter on, per tile shape in SWEEP."""
-    from vlmrl.models.nf4_decode import NF4Decode, Tiles, _adapter, nf4_matmul
+    from vlmrl.models.nf4_decode import NF4Decode, Tiles, _adapter, block_scales, nf4_matmul
 
     nf4 = NF4Decode(model)
     shapes = {}
@@ -133,8 +132,6 @@ def kernel_sweep(model, rows_list: list[int], bandwidth: float) -> list[dict]:
         shapes.setdefault(tuple(base.weight.quant_state.shape), (module, base))
     found = []
     for (out_features, in_features), (module, base) in shapes.items():
-        from vlmrl.models.nf4_decode import block_scales
-
         scales, lora = block_scales(base), _adapter(module) or None
         for rows in rows_list:
             x = torch.randn(rows, in_features, dtype=torch.bfloat16, device="cuda")

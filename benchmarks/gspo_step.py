@@ -581,12 +581,12 @@ def print_table(results: dict[str, Any]) -> None:
               f"  {'KV cache dropped' if run.get('kv_cache_dropped_in_generation') else ''}")
 
 
-DOC_START, DOC_END = "<!-- gspo_step roofline: start -->", "<!-- gspo_step roofline: end -->"
-
-
 def doc_markers(block: str) -> tuple[str, str]:
     """The comment lines around a table block named `block` in the doc."""
     return f"<!-- gspo_step {block}: start -->", f"<!-- gspo_step {block}: end -->"
+
+
+DOC_START, DOC_END = doc_markers("roofline")
 REFERENCE, TODAY = "unsloth_4bit", GPU_PROFILE
 
 

@@ -24,7 +24,7 @@ import contextlib
 import functools
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -308,9 +308,9 @@ class GraphDecoding:
     attention: str = "grouped"  # or "model": the model's own (SDPA) attention in decode steps
     merged: bool = False  # decode with bf16 copies of the weights with the adapter folded in
     keep: bool = True  # keep each batch shape's cache and graph between calls (else freed)
-    nf4_kernel: bool = True  # NF4 projections by `vlmrl.models.nf4_decode` in decode steps
+    # NF4 projections by `vlmrl.models.nf4_decode` in decode steps; VLMRL_NF4_DECODE=0: off
+    nf4_kernel: bool = field(default_factory=lambda: os.environ.get("VLMRL_NF4_DECODE") != "0")
     decoders: dict | None = None
-    nf4: Any = None
     calls: int = 0
 
     def __call__(self, *args: Any, generation_config=None, **kwargs: Any):
@@ -334,14 +334,14 @@ class GraphDecoding:
                 del self.decoders[kept]
         return None
 
-    def _nf4(self):
+    @functools.cached_property
+    def nf4(self):
         """The model's NF4Decode, made once (it keeps the block scales), or None."""
-        if (self.nf4 is None and self.nf4_kernel and not self.merged
-                and os.environ.get("VLMRL_NF4_DECODE", "1") != "0"):
-            from vlmrl.models.nf4_decode import NF4Decode, kernel_available
+        from vlmrl.models.nf4_decode import NF4Decode, kernel_available
 
-            self.nf4 = NF4Decode(self.model) if kernel_available() else False
-        return self.nf4 or None
+        if not self.nf4_kernel or self.merged or not kernel_available():
+            return None
+        return NF4Decode(self.model) or None
 
     def _decode(self, config, kwargs: dict[str, Any]) -> torch.Tensor:
         """prompt + completion ids, [rows, prompt + new tokens], as `generate` returns them."""
@@ -362,7 +362,7 @@ class GraphDecoding:
             decoder = self.decoders[plan] = GraphDecoder(
                 self.model, plan, input_ids.device, eos, int(pad), suppress,
                 self.use_graph and input_ids.device.type == "cuda", self.attention, self.merged,
-                self._nf4())
+                self.nf4)
         with torch.no_grad():
             out = decoder.generate(input_ids, attention_mask, int(config.max_new_tokens), kwargs)
         if not self.keep:  # the static cache and the graph's memory go back to the allocator

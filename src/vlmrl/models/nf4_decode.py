@@ -43,8 +43,8 @@ def _kernel():
     from bitsandbytes.backends.triton.kernels_4bit import dequantize_nf4_tree
 
     @triton.jit
-    def nf4_lora_matmul(x_ptr, w_ptr, absmax_ptr, code_ptr, a_ptr, part_ptr, xa_part_ptr, M, N,
-                        K, rank, stride_x, K_SPLIT: tl.constexpr, TABLE: tl.constexpr,
+    def nf4_lora_matmul(x_ptr, w_ptr, absmax_ptr, a_ptr, part_ptr, xa_part_ptr, M, N,
+                        K, rank, stride_x, K_SPLIT: tl.constexpr,
                         SCALE_AFTER: tl.constexpr,
                         HAS_LORA: tl.constexpr, QBLOCK: tl.constexpr, R: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -92,12 +92,8 @@ def _kernel():
                             mask=row_ok[:, None], other=0.0)
                 packed = tl.load(w_ptr + cols[:, None] * (K // 2) + (k0 // 2 + half)[None, :],
                                  mask=col_ok[:, None], other=0)
-                if TABLE:
-                    weight = tl.interleave(tl.load(code_ptr + (packed >> 4).to(tl.int32)),
-                                           tl.load(code_ptr + (packed & 0xF).to(tl.int32)))
-                else:
-                    weight = tl.interleave(dequantize_nf4_tree(packed >> 4),
-                                           dequantize_nf4_tree(packed & 0xF))
+                weight = tl.interleave(dequantize_nf4_tree(packed >> 4),
+                                       dequantize_nf4_tree(packed & 0xF))
                 if BLOCK_K == QBLOCK:  # one scale per column in this tile
                     scale = tl.load(absmax_ptr + cols * (K // QBLOCK) + k0 // QBLOCK, mask=col_ok,
                                     other=0.0)
@@ -158,7 +154,6 @@ class Tiles:
     warps: int = 4
     stages: int = 3
     programs_per_sm: int = 4
-    table: bool = False  # NF4 values by a 16-entry table load, not bitsandbytes' select tree
     scale_after: bool = False  # K tile = block size; codes (tf32) times x, then the block scale
 
 
@@ -216,8 +211,8 @@ def nf4_matmul(x: torch.Tensor, layer, scales: torch.Tensor, lora: tuple | None 
     xa_parts = torch.empty(splits, rows, r_tile, dtype=torch.float32, device=x.device)
     block_m = max(16, triton.next_power_of_2(rows))
     kernel[(triton.cdiv(out_features, tiles.block_n), splits)](
-        flat, layer.weight, scales, state.code, a, parts, xa_parts, rows, out_features,
-        in_features, rank, flat.stride(0), K_SPLIT=in_features // splits, TABLE=tiles.table,
+        flat, layer.weight, scales, a, parts, xa_parts, rows, out_features,
+        in_features, rank, flat.stride(0), K_SPLIT=in_features // splits,
         SCALE_AFTER=tiles.scale_after and tiles.block_k == state.blocksize,
         HAS_LORA=lora is not None, QBLOCK=state.blocksize, R=r_tile, BLOCK_M=block_m,
         BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.warps,
@@ -256,15 +251,15 @@ class NF4Decode:
     def __init__(self, model) -> None:
         import bitsandbytes as bnb
 
-        self.layers = []
-        for module in model.modules():
-            base = getattr(module, "base_layer", None)
-            if isinstance(base, bnb.nn.Linear4bit) and hasattr(module, "lora_A"):
-                self.layers.append((module, base))
-            elif isinstance(module, bnb.nn.Linear4bit) and not any(
-                    module is base for _, base in self.layers):
-                self.layers.append((module, module))
-        self.layers = [(module, base) for module, base in self.layers if servable(base)]
+        wrapped = {module: module.base_layer for module in model.modules()
+                   if isinstance(getattr(module, "base_layer", None), bnb.nn.Linear4bit)
+                   and hasattr(module, "lora_A")}
+        bases = set(wrapped.values())
+        bare = [module for module in model.modules()
+                if isinstance(module, bnb.nn.Linear4bit) and module not in bases]
+        self.layers = [(module, base) for module, base in [*wrapped.items(),
+                                                           *((m, m) for m in bare)]
+                       if servable(base)]
         self.scales: dict[int, torch.Tensor] = {}
 
     def __bool__(self) -> bool:
