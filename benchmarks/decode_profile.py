@@ -3,8 +3,8 @@
 7 projections (as `gspo_step.py`), for several row counts and both decode attentions ("model":
 transformers' SDPA with its `repeat_kv` copies; "grouped"), with the benchmark's prompts (the
 project's synthetic 512 px images, each prompt repeated 4 times as TRL does) and TRL's sampling
-(temperature 1, top-k 20, top-p 0.8), a static cache of 1408 slots (longest prompt + 1024). Then
-the CUDA kernels of a few eagerly run decode steps, by total time (torch.profiler). Prints a table
+(temperature 1, top-k 20, top-p 0.8), a static cache of 1408 slots (longest prompt + 1024). With
+`--kernels`, the CUDA kernels of a few replayed decode steps, by total time (torch.profiler). Prints a table
 and writes `--out` JSON.
 
   PYTHONPATH=src python benchmarks/decode_profile.py --rows 16,32 --out /tmp/decode_profile.json
@@ -53,43 +53,49 @@ def prompts(processor, train_set: Path, rows: int) -> dict:
     return {key: value.to("cuda") for key, value in batch.items()}
 
 
-def config(model, new_tokens: int, cache_len: int):
+def config(model, new_tokens: int, cache_len: int, compiled: bool = False):
     from transformers import GenerationConfig
 
     return GenerationConfig(max_new_tokens=new_tokens, do_sample=True, temperature=1.0, top_k=20,
                             top_p=0.8, eos_token_id=-5, pad_token_id=0,
-                            cache_implementation="static", max_cache_len=cache_len)
+                            cache_implementation="static", max_cache_len=cache_len,
+                            disable_compile=not compiled)
 
 
 def ms_per_step(model, batch, attention: str, new_tokens: int, cache_len: int,
-                nf4_kernel: bool) -> float:
+                nf4_kernel: bool, compiled: bool) -> tuple[float, float]:
+    """Milliseconds per decode step, and the peak GiB allocated while decoding."""
     from vlmrl.models.graph_decode import GraphDecoding
 
     decoding = GraphDecoding(model=model, original=model.generate, attention=attention,
                              nf4_kernel=nf4_kernel)
-    decoding._decode(config(model, new_tokens, cache_len), batch)  # capture
+    decoding._decode(config(model, new_tokens, cache_len, compiled), batch)  # capture
     torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
-    decoding._decode(config(model, new_tokens, cache_len), batch)
+    decoding._decode(config(model, new_tokens, cache_len, compiled), batch)
     torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
     del decoding
-    return (time.perf_counter() - started) * 1000 / new_tokens
+    return seconds * 1000 / new_tokens, torch.cuda.max_memory_allocated() / 2**30
 
 
-def kernels(model, batch, attention: str, cache_len: int, nf4_kernel: bool,
+def kernels(model, batch, attention: str, cache_len: int, nf4_kernel: bool, compiled: bool,
             top: int = 14) -> list[dict]:
-    """The kernels of 8 eagerly run decode steps (the prefill's profiled apart and subtracted)."""
+    """The kernels of 8 decode steps replayed as the graph runs them (the prefill's profiled apart
+    and subtracted)."""
     from torch.profiler import ProfilerActivity, profile
 
     from vlmrl.models.graph_decode import GraphDecoding
 
-    decoding = GraphDecoding(model=model, original=model.generate, use_graph=False,
-                             attention=attention, nf4_kernel=nf4_kernel)
-    decoding._decode(config(model, 4, cache_len), batch)
+    decoding = GraphDecoding(model=model, original=model.generate, attention=attention,
+                             nf4_kernel=nf4_kernel)
+    decoding._decode(config(model, 4, cache_len, compiled), batch)  # capture
     totals: list[dict] = []
     for new_tokens in (1, 9):
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            decoding._decode(config(model, new_tokens, cache_len), batch)
+            decoding._decode(config(model, new_tokens, cache_len, compiled), batch)
+            torch.cuda.synchronize()
         totals.append({e.key: (e.device_time_total, e.count) for e in prof.key_averages()
                        if e.device_time_total > 0})
     prefill, both = totals
@@ -124,7 +130,7 @@ def kernel_times(call, calls: int = 20) -> dict:
 def kernel_sweep(model, rows_list: list[int], bandwidth: float) -> list[dict]:
     """Microseconds per `nf4_matmul` call (replayed in a CUDA graph of 20 calls) for each
     distinct projection shape, adapter on, per tile shape in SWEEP."""
-    from vlmrl.models.nf4_decode import NF4Decode, Tiles, _adapter, block_scales, nf4_matmul
+    from vlmrl.models.nf4_decode import NF4Decode, PackedNF4, Tiles, _adapter, nf4_matmul
 
     nf4 = NF4Decode(model)
     shapes = {}
@@ -132,17 +138,17 @@ def kernel_sweep(model, rows_list: list[int], bandwidth: float) -> list[dict]:
         shapes.setdefault(tuple(base.weight.quant_state.shape), (module, base))
     found = []
     for (out_features, in_features), (module, base) in shapes.items():
-        scales, lora = block_scales(base), _adapter(module) or None
+        weight, lora = PackedNF4.of(base), _adapter(module) or None
         for rows in rows_list:
             x = torch.randn(rows, in_features, dtype=torch.bfloat16, device="cuda")
             for values in SWEEP:
                 tiles = Tiles(*values)
-                nf4_matmul(x, base, scales, lora, tiles)
+                nf4_matmul(x, weight, lora, tiles)
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
                     for _ in range(20):
-                        nf4_matmul(x, base, scales, lora, tiles)
+                        nf4_matmul(x, weight, lora, tiles)
                 graph.replay()
                 torch.cuda.synchronize()
                 started = time.perf_counter()
@@ -152,7 +158,7 @@ def kernel_sweep(model, rows_list: list[int], bandwidth: float) -> list[dict]:
                 us = (time.perf_counter() - started) * 1e6 / 200
                 row = {"out": out_features, "in": in_features, "rows": rows,
                        "tiles": values, "us_per_call": round(us, 2),
-                       **kernel_times(functools.partial(nf4_matmul, x, base, scales, lora, tiles)),
+                       **kernel_times(functools.partial(nf4_matmul, x, weight, lora, tiles)),
                        "bound_fraction": round(out_features * in_features / 2 / bandwidth
                                                / (us / 1e6), 3)}
                 found.append(row)
@@ -172,6 +178,10 @@ def main() -> int:
                         help="first time the NF4 kernel's tile shapes (SWEEP) per projection shape")
     parser.add_argument("--nf4-kernels", default="off,on",
                         help="NF4 projections by bitsandbytes + PEFT (off) or vlmrl.models.nf4_decode (on)")
+    parser.add_argument("--kernels", action="store_true",
+                        help="profile the kernels of the graph's decode steps at the most rows")
+    parser.add_argument("--compiles", default="off",
+                        help="the decode step's forward pass eager (off) or under torch.compile (on)")
     parser.add_argument("--out", type=Path, default=Path("decode_profile.json"))
     args = parser.parse_args()
     import os
@@ -193,19 +203,21 @@ def main() -> int:
                 model, [int(r) for r in args.rows.split(",")], bandwidth)
         for rows in [int(r) for r in args.rows.split(",")]:
             batch = prompts(processor, train_set, rows)
-            for attention, kernel in [(a, k) for a in args.attentions.split(",")
-                                      for k in args.nf4_kernels.split(",")
-                                      if dtype == "nf4" or k == "off"]:
-                ms = ms_per_step(model, batch, attention, args.new_tokens, args.cache_len,
-                                 kernel == "on")
+            for attention, kernel, compiled in [
+                    (a, k, c) for a in args.attentions.split(",")
+                    for k in args.nf4_kernels.split(",") for c in args.compiles.split(",")
+                    if dtype == "nf4" or k == "off"]:
+                ms, peak = ms_per_step(model, batch, attention, args.new_tokens, args.cache_len,
+                                       kernel == "on", compiled == "on")
                 run = {"dtype": dtype, "rows": rows, "attention": attention,
-                       "nf4_kernel": kernel if dtype == "nf4" else None,
+                       "nf4_kernel": kernel if dtype == "nf4" else None, "compiled": compiled,
                        "ms_per_step": round(ms, 3), "tokens_per_s": round(rows * 1000 / ms),
+                       "peak_allocated_gib": round(peak, 3),
                        "weight_bytes": weights,
                        "bound_fraction": round(weights / bandwidth / (ms / 1000), 4)}
-                if rows == max(int(r) for r in args.rows.split(",")):
+                if args.kernels and rows == max(int(r) for r in args.rows.split(",")):
                     run["kernels"] = kernels(model, batch, attention, args.cache_len,
-                                             kernel == "on")
+                                             kernel == "on", compiled == "on")
                 results["runs"].append(run)
                 print(json.dumps(run), flush=True)
                 args.out.write_text(json.dumps(results, indent=1))
@@ -214,7 +226,8 @@ def main() -> int:
     print(f"\ncopy bandwidth {bandwidth / 1e12:.2f} TB/s")
     for run in results["runs"]:
         print(f"{run['dtype']:5} rows {run['rows']:3} {run['attention']:8} "
-              f"kernel {run['nf4_kernel'] or '-':3} {run['ms_per_step']:7.2f} "
+              f"kernel {run['nf4_kernel'] or '-':3} compiled {run['compiled']:3} "
+              f"{run['ms_per_step']:7.2f} "
               f"ms/step {run['tokens_per_s']:6} tok/s  bound {100 * run['bound_fraction']:.1f}%")
     return 0
 

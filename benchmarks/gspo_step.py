@@ -128,10 +128,12 @@ VLLM_SETTINGS = {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_uti
 # Issue 23: the decode step in one CUDA graph (train.graph_decoding, vlmrl.models.graph_decode):
 # "graph" on the profile's batch shape (NF4, 16 rows per generate call: the memory profile) and in
 # bf16 with all 32 rows of a generation in one call; "merged" (the adapter folded into bf16
-# copies of the weights for decoding) with 32 rows: the speed profile.
-CONFIGS["gpu_profile_graph"] = {**profile_candidate(8, 4, 16), "compile": False, "graph": "graph"}
+# copies of the weights for decoding) with 32 rows: the speed profile. "compile": the decode
+# step's forward pass under torch.compile inside the graph.
+CONFIGS["gpu_profile_graph"] = {**profile_candidate(8, 4, 16), "compile": True, "graph": "graph"}
+CONFIGS["gpu_profile_graph_eager"] = {**CONFIGS["gpu_profile_graph"], "compile": False}
 CONFIGS["gpu_profile_graph_bf16"] = {**profile_candidate(8, 4), "load_in_4bit": False,
-                                     "compile": False, "graph": "graph"}
+                                     "compile": True, "graph": "graph"}
 CONFIGS["gpu_profile_graph_merged"] = {**CONFIGS["gpu_profile_graph_bf16"], "graph": "merged"}
 GPU_PROFILE = "gpu_profile_mb8_spg4_rows16"
 CONFIGS["gpu_profile"] = CONFIGS[GPU_PROFILE]

@@ -10,8 +10,10 @@ import torch
 from PIL import Image
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig
 
+from vlmrl.models import graph_decode
 from vlmrl.models.embedded import ensure_embedded_model
 from vlmrl.models.graph_decode import (
+    GraphDecoder,
     GraphDecoding,
     grouped_decode_attention,
     install_graph_decoding,
@@ -20,6 +22,7 @@ from vlmrl.models.graph_decode import (
 )
 from vlmrl.models.processor import load_processor
 from vlmrl.models.sampling import SamplingSettings, candidate_probs
+from vlmrl.models.shared_prompts import distinct_rows
 
 
 def vl_inputs(processor, questions: list[str]) -> dict:
@@ -94,6 +97,76 @@ def test_rows_stop_at_eos_and_pad_after_it(vl_model) -> None:
     width = min(got.shape[1], expected.shape[1])
     assert torch.equal(got[:, :width], expected[:, :width])
     assert (got[0, prompt + 3:] == 7).all()
+
+
+def test_repeated_prompts_are_prefilled_once_and_decode_as_generate(vl_model,
+                                                                   monkeypatch) -> None:
+    """Rows 0 and 1 repeat one prompt (text and image), rows 2 and 4 another; row 3 has row 0's
+    text with row 2's image, so it is a prompt of its own."""
+    model, processor = vl_model
+    questions, sizes = ["What is 2 + 2?", "Name the largest value in the chart now."], [64, 96]
+    picked = [(0, 0), (0, 0), (1, 1), (0, 1), (1, 1)]
+    texts = [processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": questions[q]}]}],
+        add_generation_prompt=True, tokenize=False) for q, _ in picked]
+    images = [Image.new("RGB", (sizes[i], 64), (40 * i, 90, 200)) for _, i in picked]
+    processor.tokenizer.padding_side = "left"
+    inputs = dict(processor(text=texts, images=images, return_tensors="pt", padding=True))
+    prefilled = []
+    original = GraphDecoder._prefill
+
+    def recording(self, input_ids, *args):
+        prefilled.append(input_ids.shape[0])
+        return original(self, input_ids, *args)
+
+    monkeypatch.setattr(GraphDecoder, "_prefill", recording)
+    config = GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=-5, pad_token_id=0)
+    with torch.no_grad():
+        expected = model.generate(**inputs, generation_config=config)
+        got = GraphDecoding(model=model, original=model.generate, use_graph=False,
+                            attention="model")._decode(config, dict(inputs))
+    assert prefilled == [3]
+    assert torch.equal(got, expected)
+
+
+def test_distinct_rows_declines_what_it_cannot_tell_apart() -> None:
+    ids = torch.tensor([[5, 6], [5, 6]])
+    keep, inverse = distinct_rows(ids, {}, None)
+    assert keep == [0] and inverse.tolist() == [0, 0]
+    assert distinct_rows(ids, {"pixel_values_videos": torch.zeros(2, 3)}, 1) is None
+    assert distinct_rows(ids, {"pixel_values": torch.zeros(2, 3)}, None) is None
+    assert distinct_rows(torch.tensor([[5, 6], [5, 7]]), {}, None) is None
+
+
+def test_compiled_step_reads_growing_spans_of_the_cache_from_one_trace(vl_model,
+                                                                       monkeypatch) -> None:
+    """The decode step's forward under torch.compile, with spans of 8 slots: 30 tokens cross
+    several spans (a new mask length each) and must still be traced once and decode as the
+    eager step."""
+    from torch._dynamo.utils import counters
+
+    model, processor = vl_model
+    monkeypatch.setattr(graph_decode, "SPAN_ROUND", 8)
+    inputs = vl_inputs(processor, ["What is 2 + 2?", "Name the largest value in the chart now."])
+    config = GenerationConfig(max_new_tokens=30, do_sample=False, eos_token_id=-5, pad_token_id=0)
+    ids, mask = inputs["input_ids"], inputs["attention_mask"]
+    rest = {key: value for key, value in inputs.items() if key not in ("input_ids", "attention_mask")}
+    plan = graph_decode.plan_for(config, ids.shape[0], ids.shape[1], ())
+
+    def decoder(forward):
+        return GraphDecoder(model, plan, ids.device, [-5], 0, (), use_graph=False,
+                            attention="grouped", forward=forward)
+
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        eager = decoder(None).generate(ids, mask, 30, dict(rest))
+        compiled = torch.compile(model)
+        got = decoder(compiled).generate(ids, mask, 30, dict(rest))
+        again = decoder(compiled).generate(ids, mask, 30, dict(rest))
+    assert len({decoder(None).span(slot) for slot in range(ids.shape[1], ids.shape[1] + 30)}) > 2
+    assert counters["stats"]["unique_graphs"] == 1
+    assert torch.equal(got, eager) and torch.equal(again, eager)
 
 
 def test_draw_carries_the_warpers_distribution() -> None:

@@ -1,8 +1,9 @@
 """Graph decoding (`train.graph_decoding`, vlmrl.models.graph_decode) on the GPU, on the model with
 Qwen3-VL-2B's shapes and a LoRA adapter whose B matrices are random (so the adapter changes every
-logit, as after training): under greedy decoding the tokens must equal transformers'
-`model.generate` on the same inputs with the same static cache (bf16), and in NF4 the CUDA graph's
-replays must give the tokens of the same loop run eagerly. Prompts of two lengths with images, so
+logit, as after training): under greedy decoding and deterministic kernels the tokens must equal
+transformers' `model.generate` on the same inputs with the same static cache (bf16); in NF4 the
+CUDA graph's replays must give the tokens of the same loop run eagerly, and the shipped fast path
+(the forward compiled, the NF4 kernel) must trace once and stay within bf16 rounding of it. Prompts of two lengths with images, so
 left padding and multimodal RoPE are exercised. With the adapter merged into bf16 copies
 (mode "merged") the greedy tokens must mostly agree with the adapter's own (the copies are rounded
 to bf16). Training through the graph path is covered by test_stages_gpu.py's `*-graph`
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 pytestmark = pytest.mark.gpu
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts: `deterministic`
 
 MODEL = os.environ.get("VLMRL_GPU_TEST_MODEL", "embedded:qwen3-vl-2b-shape")
 NEW_TOKENS = 48
@@ -59,19 +61,30 @@ def inputs(processor, rows_per_prompt: int = 4) -> dict:
     return {key: value.to("cuda") for key, value in batch.items()}
 
 
-def greedy(model):
+def greedy(model, compiled: bool = False):
     from transformers import GenerationConfig
 
     return GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-5,
                             pad_token_id=model.generation_config.pad_token_id or 0,
-                            cache_implementation="static", max_cache_len=CACHE_LEN)
+                            cache_implementation="static", max_cache_len=CACHE_LEN,
+                            disable_compile=not compiled)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 23, open: on the H100 (2026-11-24, three runs) the tokens agreed at the start of every "
-    "compared row and then diverged mid-sequence (numerical, not a shift: a wrong position or "
-    "cache slot breaks the second token); the kernel that differs from generate's was not found"))
-def test_bf16_greedy_tokens_equal_generate():
+@pytest.fixture
+def deterministic():
+    """cuBLAS and SDPA made deterministic: without it `generate` itself is not (measured on the
+    H100: two bf16 greedy `generate` calls on this model agreed on 0.64 of their tokens, as its
+    random-init logits tie to the last bit)."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.parametrize("share_prompts", [False, True])
+def test_bf16_greedy_tokens_equal_generate(deterministic, share_prompts):
+    """The graph path's machinery (static buffers, replays, cache slots, positions, masks, the
+    prefill of each distinct prompt once) against `generate`, both with transformers' SDPA
+    attention and no compilation, so that equal tokens are expected to the last one."""
     from vlmrl.models.graph_decode import install_graph_decoding
 
     model, processor = load(four_bit=False)
@@ -79,16 +92,55 @@ def test_bf16_greedy_tokens_equal_generate():
     assert (batch["attention_mask"] == 0).any()
     config = greedy(model)
     with torch.no_grad():
-        expected = model.generate(**batch, generation_config=config, disable_compile=True)
+        expected = model.generate(**batch, generation_config=config)
+        assert torch.equal(model.generate(**batch, generation_config=config), expected)
         wrapper = install_graph_decoding(model, attention="model")
+        wrapper.share_prompts = share_prompts
         got = model.generate(**batch, generation_config=config)
-        again = model.generate(**batch, generation_config=config)  # the graph, replayed again
+        again = model.generate(**batch, generation_config=config)  # a new graph, replayed
     assert wrapper.calls == 2
     assert got.shape == expected.shape == (8, batch["input_ids"].shape[1] + NEW_TOKENS)
     same = (got == expected).float().mean().item()
-    print(f"bf16: {same:.4f} of tokens equal generate's")
+    print(f"bf16 (share_prompts={share_prompts}): {same:.4f} of tokens equal generate's")
     assert torch.equal(got, expected)
     assert torch.equal(again, expected)
+
+
+def test_compiled_nf4_step_is_traced_once_and_close_to_the_eager_step():
+    """The shipped fast path (NF4 kernel, grouped attention over a span of the cache, the forward
+    under torch.compile): two generate calls (a new cache and graph each, as in "graph" mode)
+    trace the forward once, and the first decode step's logits match the uncompiled step's
+    within bf16 rounding."""
+    from torch._dynamo.utils import counters
+
+    from vlmrl.models import graph_decode
+    from vlmrl.models.graph_decode import GraphDecoding
+
+    model, processor = load(four_bit=True)
+    batch = inputs(processor)
+    logits = {}
+    original = graph_decode.sample_next
+
+    def recording(values, *args):
+        logits.setdefault(key, []).append(values.clone())
+        return original(values, *args)
+
+    graph_decode.sample_next = recording
+    try:
+        torch._dynamo.reset()
+        counters.clear()
+        with torch.no_grad():
+            for key, compiled in (("eager", False), ("compiled", True), ("again", True)):
+                decoding = GraphDecoding(model=model, original=model.generate, keep=False)
+                decoding._decode(greedy(model, compiled), batch)
+    finally:
+        graph_decode.sample_next = original
+    assert counters["stats"]["unique_graphs"] == 1
+    eager, compiled = logits["eager"][1], logits["compiled"][1]  # [0] is the prefill's
+    error = ((compiled - eager).abs().max() / eager.abs().max()).item()
+    print(f"compiled vs eager first decode step: max error {error:.2e} of the largest logit")
+    assert error < 2e-2
+    assert torch.equal(logits["compiled"][1], logits["again"][1])
 
 
 def test_nf4_graph_replays_equal_the_eager_loop():
@@ -102,7 +154,7 @@ def test_nf4_graph_replays_equal_the_eager_loop():
     with torch.no_grad():
         expected = eager._decode(config, batch)
         got = graph._decode(config, batch)
-    assert next(iter(graph.decoders.values())).graph is not None
+    assert next(iter(graph.decoders.values())).graphs
     assert torch.equal(got, expected)
 
 
@@ -159,11 +211,11 @@ def test_merged_copies_decode_like_the_adapter():
 @pytest.mark.parametrize("rows", [1, 16, 33])
 def test_nf4_kernel_is_as_exact_as_bitsandbytes_and_peft(rows):
     """`vlmrl.models.nf4_decode` on the 2B shape's projections, with and without an adapter (the
-    LoRA here covers q, v and down; k and the MLP's gate are bare), for the shipped tiles and the
-    scale-after variant: against a float32 product of the NF4 values times their block scales
+    LoRA here covers q, v and down; k and the MLP's gate are bare), for the shipped tiles
+    (scale after) and the variant that scales the weights first: against a float32 product of the NF4 values times their block scales
     (unrounded) and the adapter, its error is no larger than bitsandbytes + PEFT's; and the
     layers' forward under `active()` is `nf4_matmul` with the shipped tiles."""
-    from vlmrl.models.nf4_decode import TILES, NF4Decode, Tiles, _adapter, block_scales, nf4_matmul
+    from vlmrl.models.nf4_decode import TILES, NF4Decode, PackedNF4, Tiles, _adapter, nf4_matmul
 
     model, _ = load(four_bit=True)
     nf4 = NF4Decode(model)
@@ -178,11 +230,11 @@ def test_nf4_kernel_is_as_exact_as_bitsandbytes_and_peft(rows):
         state = base.weight.quant_state
         out_features, in_features = state.shape
         x = torch.randn(rows, in_features, dtype=torch.bfloat16, device="cuda")
-        scales = block_scales(base)
-        packed = base.weight.data.view(-1)
+        weight = PackedNF4.of(base)
+        scales, packed = weight.scales, weight.packed.view(-1)
         values = torch.stack([state.code[(packed >> 4).long()], state.code[(packed & 15).long()]], 1)
-        weight = (values.reshape(-1, state.blocksize) * scales[:, None]).reshape(out_features, in_features)
-        exact = x.float() @ weight.t()
+        dense = (values.reshape(-1, state.blocksize) * scales[:, None]).reshape(out_features, in_features)
+        exact = x.float() @ dense.t()
         lora = None if bare else _adapter(module)
         if lora:
             a, b, scaling = lora
@@ -191,10 +243,10 @@ def test_nf4_kernel_is_as_exact_as_bitsandbytes_and_peft(rows):
             theirs = module(x).float()
             with nf4.active():
                 wired = module(x)
-            assert torch.equal(wired, nf4_matmul(x, base, scales, lora or None, TILES)), kind
+            assert torch.equal(wired, nf4_matmul(x, weight, lora or None, TILES)), kind
             their_error = (theirs - exact).abs().max().item()
-            for tiles in (TILES, Tiles(block_n=64, block_k=64, scale_after=True)):
-                ours = nf4_matmul(x, base, scales, lora or None, tiles).float()
+            for tiles in (TILES, Tiles(block_n=64, block_k=128, scale_after=False)):
+                ours = nf4_matmul(x, weight, lora or None, tiles).float()
                 our_error = (ours - exact).abs().max().item()
                 print(f"{kind} bare={bare} rows={rows} scale_after={tiles.scale_after}: "
                       f"bnb+PEFT {their_error:.2e}, kernel {our_error:.2e}")

@@ -30,9 +30,11 @@ from typing import Any
 import torch
 
 from vlmrl.models.sampling import SamplingSettings, candidate_probs
+from vlmrl.models.shared_prompts import copy_into_static, distinct_rows, select_rows
 
 CHECK_EVERY = 64  # decode steps between host checks for "every row has finished"
 CACHE_ROUND = 256  # cache lengths are rounded up to this, so prompts of other lengths reuse one
+SPAN_ROUND = 256  # grouped attention reads the cache up to the written slot rounded up to this
 
 
 @dataclass(frozen=True)
@@ -59,8 +61,9 @@ def served(config, kwargs: dict[str, Any]) -> bool:
 
 def plan_for(config, rows: int, prompt_len: int, suppress: tuple[int, ...]) -> DecodePlan:
     needed = prompt_len + int(config.max_new_tokens)
-    cache_len = max(int(getattr(config, "max_cache_len", None) or 0),
-                    (needed + CACHE_ROUND - 1) // CACHE_ROUND * CACHE_ROUND)
+    cache_len = int(getattr(config, "max_cache_len", None) or 0)  # the params' size, if it fits
+    if cache_len < needed:
+        cache_len = (needed + CACHE_ROUND - 1) // CACHE_ROUND * CACHE_ROUND
     sampling = None
     if config.do_sample:
         top_k = int(config.top_k or 0)
@@ -85,6 +88,7 @@ def sample_next(logits: torch.Tensor, sampling: SamplingSettings | None,
     return ids.gather(1, choice).squeeze(1)
 
 
+@functools.cache  # one function per original: torch.compile's guards on it then hold
 def grouped_decode_attention(original):
     """An attention function for one query token per row over the static cache: the query heads
     that share a key/value head are multiplied against it as one matrix, so the cache is read
@@ -98,9 +102,11 @@ def grouped_decode_attention(original):
                 or attention_mask.dim() != 4 or dropout):
             return original(module, query, key, value, attention_mask, dropout=dropout,
                             scaling=scaling, **kwargs)
+        span = attention_mask.shape[-1]  # the part of the cache this step reads
+        key, value = key[:, :, :span], value[:, :, :span]
         kv_heads = key.shape[1]
         grouped = query.reshape(batch * kv_heads, heads // kv_heads, dim)
-        keys = key.reshape(batch * kv_heads, key.shape[2], dim).transpose(1, 2)
+        keys = key.reshape(batch * kv_heads, span, dim).transpose(1, 2)
         if grouped.is_cuda:
             scores = torch.bmm(grouped, keys, out_dtype=torch.float32)
         else:
@@ -109,7 +115,7 @@ def grouped_decode_attention(original):
         scores = scores * (dim ** -0.5 if scaling is None else scaling)
         probs = scores.masked_fill(~attention_mask, -float("inf")).softmax(-1).to(value.dtype)
         out = torch.bmm(probs.view(batch * kv_heads, heads // kv_heads, -1),
-                        value.reshape(batch * kv_heads, value.shape[2], dim))
+                        value.reshape(batch * kv_heads, span, dim))
         return out.view(batch, 1, heads, dim), None
 
     return attend
@@ -182,10 +188,13 @@ class GraphDecoder:
 
     def __init__(self, model, plan: DecodePlan, device: torch.device, eos: list[int],
                  pad: int, suppress: tuple[int, ...], use_graph: bool = True,
-                 attention: str = "grouped", merged: bool = False, nf4=None) -> None:
+                 attention: str = "grouped", merged: bool = False, nf4=None,
+                 forward=None, share_prompts: bool = True) -> None:
         from transformers import StaticCache
 
         self.model, self.plan, self.use_graph, self.attention = model, plan, use_graph, attention
+        self.forward = model if forward is None else forward  # the model, or it compiled
+        self.share_prompts = share_prompts
         self.nf4 = nf4  # an NF4Decode, or None: bitsandbytes' and PEFT's own projections
         rows, length = plan.rows, plan.cache_len
         self.cache = StaticCache(config=model.config, max_cache_len=length)
@@ -200,15 +209,18 @@ class GraphDecoder:
         self.eos = torch.tensor(eos or [-1], dtype=torch.long, device=device)
         self.pad = pad
         self.suppress = torch.tensor(suppress, dtype=torch.long, device=device) if suppress else None
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # per span of the cache read
+        self.pool = None  # one memory pool for them all: they never run at once
         self.merged = MergedLoRA(model) if merged and use_graph else None
 
     # -- the step, replayed
 
-    def step(self) -> None:
-        mask = (self.valid & (self.slots <= self.index))[:, None, None, :]
-        out = self.model(input_ids=self.token, attention_mask=mask, position_ids=self.positions,
-                         past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+    def step(self, span: int) -> None:
+        mask = (self.valid[:, :span] & (self.slots[:span] <= self.index))[:, None, None, :]
+        if self.forward is not self.model:
+            torch._dynamo.maybe_mark_dynamic(mask, 3)  # one trace for every span
+        out = self.forward(input_ids=self.token, attention_mask=mask, position_ids=self.positions,
+                           past_key_values=self.cache, use_cache=True, logits_to_keep=1)
         chosen = sample_next(out.logits[:, -1].float(), self.plan.sampling, self.suppress)
         chosen = torch.where(self.finished, torch.full_like(chosen, self.pad), chosen)
         self.finished |= torch.isin(chosen, self.eos)
@@ -216,42 +228,63 @@ class GraphDecoder:
         self.positions.add_(1)
         self.index.add_(1)
 
-    def _run_step(self) -> None:
-        capturing = self.graph is None
+    def span(self, slot: int) -> int:
+        """How much of the cache a step writing `slot` reads: with the grouped attention the
+        filled part rounded up to SPAN_ROUND (one graph per span), else all of it."""
+        if self.attention != "grouped":
+            return self.plan.cache_len
+        return min(self.plan.cache_len, (slot // SPAN_ROUND + 1) * SPAN_ROUND)
+
+    def _run_step(self, span: int) -> None:
+        graph = self.graphs.get(span)
+        capturing = graph is None
         with decode_attention(self.attention), (
                 self.merged.swapped() if self.merged and capturing
                 else contextlib.nullcontext()), (
                 self.nf4.active() if self.nf4 and capturing else contextlib.nullcontext()):
             if not self.use_graph:
-                self.step()
-            elif self.graph is None:
+                self.step(span)
+            elif graph is None:
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
-                    self.step()  # this step, run: warms up cuBLAS and the allocator
+                    self.step(span)  # this step, run: warms up cuBLAS and the allocator
                 torch.cuda.current_stream().wait_stream(side)
-                self.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(self.graph):
-                    self.step()  # the next steps, captured (not run) and replayed from now on
+                graph = self.graphs[span] = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    self.step(span)  # the next steps, captured (not run) and replayed from now on
+                self.pool = graph.pool()
             else:
-                self.graph.replay()
+                graph.replay()
 
     # -- one generate call
 
     def prefill(self, input_ids, attention_mask, model_kwargs: dict[str, Any]) -> torch.Tensor:
-        """Runs the prompt through the model into the cache, with the position ids `generate`
-        gives it (multimodal RoPE for Qwen-VL); returns the first drawn tokens."""
+        """Runs the prompt through the model into the cache, each distinct prompt once where the
+        rows repeat (`vlmrl.models.shared_prompts`), with the position ids `generate` gives it
+        (multimodal RoPE for Qwen-VL); returns the first drawn tokens."""
+        from transformers import DynamicCache
+
         self.cache.reset()
         prompt_len = input_ids.shape[1]
         hf_model = _generative_model(self.model)
-        positions = hf_model._prepare_position_ids_for_generation(
-            input_ids, {"attention_mask": attention_mask, "input_ids": input_ids, **model_kwargs})
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask,
-                         position_ids=positions, past_key_values=self.cache, use_cache=True,
-                         logits_to_keep=1, **model_kwargs)
+        vision_start = getattr(hf_model.config, "vision_start_token_id", None)
+        shared = distinct_rows(input_ids, model_kwargs, vision_start) if self.share_prompts \
+            else None
+        if shared is None:
+            logits = self._prefill(input_ids, attention_mask, model_kwargs, self.cache)
+            deltas = _rope_deltas(hf_model)
+        else:
+            keep, inverse = shared
+            small = DynamicCache()
+            logits = self._prefill(*select_rows(keep, input_ids, attention_mask, model_kwargs,
+                                                vision_start), small)[inverse]
+            copy_into_static(small, self.cache, inverse, prompt_len)
+            del small
+            deltas = _rope_deltas(hf_model)
+            deltas = None if deltas is None else deltas.to(inverse.device)[inverse]
         text = attention_mask.long().sum(-1, keepdim=True)  # the next token's text position
         if self.positions.dim() == 3:  # [text; temporal, height, width] as Qwen-VL decodes
-            deltas = _rope_deltas(hf_model)
             shifted = text + (deltas.to(text.device).reshape(-1, 1) if deltas is not None else 0)
             self.positions.copy_(torch.stack([text, shifted, shifted, shifted]))
         else:
@@ -260,23 +293,33 @@ class GraphDecoder:
         self.valid[:, :prompt_len].copy_(attention_mask.bool())
         self.index.fill_(prompt_len)
         self.finished.zero_()
-        first = sample_next(out.logits[:, -1].float(), self.plan.sampling, self.suppress)
+        first = sample_next(logits, self.plan.sampling, self.suppress)
         self.finished |= torch.isin(first, self.eos)
         self.token.copy_(first[:, None])
         return first
+
+    def _prefill(self, input_ids, attention_mask, model_kwargs, cache) -> torch.Tensor:
+        """The last position's float32 logits of a prefill of these rows into `cache`."""
+        positions = _generative_model(self.model)._prepare_position_ids_for_generation(
+            input_ids, {"attention_mask": attention_mask, "input_ids": input_ids, **model_kwargs})
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                         position_ids=positions, past_key_values=cache, use_cache=True,
+                         logits_to_keep=1, **model_kwargs)
+        return out.logits[:, -1].float()
 
     def generate(self, input_ids, attention_mask, max_new_tokens: int,
                  model_kwargs: dict[str, Any]) -> torch.Tensor:
         tokens = torch.full((input_ids.shape[0], max_new_tokens), self.pad, dtype=torch.long,
                             device=input_ids.device)
         tokens[:, 0] = self.prefill(input_ids, attention_mask, model_kwargs)
+        prompt_len = input_ids.shape[1]
         if self.merged is not None:
             self.merged.refresh()  # the adapter as trained so far, folded into the copies
         made = 1
         while made < max_new_tokens:
             if made % CHECK_EVERY == 0 and bool(self.finished.all()):
                 break
-            self._run_step()
+            self._run_step(self.span(prompt_len + made - 1))
             tokens[:, made] = self.token[:, 0]
             made += 1
         return torch.cat([input_ids, tokens[:, :made]], dim=1)
@@ -308,6 +351,7 @@ class GraphDecoding:
     attention: str = "grouped"  # or "model": the model's own (SDPA) attention in decode steps
     merged: bool = False  # decode with bf16 copies of the weights with the adapter folded in
     keep: bool = True  # keep each batch shape's cache and graph between calls (else freed)
+    share_prompts: bool = True  # prefill each distinct prompt once (vlmrl.models.shared_prompts)
     # NF4 projections by `vlmrl.models.nf4_decode` in decode steps; VLMRL_NF4_DECODE=0: off
     nf4_kernel: bool = field(default_factory=lambda: os.environ.get("VLMRL_NF4_DECODE") != "0")
     decoders: dict | None = None
@@ -335,6 +379,13 @@ class GraphDecoding:
         return None
 
     @functools.cached_property
+    def compiled(self):
+        """The model's forward pass under torch.compile, for decode steps: one trace per batch
+        shape, and the elementwise work between projections (norms, RoPE, residuals, the
+        attention's scale and mask) fused into a few kernels."""
+        return torch.compile(self.model, dynamic=False)
+
+    @functools.cached_property
     def nf4(self):
         """The model's NF4Decode, made once (it keeps the block scales), or None."""
         from vlmrl.models.nf4_decode import NF4Decode, kernel_available
@@ -359,10 +410,12 @@ class GraphDecoding:
             eos = config.eos_token_id
             eos = [eos] if isinstance(eos, int) else list(eos or [])
             pad = config.pad_token_id if config.pad_token_id is not None else (eos or [0])[0]
+            use_graph = self.use_graph and input_ids.device.type == "cuda"
+            compiled = use_graph and config.disable_compile is False  # as transformers' rule
             decoder = self.decoders[plan] = GraphDecoder(
-                self.model, plan, input_ids.device, eos, int(pad), suppress,
-                self.use_graph and input_ids.device.type == "cuda", self.attention, self.merged,
-                self.nf4)
+                self.model, plan, input_ids.device, eos, int(pad), suppress, use_graph,
+                self.attention, self.merged, self.nf4, self.compiled if compiled else None,
+                self.share_prompts)
         with torch.no_grad():
             out = decoder.generate(input_ids, attention_mask, int(config.max_new_tokens), kwargs)
         if not self.keep:  # the static cache and the graph's memory go back to the allocator

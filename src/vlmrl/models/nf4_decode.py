@@ -9,10 +9,12 @@ also computes the adapter's `x A^T`; the second adds the splits in a fixed order
 equal bits) plus `s (x A^T) B^T` and rounds once to bf16. Block scales are dequantized once per
 weight and kept (float32, 1/16 of the 4-bit bytes): the base weights are frozen. The adapter is
 read where it lives (`lora_A.weight`, `lora_B.weight`), so a CUDA graph captured over it sees every
-optimizer step. Values: the shipped tiles decode the weight to bitsandbytes' bf16 values and
-accumulate in float32, adding the adapter before the one rounding (PEFT rounds it first);
-`Tiles(scale_after=True)` multiplies the unrounded NF4 values (tf32) and applies the block scale to
-the product. Measured speed and exactness: docs/benchmarks.md. Dropout is not applied (as in
+optimizer step. Values: the shipped tiles (`scale_after`) take a K tile of one scale block,
+multiply the unrounded NF4 values (tf32) against x's even and odd columns and apply the block
+scale to the product, so the weights are never rounded to bf16; `Tiles(scale_after=False)`
+decodes the weight to bitsandbytes' bf16 values first. Both accumulate in float32 and add the
+adapter before the one rounding (PEFT rounds it first). The operator `vlmrl::nf4_matmul` wraps
+it for torch.compile. Measured speed and exactness: docs/benchmarks.md. Dropout is not applied (as in
 `MergedLoRA` and vLLM): with `train.lora.dropout` above 0 the layers of a module in training mode
 keep PEFT's forward."""
 
@@ -157,7 +159,7 @@ class Tiles:
     scale_after: bool = False  # K tile = block size; codes (tf32) times x, then the block scale
 
 
-TILES = Tiles()
+TILES = Tiles(block_n=128, block_k=64, scale_after=True)  # measured fastest at 16 rows
 
 
 def k_splits(out_features: int, in_features: int, tiles: Tiles, sms: int) -> int:
@@ -192,13 +194,31 @@ def block_scales(layer) -> torch.Tensor:
     return (dequantize_blockwise(state.absmax, state.state2) + state.offset).float().contiguous()
 
 
-def nf4_matmul(x: torch.Tensor, layer, scales: torch.Tensor, lora: tuple | None = None,
+@dataclass(frozen=True)
+class PackedNF4:
+    """What the kernel reads of a Linear4bit: its packed 4-bit weight (a plain tensor, not
+    bitsandbytes' Parameter subclass), the block scales (`block_scales`) and the shape."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    out_features: int
+    in_features: int
+    blocksize: int
+
+    @classmethod
+    def of(cls, layer) -> PackedNF4:
+        state = layer.weight.quant_state
+        out_features, in_features = tuple(state.shape)
+        return cls(layer.weight.data, block_scales(layer), out_features, in_features,
+                   state.blocksize)
+
+
+def nf4_matmul(x: torch.Tensor, weight: PackedNF4, lora: tuple | None = None,
                tiles: Tiles = TILES) -> torch.Tensor:
     """`x @ W^T (+ s (x A^T) B^T)` for x of at most MAX_ROWS rows (any leading shape), bf16 out.
     `lora` is (A [r, in] float32, B [out, r] float32, s)."""
     triton, kernel, sum_splits = _kernel()
-    state = layer.weight.quant_state
-    out_features, in_features = tuple(state.shape)
+    out_features, in_features = weight.out_features, weight.in_features
     flat = x.reshape(-1, in_features)
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
@@ -211,10 +231,10 @@ def nf4_matmul(x: torch.Tensor, layer, scales: torch.Tensor, lora: tuple | None 
     xa_parts = torch.empty(splits, rows, r_tile, dtype=torch.float32, device=x.device)
     block_m = max(16, triton.next_power_of_2(rows))
     kernel[(triton.cdiv(out_features, tiles.block_n), splits)](
-        flat, layer.weight, scales, a, parts, xa_parts, rows, out_features,
+        flat, weight.packed, weight.scales, a, parts, xa_parts, rows, out_features,
         in_features, rank, flat.stride(0), K_SPLIT=in_features // splits,
-        SCALE_AFTER=tiles.scale_after and tiles.block_k == state.blocksize,
-        HAS_LORA=lora is not None, QBLOCK=state.blocksize, R=r_tile, BLOCK_M=block_m,
+        SCALE_AFTER=tiles.scale_after and tiles.block_k == weight.blocksize,
+        HAS_LORA=lora is not None, QBLOCK=weight.blocksize, R=r_tile, BLOCK_M=block_m,
         BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.warps,
         num_stages=tiles.stages)
     out = torch.empty(rows, out_features, dtype=torch.bfloat16, device=x.device)
@@ -222,6 +242,21 @@ def nf4_matmul(x: torch.Tensor, layer, scales: torch.Tensor, lora: tuple | None 
         parts, xa_parts, b, out, rows, out_features, rank, float(scaling), SPLITS=splits,
         HAS_LORA=lora is not None, R=r_tile, BLOCK_M=block_m, BLOCK_N=64)
     return out.view(*x.shape[:-1], out_features)
+
+
+@torch.library.custom_op("vlmrl::nf4_matmul", mutates_args=())
+def nf4_matmul_op(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                  lora_a: torch.Tensor | None, lora_b: torch.Tensor | None, scaling: float,
+                  out_features: int, blocksize: int) -> torch.Tensor:
+    """`nf4_matmul` with the shipped tiles as one operator, which torch.compile calls as it is
+    (it does not trace into the Triton launches) and a CUDA graph captures."""
+    weight = PackedNF4(packed, scales, out_features, x.shape[-1], blocksize)
+    return nf4_matmul(x, weight, None if lora_a is None else (lora_a, lora_b, scaling))
+
+
+@nf4_matmul_op.register_fake
+def _(x, packed, scales, lora_a, lora_b, scaling, out_features, blocksize):
+    return x.new_empty(*x.shape[:-1], out_features)
 
 
 @functools.cache
@@ -245,8 +280,10 @@ def _adapter(module) -> tuple | None:
 
 
 class NF4Decode:
-    """The model's NF4 projections (bare or under a LoRA layer), switched to `nf4_matmul` while
-    `active()`; block scales are computed on first use and kept."""
+    """The model's NF4 projections (bare or under a LoRA layer), switched to `nf4_matmul_op`
+    while `active()`. The weights' `PackedNF4` (block scales) and the replacement forwards are
+    made on first use and kept: the same function objects on every activation, so torch.compile's
+    guards on them hold and a compiled decode step is traced once."""
 
     def __init__(self, model) -> None:
         import bitsandbytes as bnb
@@ -260,29 +297,33 @@ class NF4Decode:
         self.layers = [(module, base) for module, base in [*wrapped.items(),
                                                            *((m, m) for m in bare)]
                        if servable(base)]
-        self.scales: dict[int, torch.Tensor] = {}
+        self.forwards: list | None = None
 
     def __bool__(self) -> bool:
         return bool(self.layers)
 
-    def _forward(self, module, base, original):
+    @staticmethod
+    def _forward(module, weight: PackedNF4, original, bare: bool):
         def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-            lora = _adapter(module) if module is not base else ()
+            lora = () if bare else _adapter(module)
             rows = x.numel() // x.shape[-1]
             if lora is None or args or kwargs or rows > MAX_ROWS or x.dtype != torch.bfloat16:
                 return original(x, *args, **kwargs)
-            scales = self.scales.get(id(base))
-            if scales is None:
-                scales = self.scales[id(base)] = block_scales(base)
-            return nf4_matmul(x, base, scales, lora or None)
+            a, b, scaling = lora or (None, None, 1.0)
+            return torch.ops.vlmrl.nf4_matmul(x, weight.packed, weight.scales, a, b,
+                                              float(scaling), weight.out_features,
+                                              weight.blocksize)
 
         return forward
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
         saved = [module.__dict__.get("forward") for module, _ in self.layers]
-        for module, base in self.layers:
-            module.forward = self._forward(module, base, module.forward)
+        if self.forwards is None:
+            self.forwards = [self._forward(module, PackedNF4.of(base), module.forward,
+                                           module is base) for module, base in self.layers]
+        for (module, _), forward in zip(self.layers, self.forwards):
+            module.forward = forward
         try:
             yield
         finally:
