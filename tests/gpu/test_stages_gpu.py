@@ -54,7 +54,8 @@ CONFIGS = {
     "transformers-bf16-graph": {"model.backend": "transformers", "model.load_in_4bit": False,
                                 "train.graph_decoding": "merged"},
     "transformers-4bit-graph": {"model.backend": "transformers", "model.load_in_4bit": True,
-                                "train.graph_decoding": "graph", **NF4_SFT},
+                                "train.graph_decoding": "graph", **NF4_SFT,
+                                "train.grpo.generation_kwargs.disable_compile": False},
 }
 DOWNSTREAM = [name for name in CONFIGS if not name.endswith("-graph")]
 # The cold start and GSPO of the tests, measured on an H100 (transformers bf16) with
