@@ -155,7 +155,7 @@ def test_compiled_step_reads_growing_spans_of_the_cache_from_one_trace(vl_model,
 
     def decoder(forward):
         return GraphDecoder(model, plan, ids.device, [-5], 0, (), use_graph=False,
-                            attention="grouped", forward=forward)
+                            attention="grouped", forward=forward, spans=True)
 
     torch._dynamo.reset()
     counters.clear()
