@@ -62,6 +62,34 @@ def test_greedy_tokens_equal_generate_with_images_and_left_padding(vl_model) -> 
     assert torch.equal(got, expected)
 
 
+def test_eager_attention_gets_an_additive_mask(monkeypatch) -> None:
+    """transformers' eager attention adds the mask to the scores, so a bool mask would add 1 and
+    0 (the tiny model's tokens barely notice); the decode step must give it 0 and the lowest
+    float: every step's logits equal generate's."""
+    path = ensure_embedded_model("embedded:tiny-qwen3-vl", seed=0)
+    model = AutoModelForImageTextToText.from_pretrained(
+        str(path), dtype=torch.float32, attn_implementation="eager").eval()
+    processor = load_processor(str(path))
+    inputs = vl_inputs(processor, ["What is 2 + 2?", "Name the largest value in the chart now."])
+    config = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=-5, pad_token_id=0)
+    seen = []
+    original = graph_decode.sample_next
+
+    def recording(logits, *args):
+        seen.append(logits.clone())
+        return original(logits, *args)
+
+    monkeypatch.setattr(graph_decode, "sample_next", recording)
+    with torch.no_grad():
+        expected = model.generate(**inputs, generation_config=config, output_logits=True,
+                                  return_dict_in_generate=True)
+        GraphDecoding(model=model, original=model.generate, use_graph=False,
+                      attention="model")._decode(config, dict(inputs))
+    assert len(seen) == len(expected.logits) == 6
+    for ours, theirs in zip(seen, expected.logits):
+        assert torch.allclose(ours, theirs.float(), atol=1e-4, rtol=1e-4)
+
+
 def test_text_model_greedy_tokens_equal_generate() -> None:
     path = ensure_embedded_model("embedded:tiny-qwen3", seed=0)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()

@@ -195,6 +195,9 @@ class GraphDecoder:
         self.model, self.plan, self.use_graph, self.attention = model, plan, use_graph, attention
         self.forward = model if forward is None else forward  # the model, or it compiled
         self.share_prompts, self.spans = share_prompts, spans
+        # eager attention adds its mask to the scores: 0 where a slot is read, the lowest float
+        self.additive_mask = attention_implementation(model) == "eager"
+        self.dtype = model.dtype
         self.nf4 = nf4  # an NF4Decode, or None: bitsandbytes' and PEFT's own projections
         rows, length = plan.rows, plan.cache_len
         self.cache = StaticCache(config=model.config, max_cache_len=length)
@@ -217,6 +220,9 @@ class GraphDecoder:
 
     def step(self, span: int) -> None:
         mask = (self.valid[:, :span] & (self.slots[:span] <= self.index))[:, None, None, :]
+        if self.additive_mask:
+            mask = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill(
+                ~mask, torch.finfo(self.dtype).min)
         if self.forward is not self.model:
             torch._dynamo.maybe_mark_dynamic(mask, 3)  # one trace for every span
         out = self.forward(input_ids=self.token, attention_mask=mask, position_ids=self.positions,
@@ -326,6 +332,14 @@ class GraphDecoder:
         return torch.cat([input_ids, tokens[:, :made]], dim=1)
 
 
+def attention_implementation(model) -> str | None:
+    """The text model's attention ("sdpa", "eager", "flash_attention_2", ...)."""
+    config = _generative_model(model).config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "_attn_implementation", None) or getattr(config, "_attn_implementation",
+                                                                   None)
+
+
 def _generative_model(model):
     """The transformers model under a PEFT wrapper (the one with generate's helpers)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -364,7 +378,8 @@ class GraphDecoding:
             self.model.generation_config
         input_ids = kwargs.get("input_ids")
         if (args or input_ids is None or input_ids.device.type != "cuda"
-                or not served(config, kwargs)):
+                or not served(config, kwargs)
+                or attention_implementation(self.model) not in ("sdpa", "eager")):
             return self.original(*args, generation_config=generation_config, **kwargs)
         self.calls += 1
         return self._decode(config, kwargs)
