@@ -7,7 +7,10 @@ together, is one CUDA graph replayed once per token: the prompt is prefilled by 
 forward (vision tower and multimodal RoPE as in `generate`), then each replay reads the last
 token, position and mask from fixed buffers, writes the static KV cache, draws the next token
 and advances the position, with no host synchronisation but one check for finished rows every
-`CHECK_EVERY` steps (the early exit: the call returns once every row has sampled EOS).
+`CHECK_EVERY` steps (the early exit: the call returns once every row has sampled EOS). Where
+`disable_compile` is false the step's forward runs under torch.compile inside the graph, which
+fuses the small elementwise kernels between the projections; rows that repeat a prompt share its
+prefill (`vlmrl.models.shared_prompts`).
 
 The draw samples exactly transformers' distribution for TRL's settings (suppressed tokens
 removed, temperature, top-k, then top-p over what top-k kept: `vlmrl.models.sampling`'s
@@ -236,8 +239,8 @@ class GraphDecoder:
 
     def span(self, slot: int) -> int:
         """How much of the cache a step writing `slot` reads: with `spans` and the grouped
-        attention the filled part rounded up to SPAN_ROUND (one graph per span: on the H100 the
-        "graph" profile's peak rose from 4.7 to 5.6 GiB with them), else all of it."""
+        attention the filled part rounded up to SPAN_ROUND (one graph per span, which raised the
+        "graph" profile's peak: docs/benchmarks.md), else all of it."""
         if not self.spans or self.attention != "grouped":
             return self.plan.cache_len
         return min(self.plan.cache_len, (slot // SPAN_ROUND + 1) * SPAN_ROUND)
