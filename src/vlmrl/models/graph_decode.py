@@ -226,7 +226,7 @@ class GraphDecoder:
         if self.additive_mask:
             mask = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill(
                 ~mask, torch.finfo(self.dtype).min)
-        if self.forward is not self.model:
+        if self.spans and self.forward is not self.model:
             torch._dynamo.maybe_mark_dynamic(mask, 3)  # one trace for every span
         out = self.forward(input_ids=self.token, attention_mask=mask, position_ids=self.positions,
                            past_key_values=self.cache, use_cache=True, logits_to_keep=1)
@@ -281,18 +281,18 @@ class GraphDecoder:
         vision_start = getattr(hf_model.config, "vision_start_token_id", None)
         shared = distinct_rows(input_ids, model_kwargs, vision_start) if self.share_prompts \
             else None
+        inverse = None  # each row's index among the distinct prompts, where they repeat
         if shared is None:
             logits = self._prefill(input_ids, attention_mask, model_kwargs, self.cache)
-            deltas = _rope_deltas(hf_model)
         else:
             keep, inverse = shared
             small = DynamicCache()
             logits = self._prefill(*select_rows(keep, input_ids, attention_mask, model_kwargs,
                                                 vision_start), small)[inverse]
             copy_into_static(small, self.cache, inverse, prompt_len)
-            del small
-            deltas = _rope_deltas(hf_model)
-            deltas = None if deltas is None else deltas.to(inverse.device)[inverse]
+        deltas = _rope_deltas(hf_model)
+        if deltas is not None and inverse is not None:
+            deltas = deltas.to(inverse.device)[inverse]
         text = attention_mask.long().sum(-1, keepdim=True)  # the next token's text position
         if self.positions.dim() == 3:  # [text; temporal, height, width] as Qwen-VL decodes
             shifted = text + (deltas.to(text.device).reshape(-1, 1) if deltas is not None else 0)

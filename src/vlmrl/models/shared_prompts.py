@@ -8,6 +8,7 @@ per row. Rows are told apart by their ids and, for each image, its patches and g
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -47,10 +48,7 @@ def _images_by_row(input_ids, model_kwargs, vision_start) -> list[list[tuple]]:
         return [[] for _ in range(input_ids.shape[0])]
     pixels, grids = model_kwargs["pixel_values"], model_kwargs["image_grid_thw"]
     counts = (input_ids == vision_start).sum(-1).tolist()
-    sizes = grids.prod(-1).tolist()
-    starts = [0]
-    for size in sizes:
-        starts.append(starts[-1] + size)
+    starts = list(accumulate(grids.prod(-1).tolist(), initial=0))
     found, image = [], 0
     for count in counts:
         found.append([(grids[i], pixels[starts[i]:starts[i + 1]])
