@@ -106,9 +106,10 @@ def kernels(model, batch, attention: str, cache_len: int, nf4_kernel: bool, comp
              "calls_per_step": round(count / 8, 1)} for key, (time, count) in ranked]
 
 
-SWEEP = [(64, 128, 4, 3, 4, False), (64, 64, 4, 3, 4, True), (32, 64, 4, 3, 4, True),
-         (128, 64, 4, 3, 4, True), (64, 64, 8, 3, 4, True), (64, 64, 4, 3, 8, True),
-         (128, 64, 8, 3, 2, True)]  # Tiles(block_n, block_k, warps, stages, programs_per_sm, scale_after)
+SWEEP = [(128, 64, 4, 3, 4, True), (128, 64, 4, 3, 1, True), (128, 64, 4, 3, 0.5, True),
+         (64, 64, 4, 3, 1, True), (128, 64, 4, 4, 1, True), (128, 64, 8, 4, 1, True),
+         (256, 64, 8, 3, 1, True), (64, 128, 4, 3, 1, False), (128, 64, 4, 3, 2, True)]
+# Tiles(block_n, block_k, warps, stages, programs_per_sm, scale_after)
 
 
 def kernel_times(call, calls: int = 20) -> dict:

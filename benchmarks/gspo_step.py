@@ -130,7 +130,11 @@ VLLM_SETTINGS = {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_uti
 # bf16 with all 32 rows of a generation in one call; "merged" (the adapter folded into bf16
 # copies of the weights for decoding) with 32 rows: the speed profile. "compile": the decode
 # step's forward pass under torch.compile inside the graph.
-CONFIGS["gpu_profile_graph"] = {**profile_candidate(8, 4, 16), "compile": True, "graph": "graph"}
+# "expandable_segments": train.expandable_segments (vlmrl.training.use_expandable_segments).
+CONFIGS["gpu_profile_graph"] = {**profile_candidate(8, 4, 16), "compile": True, "graph": "graph",
+                                "expandable_segments": True}
+CONFIGS["gpu_profile_graph_cached_segments"] = {**CONFIGS["gpu_profile_graph"],
+                                                "expandable_segments": False}
 CONFIGS["gpu_profile_graph_eager"] = {**CONFIGS["gpu_profile_graph"], "compile": False}
 CONFIGS["gpu_profile_graph_bf16"] = {**profile_candidate(8, 4), "load_in_4bit": False,
                                      "compile": True, "graph": "graph"}
@@ -346,6 +350,76 @@ def per_step_fields(log_history: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for row in step_log_rows(log_history) if "loss" in row]
 
 
+# Trainer methods timed per optimizer step (nested: training_step holds prepare_inputs, which
+# holds the prompts' processing, generation, rewards and the old log-probabilities).
+PHASES = {"training_step": "training_step", "_prepare_inputs": "prepare_inputs",
+          "_tokenize_prompts": "prompts", "_calculate_rewards": "rewards",
+          "compute_loss": "loss"}
+
+
+def time_phases(trainer) -> dict[str, list[tuple[int, float]]]:
+    """Wraps PHASES' methods, the backward pass and the no-grad log-probability passes
+    (`old_logps`) with a timer, and times Python's garbage collections (`gc`); returns phase ->
+    [(optimizer step, seconds) per call], filled as the trainer runs."""
+    import gc
+
+    import torch
+
+    calls: dict[str, list[tuple[int, float]]] = {}
+
+    def record(phase: str, seconds: float) -> None:
+        calls.setdefault(phase, []).append((trainer.state.global_step, seconds))
+
+    def timed(original, phase_of):
+        def call(*args, **kwargs):
+            phase = phase_of()
+            if phase is None:
+                return original(*args, **kwargs)
+            _sync()
+            started = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                _sync()
+                record(phase, time.perf_counter() - started)
+        return call
+
+    for method, phase in PHASES.items():
+        setattr(trainer, method, timed(getattr(trainer, method), lambda phase=phase: phase))
+    trainer.accelerator.backward = timed(trainer.accelerator.backward, lambda: "backward")
+    logps = "_get_per_token_logps_and_entropies"
+    setattr(trainer, logps, timed(getattr(trainer, logps),
+                                  lambda: None if torch.is_grad_enabled() else "old_logps"))
+    collecting: list[float] = []
+
+    def on_gc(stage: str, info: dict) -> None:
+        if stage == "start":
+            collecting.append(time.perf_counter())
+        elif collecting:
+            record("gc", time.perf_counter() - collecting.pop())
+
+    gc.callbacks.append(on_gc)
+    return calls
+
+
+def phase_means(calls: dict[str, list[tuple[int, float]]], warmup: int, timed_steps: int
+                ) -> dict[str, float]:
+    """Seconds per timed optimizer step spent in each phase."""
+    return {phase: round(sum(t for step, t in found if step >= warmup) / timed_steps, 3)
+            for phase, found in calls.items()} if timed_steps else {}
+
+
+def allocator_counts() -> dict[str, int]:
+    """The CUDA caching allocator's counts of device allocations, frees and retries."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {key: stats.get(key, 0) for key in ("num_alloc_retries", "num_device_alloc",
+                                                "num_device_free", "num_sync_all_streams")}
+
+
 class _KVDropDetector(logging.Handler):
     def __init__(self) -> None:
         super().__init__()
@@ -374,7 +448,7 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
     from vlmrl.models.loading import load_policy
     from vlmrl.params import LoraParams, ModelParams, load_params
     from vlmrl.rewards import build_rewards
-    from vlmrl.training import build_grpo_config, make_trainer
+    from vlmrl.training import build_grpo_config, make_trainer, use_expandable_segments
     from vlmrl.trl_compat import install_cpu_fallback
 
     install_cpu_fallback()  # no-op where Triton exists (every GPU machine)
@@ -399,6 +473,7 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
                                reward_weights=reward_weights, model_settings=settings)
     dataset = load_from_disk(str(train_set))
 
+    use_expandable_segments(knobs.get("expandable_segments", False))
     _reset_peak()
     load_started = time.perf_counter()
     model, processor, backend = load_policy(settings, LoraParams(**LORA), config.seed)
@@ -435,6 +510,7 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
     trainer = make_trainer(model, processor, config, dataset, reward_funcs,
                            generation_rows=knobs.get("max_generation_rows"), callbacks=[Timer()],
                            graph_decoding=knobs.get("graph", "eager"))
+    phase_seconds = time_phases(trainer)
     peaks = MemoryPeaks()
     wrapped = hasattr(trainer, "_generate_single_turn")
     if wrapped:
@@ -491,6 +567,15 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
         "generation_only_tokens_per_second": (tokens / generation_seconds
                                               if generation_seconds else None),
         "generation_share": generation_seconds / seconds if seconds and wrapped else None,
+        "seconds_by_phase": {**phase_means(phase_seconds, warmup, len(timed)),
+                             "generation": round(generation_seconds / len(timed), 3)
+                             if timed else None},
+        "phase_calls": {phase: [[step, round(t, 3)] for step, t in found]
+                        for phase, found in phase_seconds.items() if phase != "gc"},
+        "gc_seconds_by_step": {step: round(sum(t for s, t in phase_seconds.get("gc", [])
+                                               if s == step), 3)
+                               for step in range(len(step_times))},
+        "allocator": allocator_counts(),
         "mean_completion_length": tokens / completions if completions else None,
         "peak_allocated_gib": peak_allocated,
         "peak_reserved_gib": peak_reserved,

@@ -427,3 +427,30 @@ def test_cpu_log_prob_fallback_where_the_kernel_cannot_run(monkeypatch, kernel, 
     assert install_cpu_fallback() is replaced
     assert trl_utils._ChunkedLogProbFunction is (TorchChunkedLogProb if replaced else sentinel)
     assert install_cpu_fallback() is False  # once in place, a second call changes nothing
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_expandable_segments_are_set_only_where_asked_and_cuda_exists(monkeypatch, enabled: bool
+                                                                      ) -> None:
+    import torch
+
+    from vlmrl.training import use_expandable_segments
+
+    settings: list[str] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", settings.append)
+    use_expandable_segments(enabled)
+    assert settings == (["expandable_segments:True"] if enabled else [])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    use_expandable_segments(True)  # a CPU machine: the allocator is left alone
+    assert settings == (["expandable_segments:True"] if enabled else [])
+
+
+def test_train_params_take_expandable_segments_as_a_switch() -> None:
+    lora = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj"]}
+    section = {"save_steps": 2, "lora": lora}
+    assert TrainParams.from_params({**section}).expandable_segments is True
+    assert TrainParams.from_params({**section, "expandable_segments": False}
+                                   ).expandable_segments is False
+    with pytest.raises(ParamsError, match="expandable_segments"):
+        TrainParams.from_params({**section, "expandable_segments": "sometimes"})

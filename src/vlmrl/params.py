@@ -267,6 +267,7 @@ class TrainParams(Section):
     max_generation_rows: PositiveInteger | None = None
     distributed: dict[str, Any] = {}  # checked by vlmrl.launch.DistributedParams
     graph_decoding: Literal["eager", "graph", "merged"] = "eager"  # GPU rollouts: vlmrl.models.graph_decode
+    expandable_segments: Boolean = True  # the CUDA allocator's: vlmrl.training.use_expandable_segments
     lora: LoraParams
     grpo: dict[str, Any] = {}
 

@@ -218,6 +218,18 @@ class TrainResult:
     completions_dir: Path
 
 
+def use_expandable_segments(enabled: bool) -> None:
+    """PyTorch's CUDA allocator grows segments in place instead of caching fixed ones (what
+    Unsloth sets on import). Without it, the first training micro-batch after a generation took
+    2-4 s more than the others on the H100, its forward and backward both; with it, it took what
+    they take (`benchmarks/gspo_step.py` `phase_calls`, docs/benchmarks.md), at the same peak.
+    Set before the model is loaded, so that every segment is expandable."""
+    import torch
+
+    if enabled and torch.cuda.is_available():
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+
+
 def make_trainer(model, processor, config, dataset, reward_funcs, *,
                  generation_rows: int | None, callbacks: list, graph_decoding: str = "eager"):
     """TRL's GRPOTrainer with the project's generation switches: the processor's suppressed
@@ -289,6 +301,7 @@ def train(*, train_set: Path, params: Params, adapter_out: Path, checkpoints: Pa
                                lambda: newest_checkpoint(checkpoints))
 
     install_cpu_fallback()
+    use_expandable_segments(train_params.expandable_segments)
     model, processor, _backend = load_policy(model_params, train_params.lora, config.seed,
                                              init_adapter)
     dataset = policy_dataset(load_from_disk(str(train_set)), processor)

@@ -155,7 +155,7 @@ class Tiles:
     block_k: int = 128
     warps: int = 4
     stages: int = 3
-    programs_per_sm: int = 4
+    programs_per_sm: float = 4
     scale_after: bool = False  # K tile = block size; codes (tf32) times x, then the block scale
 
 
