@@ -713,12 +713,50 @@ def roofline_table(results: dict[str, Any]) -> str:
             f"{_fmt(100 * fraction if fraction else None, '.1f')} | "
             f"{_fmt(run['peak_allocated_gib'], '.2f')} ({_fmt(run['peak_reserved_gib'], '.2f')}) | "
             f"{ratio(run, REFERENCE)} | {ratio(run, TODAY)} |")
+    lines += phase_table(runs)
     failed = sorted((key, run["error"]) for key, run in results["runs"].items()
                     if run.get("error"))
     if failed:
         lines += ["", "Runs without a result in this file:", ""]
         lines += [f"- `{key}`: {error}" for key, error in failed]
     return "\n".join(lines)
+
+
+def micro_batch_seconds(run: dict[str, Any]) -> tuple[list[float], list[float]]:
+    """Forward plus backward seconds of each timed micro-batch: those that came first after a
+    generation, and the others."""
+    calls = run.get("phase_calls", {})
+    generating = {g["step"] for g in run.get("generation_calls", [])}
+    first, others, seen = [], [], set()
+    for (step, loss), (_, backward) in zip(calls.get("loss", []), calls.get("backward", [])):
+        if step < run.get("warmup_steps", 0):
+            continue
+        is_first = step in generating and step not in seen
+        seen.add(step)
+        (first if is_first else others).append(loss + backward)
+    return first, others
+
+
+def phase_table(runs: list[dict[str, Any]]) -> list[str]:
+    """Seconds per optimizer step by phase (`seconds_by_phase`), and the micro-batches' forward
+    plus backward seconds, the first after each generation apart; runs without phases are left
+    out."""
+    timed = [r for r in runs if r.get("seconds_by_phase")]
+    if not timed:
+        return []
+    lines = ["", ("| configuration | tokens | generation | old log-probs | forward | backward | "
+                  "first micro-batch after a generation, s | other micro-batches, mean s |"),
+             "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
+    for run in timed:
+        phases = run["seconds_by_phase"]
+        first, others = micro_batch_seconds(run)
+        lines.append(
+            f"| `{run['config']}` | {run['completion_length']} | "
+            + " | ".join(_fmt(phases.get(key), ".2f")
+                         for key in ("generation", "old_logps", "loss", "backward"))
+            + f" | {', '.join(f'{t:.2f}' for t in first) or '-'} | "
+            f"{_fmt(sum(others) / len(others) if others else None, '.2f')} |")
+    return ["", "Seconds per optimizer step by phase (`seconds_by_phase`, `phase_calls`):"] + lines
 
 
 def write_doc_table(results: dict[str, Any], doc: Path, block: str = "roofline") -> None:

@@ -61,3 +61,42 @@ def test_fraction_and_table(bench, tmp_path) -> None:
     doc.write_text("no markers")
     with pytest.raises(SystemExit, match="no <!-- gspo_step roofline"):
         bench.write_doc_table(results, doc)
+
+
+def test_phase_table_sets_the_first_micro_batch_after_a_generation_apart(bench) -> None:
+    run = {"config": "gpu_profile_graph", "completion_length": 1024, "warmup_steps": 1,
+           "generation_calls": [{"step": 0}, {"step": 2}],
+           "seconds_by_phase": {"generation": 6.5, "old_logps": 0.6, "loss": 0.7, "backward": 1.0},
+           "phase_calls": {"loss": [[0, 9.0], [1, 0.3], [1, 0.3], [2, 1.5], [2, 0.3]],
+                           "backward": [[0, 9.0], [1, 0.5], [1, 0.5], [2, 2.0], [2, 0.5]]}}
+    first, others = bench.micro_batch_seconds(run)
+    assert first == [pytest.approx(3.5)]  # step 0 is warm-up: left out
+    assert others == [pytest.approx(0.8)] * 3
+    lines = bench.phase_table([run, {"config": "unsloth_4bit", "completion_length": 1024}])
+    row = next(line for line in lines if "gpu_profile_graph" in line)
+    assert row == "| `gpu_profile_graph` | 1024 | 6.50 | 0.60 | 0.70 | 1.00 | 3.50 | 0.80 |"
+    assert not any("unsloth_4bit" in line for line in lines)
+    assert bench.phase_table([{"config": "x", "completion_length": 1}]) == []
+
+
+def test_time_phases_records_each_call_with_its_step(bench) -> None:
+    from types import SimpleNamespace
+
+    trainer = SimpleNamespace(state=SimpleNamespace(global_step=3),
+                              accelerator=SimpleNamespace(backward=lambda loss: None))
+    for method in [*bench.PHASES, "_get_per_token_logps_and_entropies"]:
+        setattr(trainer, method, lambda *args, **kwargs: "done")
+    calls = bench.time_phases(trainer)
+    assert trainer.compute_loss() == "done"
+    trainer.state.global_step = 4
+    with torch.no_grad():
+        trainer._get_per_token_logps_and_entropies()
+    trainer._get_per_token_logps_and_entropies()  # with grad: the loss's own pass, not timed
+    trainer.accelerator.backward(1.0)
+    assert [step for step, _ in calls["loss"]] == [3]
+    assert [step for step, _ in calls["old_logps"]] == [4]
+    assert [step for step, _ in calls["backward"]] == [4]
+    assert bench.phase_means(calls, warmup=4, timed_steps=1)["loss"] == 0.0
+    import gc
+
+    gc.callbacks.pop()  # time_phases' garbage-collection timer

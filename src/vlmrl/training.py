@@ -219,10 +219,11 @@ class TrainResult:
 
 
 def use_expandable_segments(enabled: bool) -> None:
-    """PyTorch's CUDA allocator grows segments in place instead of caching fixed ones (what
+    """PyTorch's CUDA allocator maps memory into segments that grow in place (what
     Unsloth sets on import). Without it, the first training micro-batch after a generation took
-    2-4 s more than the others on the H100, its forward and backward both; with it, it took what
-    they take (`benchmarks/gspo_step.py` `phase_calls`, docs/benchmarks.md), at the same peak.
+    several times as long as the others on the H100, its forward and backward both; with it,
+    about what they take, at the same peak (`benchmarks/gspo_step.py`'s phase table in
+    docs/benchmarks.md).
     Set before the model is loaded, so that every segment is expandable."""
     import torch
 
