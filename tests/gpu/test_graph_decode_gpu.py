@@ -160,26 +160,43 @@ def test_nf4_graph_replays_equal_the_eager_loop():
     assert torch.equal(got, expected)
 
 
-def test_grouped_attention_matches_sdpa_in_bf16():
-    """The grouped decode attention on the 2B shape's heads (16 query, 8 key/value, dim 128)
-    against transformers' SDPA path, bf16 on the GPU: relative error of a bf16 computation."""
+def filled_mask(rows: int, span: int, filled: int) -> torch.Tensor:
+    """A decode step's mask: each row's left padding (7 slots more per row) out, then the slots
+    written so far, the rest of the span empty."""
+    slots = torch.arange(span, device="cuda")
+    padding = 7 * torch.arange(rows, device="cuda")[:, None]
+    return ((slots >= padding) & (slots < filled))[:, None, None, :]
+
+
+@pytest.mark.parametrize("heads, span, mask_kind", [(16, 1408, "random"), (16, 1408, "filled"),
+                                                    (32, 1408, "filled"), (16, 768, "filled")])
+def test_grouped_attention_matches_sdpa_in_bf16(heads, span, mask_kind):
+    """The grouped decode attention (on a GPU, vlmrl.models.decode_attention's kernel) on the 2B
+    shape's heads (16 query, 8 key/value, dim 128) and the 8B shape's (32 query), against
+    transformers' SDPA path in float32: the relative error of a bf16 computation. Masks: random
+    slots, or a step's (left padding, the filled slots, blocks never written), over the whole
+    cache or a shorter span of it (mode "merged")."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from vlmrl.models.graph_decode import grouped_decode_attention
 
     class Module:
-        num_key_value_groups = 2
+        num_key_value_groups = heads // 8
         is_causal = True
 
     torch.manual_seed(1)
-    query = torch.randn(16, 16, 1, 128, device="cuda", dtype=torch.bfloat16)
+    query = torch.randn(16, heads, 1, 128, device="cuda", dtype=torch.bfloat16)
     key, value = (torch.randn(16, 8, 1408, 128, device="cuda", dtype=torch.bfloat16)
                   for _ in range(2))
-    mask = torch.rand(16, 1, 1, 1408, device="cuda") > 0.3
-    expected, _ = sdpa_attention_forward(Module(), query.float(), key.float(), value.float(), mask)
+    mask = (torch.rand(16, 1, 1, span, device="cuda") > 0.3 if mask_kind == "random"
+            else filled_mask(16, span, filled=span - 300))
+    expected, _ = sdpa_attention_forward(Module(), query.float(), key[:, :, :span].float(),
+                                         value[:, :, :span].float(), mask)
     got, _ = grouped_decode_attention(sdpa_attention_forward)(Module(), query, key, value, mask)
     error = ((got.float() - expected).norm() / expected.norm()).item()
-    print(f"grouped vs SDPA (float32 reference): relative error {error:.2e}")
+    print(f"grouped vs SDPA (float32 reference), {heads} heads, {mask_kind} mask over {span}: "
+          f"relative error {error:.2e}")
+    assert got.shape == expected.shape
     assert error < 1e-2
 
 
