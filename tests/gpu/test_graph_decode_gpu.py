@@ -171,8 +171,8 @@ def filled_mask(rows: int, span: int, filled: int) -> torch.Tensor:
 @pytest.mark.parametrize("heads, span, mask_kind", [(16, 1408, "random"), (16, 1408, "filled"),
                                                     (32, 1408, "filled"), (16, 768, "filled")])
 def test_grouped_attention_matches_sdpa_in_bf16(heads, span, mask_kind):
-    """The grouped decode attention (on a GPU, vlmrl.models.decode_attention's kernel) on the 2B
-    shape's heads (16 query, 8 key/value, dim 128) and the 8B shape's (32 query), against
+    """The grouped decode attention on the 2B shape's heads (16 query, 8 key/value, dim 128) and
+    the 8B shape's (32 query), against
     transformers' SDPA path in float32: the relative error of a bf16 computation. Masks: random
     slots, or a step's (left padding, the filled slots, blocks never written), over the whole
     cache or a shorter span of it (mode "merged")."""

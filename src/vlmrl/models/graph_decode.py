@@ -32,7 +32,6 @@ from typing import Any
 
 import torch
 
-from vlmrl.models.decode_attention import kernel_available as decode_kernel_available
 from vlmrl.models.sampling import SamplingSettings, candidate_probs
 from vlmrl.models.shared_prompts import copy_into_static, distinct_rows, select_rows
 
@@ -98,9 +97,7 @@ def grouped_decode_attention(original):
     that share a key/value head are multiplied against it as one matrix, so the cache is read
     once per step. transformers' SDPA path with a mask first copies every key and value head
     `num_key_value_groups` times (`repeat_kv`): the whole cache written and read again per layer
-    and step. On a GPU, `vlmrl.models.decode_attention`'s kernel, which also skips the slots the
-    mask leaves out. Scores and softmax in float32. Anything else goes to `original`."""
-    kernel = decode_kernel_available()  # asked once, outside what torch.compile traces
+    and step. Scores and softmax in float32. Anything else goes to `original`."""
 
     def attend(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         batch, heads, length, dim = query.shape
@@ -108,17 +105,17 @@ def grouped_decode_attention(original):
                 or attention_mask.dim() != 4 or dropout):
             return original(module, query, key, value, attention_mask, dropout=dropout,
                             scaling=scaling, **kwargs)
-        scale = dim ** -0.5 if scaling is None else scaling
-        if kernel and query.is_cuda:  # reads only the slots the mask reads
-            return torch.ops.vlmrl.decode_attention(query, key, value, attention_mask[:, 0, 0],
-                                                    scale), None
         span = attention_mask.shape[-1]  # the part of the cache this step reads
         key, value = key[:, :, :span], value[:, :, :span]
         kv_heads = key.shape[1]
         grouped = query.reshape(batch * kv_heads, heads // kv_heads, dim)
         keys = key.reshape(batch * kv_heads, span, dim).transpose(1, 2)
-        scores = torch.bmm(grouped.float(), keys.float()).view(batch, kv_heads, heads // kv_heads,
-                                                               -1) * scale
+        if grouped.is_cuda:
+            scores = torch.bmm(grouped, keys, out_dtype=torch.float32)
+        else:
+            scores = torch.bmm(grouped.float(), keys.float())
+        scores = scores.view(batch, kv_heads, heads // kv_heads, -1)
+        scores = scores * (dim ** -0.5 if scaling is None else scaling)
         probs = scores.masked_fill(~attention_mask, -float("inf")).softmax(-1).to(value.dtype)
         out = torch.bmm(probs.view(batch * kv_heads, heads // kv_heads, -1),
                         value.reshape(batch * kv_heads, span, dim))

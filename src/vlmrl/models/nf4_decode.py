@@ -160,7 +160,6 @@ class Tiles:
 
 
 TILES = Tiles(block_n=128, block_k=64, scale_after=True)  # measured fastest at 16 rows
-SUM_BLOCK_N = 16  # columns per program of the sum of splits: many small programs, short latency
 
 
 def k_splits(out_features: int, in_features: int, tiles: Tiles, sms: int) -> int:
@@ -239,9 +238,9 @@ def nf4_matmul(x: torch.Tensor, weight: PackedNF4, lora: tuple | None = None,
         BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.warps,
         num_stages=tiles.stages)
     out = torch.empty(rows, out_features, dtype=torch.bfloat16, device=x.device)
-    sum_splits[(triton.cdiv(out_features, SUM_BLOCK_N),)](
+    sum_splits[(triton.cdiv(out_features, 64),)](
         parts, xa_parts, b, out, rows, out_features, rank, float(scaling), SPLITS=splits,
-        HAS_LORA=lora is not None, R=r_tile, BLOCK_M=block_m, BLOCK_N=SUM_BLOCK_N)
+        HAS_LORA=lora is not None, R=r_tile, BLOCK_M=block_m, BLOCK_N=64)
     return out.view(*x.shape[:-1], out_features)
 
 
