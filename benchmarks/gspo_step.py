@@ -31,7 +31,9 @@ checkpointing off around generation (`unwrap_model_for_generation`), so generate
 cache; every run still records whether transformers ever logged that it dropped the cache under
 gradient checkpointing (`kv_cache_dropped_in_generation`), which would make every sampled token
 ignore the prompt. Peak memory is recorded per phase: inside `generate`, and the rest (training,
-scoring, old log-probabilities).
+scoring, old log-probabilities). Each phase of a step is timed too (`seconds_by_phase`, every call
+in `phase_calls`: generation, old log-probabilities, the loss's forward, the backward, garbage
+collection), and the docs table shows the first micro-batch after each generation apart.
 
 `--model embedded:qwen3-vl-8b-shape` runs the same configurations on Qwen3-VL-8B's shape, to see
 what fits a 24 GB GPU; such runs are keyed `config@length@qwen3-vl-8b-shape` and summarized under
@@ -571,10 +573,7 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
                              "generation": round(generation_seconds / len(timed), 3)
                              if timed else None},
         "phase_calls": {phase: [[step, round(t, 3)] for step, t in found]
-                        for phase, found in phase_seconds.items() if phase != "gc"},
-        "gc_seconds_by_step": {step: round(sum(t for s, t in phase_seconds.get("gc", [])
-                                               if s == step), 3)
-                               for step in range(len(step_times))},
+                        for phase, found in phase_seconds.items()},
         "allocator": allocator_counts(),
         "mean_completion_length": tokens / completions if completions else None,
         "peak_allocated_gib": peak_allocated,
