@@ -219,12 +219,11 @@ class TrainResult:
 
 
 def use_expandable_segments(enabled: bool) -> None:
-    """PyTorch's CUDA allocator maps memory into segments that grow in place (what
-    Unsloth sets on import). Without it, the first training micro-batch after a generation took
-    several times as long as the others on the H100, its forward and backward both; with it,
-    about what they take, at the same peak (`benchmarks/gspo_step.py`'s phase table in
-    docs/benchmarks.md).
-    Set before the model is loaded, so that every segment is expandable."""
+    """PyTorch's CUDA allocator maps memory into segments that grow in place (what Unsloth sets
+    on import). Without it, the first training micro-batch after a generation took several times
+    as long as the others on the H100, its forward and backward both; with it, about what they
+    take, at the same peak (`benchmarks/gspo_step.py`'s phase table in docs/benchmarks.md). Set
+    before the model is loaded, so that every segment is expandable."""
     import torch
 
     if enabled and torch.cuda.is_available():

@@ -172,10 +172,9 @@ def filled_mask(rows: int, span: int, filled: int) -> torch.Tensor:
                                                     (32, 1408, "filled"), (16, 768, "filled")])
 def test_grouped_attention_matches_sdpa_in_bf16(heads, span, mask_kind):
     """The grouped decode attention on the 2B shape's heads (16 query, 8 key/value, dim 128) and
-    the 8B shape's (32 query), against
-    transformers' SDPA path in float32: the relative error of a bf16 computation. Masks: random
-    slots, or a step's (left padding, the filled slots, blocks never written), over the whole
-    cache or a shorter span of it (mode "merged")."""
+    the 8B shape's (32 query), against transformers' SDPA path in float32: the relative error of
+    a bf16 computation. Masks: random slots, or a step's (left padding, the filled slots, blocks
+    never written), over the whole cache or a shorter span of it (mode "merged")."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from vlmrl.models.graph_decode import grouped_decode_attention
