@@ -141,6 +141,11 @@ CONFIGS["gpu_profile_graph_eager"] = {**CONFIGS["gpu_profile_graph"], "compile":
 CONFIGS["gpu_profile_graph_bf16"] = {**profile_candidate(8, 4), "load_in_4bit": False,
                                      "compile": True, "graph": "graph"}
 CONFIGS["gpu_profile_graph_merged"] = {**CONFIGS["gpu_profile_graph_bf16"], "graph": "merged"}
+# All 32 rows of a generation in one call: the static cache twice as large in bf16 ("rows32"), or
+# the same size in float8 (train.kv_cache_dtype fp8, vlmrl.models.decode_attention).
+CONFIGS["gpu_profile_graph_rows32"] = {**CONFIGS["gpu_profile_graph"], "max_generation_rows": 32}
+CONFIGS["gpu_profile_graph_fp8"] = {**CONFIGS["gpu_profile_graph_rows32"],
+                                    "kv_cache_dtype": "fp8"}
 GPU_PROFILE = "gpu_profile_mb8_spg4_rows16"
 CONFIGS["gpu_profile"] = CONFIGS[GPU_PROFILE]
 for _name, _knobs in CONFIGS.items():  # equal work: 16 completions per optimizer step
@@ -511,7 +516,8 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
 
     trainer = make_trainer(model, processor, config, dataset, reward_funcs,
                            generation_rows=knobs.get("max_generation_rows"), callbacks=[Timer()],
-                           graph_decoding=knobs.get("graph", "eager"))
+                           graph_decoding=knobs.get("graph", "eager"),
+                           kv_cache_dtype=knobs.get("kv_cache_dtype", "auto"))
     phase_seconds = time_phases(trainer)
     peaks = MemoryPeaks()
     wrapped = hasattr(trainer, "_generate_single_turn")

@@ -11,11 +11,11 @@ from PIL import Image
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig
 
 from vlmrl.models import graph_decode
+from vlmrl.models.decode_attention import grouped_decode_attention
 from vlmrl.models.embedded import ensure_embedded_model
 from vlmrl.models.graph_decode import (
     GraphDecoder,
     GraphDecoding,
-    grouped_decode_attention,
     install_graph_decoding,
     sample_next,
     served,
@@ -283,3 +283,50 @@ def test_merged_copies_refuse_quantized_or_adapterless_models() -> None:
     with pytest.raises(ValueError, match="active LoRA adapter"):
         MergedLoRA(model)
 
+
+
+def test_fp8_cache_keeps_the_prefill_in_float8_and_decodes(vl_model) -> None:
+    """`kv_cache_dtype: fp8`: the static cache's layers are float8; the prompt's slots hold the
+    model-dtype prefill's keys and values clamped and rounded (`stored`), the first token is the
+    prefill's own, and decode steps run over the float8 cache (converted on a CPU)."""
+    from vlmrl.models.decode_attention import FP8, FP8_MAX, stored
+
+    model, processor = vl_model
+    inputs = vl_inputs(processor, ["What is 2 + 2?", "Name the largest value in the chart now."] * 2)
+    config = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=-5, pad_token_id=0)
+    caches, tokens = {}, {}
+    for dtype in ("auto", "fp8"):
+        decoding = GraphDecoding(model=model, original=model.generate, use_graph=False,
+                                 kv_cache_dtype=dtype)
+        with torch.no_grad():
+            tokens[dtype] = decoding._decode(config, dict(inputs))
+        caches[dtype] = next(iter(decoding.decoders.values())).cache
+    prompt = inputs["input_ids"].shape[1]
+    for exact, rounded in zip(caches["auto"].layers, caches["fp8"].layers):
+        assert rounded.keys.dtype == rounded.values.dtype == FP8
+        assert torch.equal(rounded.keys[:, :, :prompt].view(torch.uint8),
+                           stored(exact.keys[:, :, :prompt], FP8).view(torch.uint8))
+        assert torch.equal(rounded.values[:, :, :prompt].view(torch.uint8),
+                           stored(exact.values[:, :, :prompt], FP8).view(torch.uint8))
+    assert torch.equal(tokens["fp8"][:, :prompt + 1], tokens["auto"][:, :prompt + 1])
+    assert tokens["fp8"].shape == tokens["auto"].shape
+    assert stored(torch.tensor([1e4, -1e4, 0.5]), FP8).float().tolist() == [FP8_MAX, -FP8_MAX, 0.5]
+
+
+def test_fp8_cache_needs_the_grouped_attention_and_graph_decoding(vl_model) -> None:
+    from vlmrl.models.decode_attention import static_cache
+    from vlmrl.params import ParamsError
+    from vlmrl.training import make_trainer
+
+    model, processor = vl_model
+    inputs = vl_inputs(processor, ["What is 2 + 2?"])
+    config = GenerationConfig(max_new_tokens=2, do_sample=False, eos_token_id=-5, pad_token_id=0)
+    decoding = GraphDecoding(model=model, original=model.generate, use_graph=False,
+                             attention="model", kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_cache_dtype fp8 needs the grouped attention"):
+        decoding._decode(config, dict(inputs))
+    with pytest.raises(ValueError, match="train.kv_cache_dtype must be one of"):
+        static_cache(model.config, 64, "int8")
+    with pytest.raises(ParamsError, match="kv_cache_dtype: fp8 needs train.graph_decoding"):
+        make_trainer(model, processor, None, None, [], generation_rows=None, callbacks=[],
+                     graph_decoding="eager", kv_cache_dtype="fp8")

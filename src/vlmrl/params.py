@@ -8,10 +8,7 @@ unsloth`. A section is validated when a stage first asks for it, so a stage chec
 sections dvc.yaml lists for it (a bad `rewards` section must fail train_gspo, not prepare_data).
 Checks that need a runtime stay with the code that has it: `train.grpo` against
 `trl.GRPOConfig` (vlmrl.training), `export.quantize` against llama.cpp (vlmrl.export), reward
-names and options against the registry (vlmrl.rewards).
-
-History: replaces `vlmrl.config` and the hand-written `from_params` functions that each
-validated one section (`train.lora` twice, with different rules)."""
+names and options against the registry (vlmrl.rewards)."""
 
 from __future__ import annotations
 
@@ -268,6 +265,7 @@ class TrainParams(Section):
     distributed: dict[str, Any] = {}  # checked by vlmrl.launch.DistributedParams
     graph_decoding: Literal["eager", "graph", "merged"] = "eager"  # GPU rollouts: vlmrl.models.graph_decode
     expandable_segments: Boolean = True  # the CUDA allocator's: vlmrl.training.use_expandable_segments
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"  # graph decoding's cache: vlmrl.models.decode_attention
     lora: LoraParams
     grpo: dict[str, Any] = {}
 

@@ -231,12 +231,16 @@ def use_expandable_segments(enabled: bool) -> None:
 
 
 def make_trainer(model, processor, config, dataset, reward_funcs, *,
-                 generation_rows: int | None, callbacks: list, graph_decoding: str = "eager"):
+                 generation_rows: int | None, callbacks: list, graph_decoding: str = "eager",
+                 kv_cache_dtype: str = "auto"):
     """TRL's GRPOTrainer with the project's generation switches: the processor's suppressed
     tokens, compiled decoding when `generation_kwargs.disable_compile` is false (TRL itself
     always disables it), generation in chunks of `generation_rows`, on a GPU with
-    `graph_decoding` the decode step in one CUDA graph (`vlmrl.models.graph_decode`), and on a
-    CPU top-k sampling among k tokens (`vlmrl.models.sampling`)."""
+    `graph_decoding` the decode step in one CUDA graph (`vlmrl.models.graph_decode`) over a cache
+    of `kv_cache_dtype` (`vlmrl.models.decode_attention`), and on a CPU top-k sampling among k tokens (`vlmrl.models.sampling`)."""
+    if kv_cache_dtype != "auto" and graph_decoding == "eager":
+        raise ParamsError(f"params.yaml train.kv_cache_dtype: {kv_cache_dtype} needs "
+                          "train.graph_decoding graph or merged (the cache it sets), not eager")
     generation_kwargs = dict(config.generation_kwargs or {})
     compile_generation = generation_kwargs.pop("disable_compile", True) is False
     config.generation_kwargs = {**suppressed_generation_kwargs(processor), **generation_kwargs}
@@ -250,7 +254,7 @@ def make_trainer(model, processor, config, dataset, reward_funcs, *,
         True, config.temperature, config.top_k, config.top_p, config.min_p,
         suppress=config.generation_kwargs.get("suppress_tokens")))
     if graph_decoding != "eager" and not on_cpu(trainer.model):
-        install_graph_decoding(trainer.model, graph_decoding)
+        install_graph_decoding(trainer.model, graph_decoding, kv_cache_dtype=kv_cache_dtype)
     return trainer
 
 
@@ -307,7 +311,8 @@ def train(*, train_set: Path, params: Params, adapter_out: Path, checkpoints: Pa
     dataset = policy_dataset(load_from_disk(str(train_set)), processor)
     trainer = make_trainer(model, processor, config, dataset, reward_funcs,
                            generation_rows=rows, callbacks=[],
-                           graph_decoding=train_params.graph_decoding)
+                           graph_decoding=train_params.graph_decoding,
+                           kv_cache_dtype=train_params.kv_cache_dtype)
     live = live if trainer.accelerator.is_main_process else None  # rank 0 alone writes
     if live is not None:
         trainer.add_callback(live.callback())

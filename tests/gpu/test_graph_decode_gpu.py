@@ -177,7 +177,7 @@ def test_grouped_attention_matches_sdpa_in_bf16(heads, span, mask_kind):
     never written), over the whole cache or a shorter span of it (mode "merged")."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from vlmrl.models.graph_decode import grouped_decode_attention
+    from vlmrl.models.decode_attention import grouped_decode_attention
 
     class Module:
         num_key_value_groups = heads // 8
@@ -197,6 +197,77 @@ def test_grouped_attention_matches_sdpa_in_bf16(heads, span, mask_kind):
           f"relative error {error:.2e}")
     assert got.shape == expected.shape
     assert error < 1e-2
+
+
+@pytest.mark.parametrize("heads", [16, 32])
+def test_fp8_cache_attention_matches_sdpa_over_its_values(heads):
+    """The float8 cache's kernel (vlmrl.models.decode_attention) on 32 rows with a step's mask,
+    against SDPA in float32 over the same float8 values: the error of a bf16 output. Beside it,
+    how far the float8 cache moves the attention from the bf16 cache's (printed)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from vlmrl.models.decode_attention import FP8, grouped_decode_attention, stored
+
+    class Module:
+        num_key_value_groups = heads // 8
+        is_causal = True
+
+    torch.manual_seed(2)
+    query = torch.randn(32, heads, 1, 128, device="cuda", dtype=torch.bfloat16)
+    key, value = (torch.randn(32, 8, 1536, 128, device="cuda", dtype=torch.bfloat16)
+                  for _ in range(2))
+    key8, value8 = stored(key, FP8), stored(value, FP8)
+    mask = filled_mask(32, 1536, filled=1100)
+    expected, _ = sdpa_attention_forward(Module(), query.float(), key8.float(), value8.float(),
+                                         mask)
+    unquantized, _ = sdpa_attention_forward(Module(), query.float(), key.float(), value.float(),
+                                            mask)
+    got, _ = grouped_decode_attention(sdpa_attention_forward)(Module(), query, key8, value8, mask)
+    error = ((got.float() - expected).norm() / expected.norm()).item()
+    moved = ((got.float() - unquantized).norm() / unquantized.norm()).item()
+    print(f"float8 cache kernel, {heads} heads: relative error {error:.2e} against SDPA over "
+          f"its values, {moved:.2e} against the bf16 cache's attention")
+    assert got.shape == expected.shape and got.dtype == torch.bfloat16
+    assert error < 1e-2
+
+
+def test_fp8_cache_graph_replays_equal_the_eager_loop_and_stay_near_bf16():
+    """The shipped fast path with `kv_cache_dtype: fp8` (NF4 kernel, compiled forward, 16 rows):
+    the graph's replays give the eager loop's tokens over the same float8 cache, and the first
+    decode step's logits stay near those of the bf16 cache (printed: the float8 rounding)."""
+    from vlmrl.models import graph_decode
+    from vlmrl.models.graph_decode import GraphDecoding
+
+    model, processor = load(four_bit=True)
+    batch = inputs(processor)
+    logits = {}
+    original = graph_decode.sample_next
+
+    def recording(values, *args):
+        logits.setdefault(key, []).append(values.clone())
+        return original(values, *args)
+
+    graph_decode.sample_next = recording
+    tokens = {}
+    try:
+        with torch.no_grad():
+            for key, use_graph, dtype, compiled in (("eager", False, "fp8", False),
+                                                    ("graph", True, "fp8", False),
+                                                    ("compiled", True, "fp8", True),
+                                                    ("bf16", True, "auto", True)):
+                decoding = GraphDecoding(model=model, original=model.generate, keep=False,
+                                         use_graph=use_graph, kv_cache_dtype=dtype)
+                tokens[key] = decoding._decode(greedy(model, compiled), batch)
+    finally:
+        graph_decode.sample_next = original
+    assert torch.equal(tokens["graph"], tokens["eager"])
+    compiled, bf16 = logits["compiled"][1], logits["bf16"][1]
+    error = ((compiled - bf16).abs().max() / bf16.abs().max()).item()
+    prompt = batch["input_ids"].shape[1]
+    agree = (tokens["compiled"][:, prompt:] == tokens["bf16"][:, prompt:]).float().mean().item()
+    print(f"float8 vs bf16 cache, first decode step: max error {error:.2e} of the largest logit; "
+          f"{agree:.3f} of greedy tokens agree")
+    assert error < 0.2  # a wrong kernel, mask or clamp is off by O(1)
 
 
 def test_merged_copies_decode_like_the_adapter():

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from vlmrl.models.decode_attention import decode_attention, static_cache
 from vlmrl.models.sampling import SamplingSettings, candidate_probs
 from vlmrl.models.shared_prompts import copy_into_static, distinct_rows, select_rows
 
@@ -91,56 +92,6 @@ def sample_next(logits: torch.Tensor, sampling: SamplingSettings | None,
     return ids.gather(1, choice).squeeze(1)
 
 
-@functools.cache  # one function per original: torch.compile's guards on it then hold
-def grouped_decode_attention(original):
-    """An attention function for one query token per row over the static cache: the query heads
-    that share a key/value head are multiplied against it as one matrix, so the cache is read
-    once per step. transformers' SDPA path with a mask first copies every key and value head
-    `num_key_value_groups` times (`repeat_kv`): the whole cache written and read again per layer
-    and step. Scores and softmax in float32. Anything else goes to `original`."""
-
-    def attend(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-        batch, heads, length, dim = query.shape
-        if (length != 1 or attention_mask is None or attention_mask.dtype != torch.bool
-                or attention_mask.dim() != 4 or dropout):
-            return original(module, query, key, value, attention_mask, dropout=dropout,
-                            scaling=scaling, **kwargs)
-        span = attention_mask.shape[-1]  # the part of the cache this step reads
-        key, value = key[:, :, :span], value[:, :, :span]
-        kv_heads = key.shape[1]
-        grouped = query.reshape(batch * kv_heads, heads // kv_heads, dim)
-        keys = key.reshape(batch * kv_heads, span, dim).transpose(1, 2)
-        if grouped.is_cuda:
-            scores = torch.bmm(grouped, keys, out_dtype=torch.float32)
-        else:
-            scores = torch.bmm(grouped.float(), keys.float())
-        scores = scores.view(batch, kv_heads, heads // kv_heads, -1)
-        scores = scores * (dim ** -0.5 if scaling is None else scaling)
-        probs = scores.masked_fill(~attention_mask, -float("inf")).softmax(-1).to(value.dtype)
-        out = torch.bmm(probs.view(batch * kv_heads, heads // kv_heads, -1),
-                        value.reshape(batch * kv_heads, span, dim))
-        return out.view(batch, 1, heads, dim), None
-
-    return attend
-
-
-@contextlib.contextmanager
-def decode_attention(mode: str) -> Iterator[None]:
-    """While active, transformers' "sdpa" attention is `grouped_decode_attention` (mode
-    "grouped"); mode "model" leaves the model's attention alone."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    if mode not in ("grouped", "model"):
-        raise ValueError(f"graph decoding attention must be 'grouped' or 'model', not {mode!r}")
-    saved = ALL_ATTENTION_FUNCTIONS["sdpa"]
-    if mode == "grouped":
-        ALL_ATTENTION_FUNCTIONS["sdpa"] = grouped_decode_attention(saved)
-    try:
-        yield
-    finally:
-        ALL_ATTENTION_FUNCTIONS["sdpa"] = saved
-
-
 class MergedLoRA:
     """bf16 copies of the LoRA-adapted weights with the adapter folded in (W + s B A), for the
     decode graph only: a decode step then runs one matrix product per projection instead of
@@ -192,18 +143,19 @@ class GraphDecoder:
     def __init__(self, model, plan: DecodePlan, device: torch.device, eos: list[int],
                  pad: int, suppress: tuple[int, ...], use_graph: bool = True,
                  attention: str = "grouped", merged: bool = False, nf4=None,
-                 forward=None, share_prompts: bool = True, spans: bool = False) -> None:
-        from transformers import StaticCache
-
+                 forward=None, share_prompts: bool = True, spans: bool = False,
+                 kv_cache_dtype: str = "auto") -> None:
         self.model, self.plan, self.use_graph, self.attention = model, plan, use_graph, attention
         self.forward = model if forward is None else forward  # the model, or it compiled
         self.share_prompts, self.spans = share_prompts, spans
         # eager attention adds its mask to the scores: 0 where a slot is read, the lowest float
         self.additive_mask = attention_implementation(model) == "eager"
+        if kv_cache_dtype == "fp8" and (attention != "grouped" or self.additive_mask):
+            raise ValueError("train.kv_cache_dtype fp8 needs the grouped attention of an sdpa model")
         self.dtype = model.dtype
         self.nf4 = nf4  # an NF4Decode, or None: bitsandbytes' and PEFT's own projections
         rows, length = plan.rows, plan.cache_len
-        self.cache = StaticCache(config=model.config, max_cache_len=length)
+        self.cache = static_cache(model.config, length, kv_cache_dtype)
         self.token = torch.zeros(rows, 1, dtype=torch.long, device=device)
         multimodal_rope = _rope_deltas_holder(_generative_model(model)) is not None
         self.positions = torch.zeros(*((4,) if multimodal_rope else ()), rows, 1,
@@ -371,6 +323,7 @@ class GraphDecoding:
     keep: bool = True  # keep each batch shape's cache and graph between calls (else freed)
     share_prompts: bool = True  # prefill each distinct prompt once (vlmrl.models.shared_prompts)
     spans: bool = False  # attention over the filled span of the cache (GraphDecoder.span)
+    kv_cache_dtype: str = "auto"  # or "fp8": vlmrl.models.decode_attention
     # NF4 projections by `vlmrl.models.nf4_decode` in decode steps; VLMRL_NF4_DECODE=0: off
     nf4_kernel: bool = field(default_factory=lambda: os.environ.get("VLMRL_NF4_DECODE") != "0")
     decoders: dict | None = None
@@ -435,7 +388,7 @@ class GraphDecoding:
             decoder = self.decoders[plan] = GraphDecoder(
                 self.model, plan, input_ids.device, eos, int(pad), suppress, use_graph,
                 self.attention, self.merged, self.nf4, self.compiled if compiled else None,
-                self.share_prompts, self.spans)
+                self.share_prompts, self.spans, self.kv_cache_dtype)
         with torch.no_grad():
             out = decoder.generate(input_ids, attention_mask, int(config.max_new_tokens), kwargs)
         if not self.keep:  # the static cache and the graph's memory go back to the allocator
@@ -446,16 +399,19 @@ class GraphDecoding:
 MODES = ("eager", "graph", "merged")
 
 
-def install_graph_decoding(model, mode: str = "graph", attention: str = "grouped") -> GraphDecoding:
+def install_graph_decoding(model, mode: str = "graph", attention: str = "grouped",
+                           kv_cache_dtype: str = "auto") -> GraphDecoding:
     """Replaces `model.generate` (the object TRL calls: the PEFT model) with graph decoding.
     `mode` (train.graph_decoding): "graph", the adapter as it is, cache and graph freed after each
     call (memory as transformers' generate); "merged", `MergedLoRA` copies, cache and graphs
     kept and attention over the filled span of the cache (speed, at one more copy of the adapted
-    weights). Both compile the decode step's forward where `disable_compile` is false."""
+    weights). Both compile the decode step's forward where `disable_compile` is false;
+    `kv_cache_dtype` (train.kv_cache_dtype) "fp8" keeps the cache in 8 bits
+    (`vlmrl.models.decode_attention`)."""
     if mode not in MODES[1:]:
         raise ValueError(f"params.yaml train.graph_decoding must be one of {MODES}, not {mode!r}")
     wrapper = GraphDecoding(model=model, original=model.generate, attention=attention,
                             merged=mode == "merged", keep=mode == "merged",
-                            spans=mode == "merged")
+                            spans=mode == "merged", kv_cache_dtype=kv_cache_dtype)
     model.generate = functools.update_wrapper(wrapper, model.generate)
     return wrapper

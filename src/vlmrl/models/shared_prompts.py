@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from vlmrl.models.decode_attention import stored
+
 PER_IMAGE = ("pixel_values", "image_grid_thw")  # indexed by image, not by row
 
 
@@ -84,6 +86,6 @@ def copy_into_static(small, static, inverse: torch.Tensor, length: int) -> None:
         keys, values = source.keys.index_select(0, inverse), source.values.index_select(0, inverse)
         if not target.is_initialized:
             target.lazy_initialization(keys, values)
-        target.keys[:, :, :length].copy_(keys)
-        target.values[:, :, :length].copy_(values)
+        target.keys[:, :, :length].copy_(stored(keys, target.keys.dtype))
+        target.values[:, :, :length].copy_(stored(values, target.values.dtype))
         target.cumulative_length.fill_(length)

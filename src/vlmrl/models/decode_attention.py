@@ -1,0 +1,261 @@
+"""Attention for decode steps over the static cache (issue 23), and the cache in 8 bits.
+
+The rows decoded together share every read of the weights, so a step over 32 rows costs little
+more than one over 16; what bounds the rows per generate call is the cache's memory (it grows with
+rows x (prompt + completion)). Kept in float8 (e4m3, `train.kv_cache_dtype: fp8`) it takes half
+the bytes, so twice the rows fit in the same memory, as vLLM's fp8 cache. Values are clamped to
+e4m3's range (no scale); the prompt's prefill attends in the model's dtype. Matrix products cannot
+read float8 operands here, and converting the cache for them would write it out again at every
+step, so on a GPU the kernel below reads it as it is; on a CPU the grouped products take it
+converted. Sampled tokens then come from a cache rounded to 3 mantissa bits, as with vLLM's:
+training and scoring recompute log-probabilities in the model's dtype, and the importance ratio
+sees the difference."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+
+import torch
+from transformers.cache_utils import StaticCache, StaticLayer
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3's largest finite value; conversion past it gives NaN
+KV_CACHE_DTYPES = ("auto", "fp8")  # train.kv_cache_dtype; "auto": the model's dtype
+
+
+def stored(states: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Keys or values as a cache of `dtype` keeps them (float8: clamped to its range)."""
+    if dtype == FP8:
+        return states.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return states.to(dtype)
+
+
+class Fp8Layer(StaticLayer):
+    """A StaticLayer whose keys and values are float8. A prefill (more than one token) attends in
+    its own dtype, over the slots it wrote unrounded, as it does where rows share a prompt
+    (`vlmrl.models.shared_prompts` prefills into a cache of the model's dtype)."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states[..., :0, :].to(FP8), value_states[..., :0, :].to(FP8))
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        new = key_states.shape[-2]
+        first = int(self.cumulative_length) if new > 1 else 0  # a prefill's: not in the graph
+        keys, values = super().update(stored(key_states, FP8), stored(value_states, FP8),
+                                      *args, **kwargs)
+        if new == 1:
+            return keys, values
+        slots = torch.arange(first, first + new, device=keys.device)
+        return (keys.to(key_states.dtype).index_copy_(2, slots, key_states),
+                values.to(value_states.dtype).index_copy_(2, slots, value_states))
+
+
+def static_cache(config, max_cache_len: int, kv_cache_dtype: str = "auto") -> StaticCache:
+    """transformers' StaticCache, its layers float8 where `kv_cache_dtype` is "fp8"."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"params.yaml train.kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
+                         f"not {kv_cache_dtype!r}")
+    cache = StaticCache(config=config, max_cache_len=max_cache_len)
+    if kv_cache_dtype == "fp8":
+        if any(type(layer) is not StaticLayer for layer in cache.layers):
+            raise ValueError("train.kv_cache_dtype fp8 serves full-attention layers only, not "
+                             f"{sorted({type(layer).__name__ for layer in cache.layers})}")
+        cache.layers = [Fp8Layer(max_cache_len=max_cache_len) for _ in cache.layers]
+    return cache
+
+
+@functools.cache  # one function per original: torch.compile's guards on it then hold
+def grouped_decode_attention(original):
+    """An attention function for one query token per row over the static cache: the query heads
+    that share a key/value head are multiplied against it as one matrix, so the cache is read
+    once per step (a float8 cache on a GPU by `cache_attention`). transformers' SDPA path with a
+    mask first copies every key and value head `num_key_value_groups` times (`repeat_kv`): the
+    whole cache written and read again per layer and step. Scores and softmax in float32.
+    Anything else goes to `original`."""
+
+    def attend(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        batch, heads, length, dim = query.shape
+        if (length != 1 or attention_mask is None or attention_mask.dtype != torch.bool
+                or attention_mask.dim() != 4 or dropout):
+            return original(module, query, key, value, attention_mask, dropout=dropout,
+                            scaling=scaling, **kwargs)
+        span = attention_mask.shape[-1]  # the part of the cache this step reads
+        key, value = key[:, :, :span], value[:, :, :span]
+        if key.dtype == FP8:
+            if query.is_cuda:
+                scale = dim ** -0.5 if scaling is None else scaling
+                return cache_attention_op(query, key, value, attention_mask[:, 0, 0], scale), None
+            key, value = key.to(query.dtype), value.to(query.dtype)
+        kv_heads = key.shape[1]
+        grouped = query.reshape(batch * kv_heads, heads // kv_heads, dim)
+        keys = key.reshape(batch * kv_heads, span, dim).transpose(1, 2)
+        if grouped.is_cuda:
+            scores = torch.bmm(grouped, keys, out_dtype=torch.float32)
+        else:
+            scores = torch.bmm(grouped.float(), keys.float())
+        scores = scores.view(batch, kv_heads, heads // kv_heads, -1)
+        scores = scores * (dim ** -0.5 if scaling is None else scaling)
+        probs = scores.masked_fill(~attention_mask, -float("inf")).softmax(-1).to(value.dtype)
+        out = torch.bmm(probs.view(batch * kv_heads, heads // kv_heads, -1),
+                        value.reshape(batch * kv_heads, span, dim))
+        return out.view(batch, 1, heads, dim), None
+
+    return attend
+
+
+@contextlib.contextmanager
+def decode_attention(mode: str) -> Iterator[None]:
+    """While active, transformers' "sdpa" attention is `grouped_decode_attention` (mode
+    "grouped"); mode "model" leaves the model's attention alone."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if mode not in ("grouped", "model"):
+        raise ValueError(f"graph decoding attention must be 'grouped' or 'model', not {mode!r}")
+    saved = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    if mode == "grouped":
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = grouped_decode_attention(saved)
+    try:
+        yield
+    finally:
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = saved
+
+
+# The kernel (commit 7c1170f measured it no faster than the grouped products on a bf16 cache):
+# each program keeps a running softmax over its share of the slots for the query heads of one
+# key/value head (flash-decoding), skipping every block of slots the step's mask leaves out
+# (empty slots, left padding); a second launch merges the shares. float32 inside, the output
+# rounded once to the query's dtype.
+BLOCK_SLOTS = 32
+SPLITS = 4  # shares of the slots per (row, key/value head): 4 x 128 programs at 16 rows
+
+
+def kernel_available() -> bool:
+    """Whether this machine can run the kernel: CUDA and Triton present."""
+    from importlib.util import find_spec
+
+    return torch.cuda.is_available() and find_spec("triton") is not None
+
+
+@functools.cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def partial_attention(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, length, chunk,
+                          scale, stride_qb, stride_qh, stride_kb, stride_kh, stride_kl,
+                          stride_vb, stride_vh, stride_vl, stride_mb,
+                          KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
+                          DIM: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr):
+        """Running max, sum and weighted values of one share of the slots, for the GROUP query
+        heads of one (row, key/value head)."""
+        row_head = tl.program_id(0)
+        split = tl.program_id(1)
+        row = row_head // KV_HEADS
+        kv_head = row_head % KV_HEADS
+        heads = tl.arange(0, G_PAD)
+        dims = tl.arange(0, DIM)
+        head_ok = heads < GROUP
+        q = tl.load(q_ptr + row * stride_qb + (kv_head * GROUP + heads)[:, None] * stride_qh
+                    + dims[None, :], mask=head_ok[:, None], other=0.0).to(tl.float32)
+        running_max = tl.full((G_PAD,), -1e30, tl.float32)
+        total = tl.zeros((G_PAD,), tl.float32)
+        acc = tl.zeros((G_PAD, DIM), tl.float32)
+        slots = tl.arange(0, BLOCK)
+        k_base = k_ptr + row * stride_kb + kv_head * stride_kh
+        v_base = v_ptr + row * stride_vb + kv_head * stride_vh
+        start = split * chunk
+        for first in range(start, start + chunk, BLOCK):
+            at = first + slots
+            inside = at < length
+            read = tl.load(mask_ptr + row * stride_mb + at, mask=inside, other=0).to(tl.int32)
+            if tl.sum(read, axis=0) > 0:  # a block the step's mask leaves out is not read
+                keys = tl.load(k_base + at[:, None] * stride_kl + dims[None, :],
+                               mask=inside[:, None], other=0.0).to(tl.float32)
+                scores = tl.sum(q[:, None, :] * keys[None, :, :], axis=2) * scale
+                scores = tl.where((read > 0)[None, :], scores, -float("inf"))
+                new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+                decay = tl.exp(running_max - new_max)
+                weights = tl.exp(scores - new_max[:, None])
+                total = total * decay + tl.sum(weights, axis=1)
+                values = tl.load(v_base + at[:, None] * stride_vl + dims[None, :],
+                                 mask=inside[:, None], other=0.0).to(tl.float32)
+                acc = acc * decay[:, None] + tl.sum(weights[:, :, None] * values[None, :, :],
+                                                    axis=1)
+                running_max = new_max
+        share = (row_head * SPLITS + split) * G_PAD + heads
+        tl.store(m_ptr + share, running_max)
+        tl.store(l_ptr + share, total)
+        tl.store(acc_ptr + share[:, None] * DIM + dims[None, :], acc)
+
+    @triton.jit
+    def merge_shares(m_ptr, l_ptr, acc_ptr, out_ptr, stride_ob, stride_oh,
+                     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
+                     DIM: tl.constexpr, SPLITS: tl.constexpr):
+        """out = the shares' weighted values, each rescaled to the overall max, over their
+        summed weights."""
+        row_head = tl.program_id(0)
+        row = row_head // KV_HEADS
+        kv_head = row_head % KV_HEADS
+        heads = tl.arange(0, G_PAD)
+        dims = tl.arange(0, DIM)
+        shares = tl.arange(0, SPLITS)
+        at = (row_head * SPLITS + shares)[:, None] * G_PAD + heads[None, :]
+        maxima = tl.load(m_ptr + at)
+        overall = tl.max(maxima, axis=0)
+        scales = tl.exp(maxima - overall[None, :])
+        total = tl.sum(scales * tl.load(l_ptr + at), axis=0)
+        acc = tl.load(acc_ptr + at[:, :, None] * DIM + dims[None, None, :])
+        out = tl.sum(scales[:, :, None] * acc, axis=0) / total[:, None]
+        tl.store(out_ptr + row * stride_ob + (kv_head * GROUP + heads)[:, None] * stride_oh
+                 + dims[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=(heads < GROUP)[:, None])
+
+    return triton, partial_attention, merge_shares
+
+
+def cache_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     read: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of query [rows, heads, 1, dim] over the cache's key and value
+    [rows, kv_heads, slots, dim] where `read` [rows, length] (bool, length <= slots) is true;
+    returns [rows, 1, heads, dim] in the query's dtype."""
+    triton, partial_attention, merge_shares = _kernels()
+    rows, heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    group = heads // kv_heads
+    g_pad = triton.next_power_of_2(group)
+    length = read.shape[-1]
+    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    read = read if read.stride(-1) == 1 else read.contiguous()
+    chunk = triton.cdiv(triton.cdiv(length, SPLITS), BLOCK_SLOTS) * BLOCK_SLOTS
+    shares = rows * kv_heads * SPLITS * g_pad
+    maxima = torch.empty(shares, dtype=torch.float32, device=query.device)
+    totals = torch.empty(shares, dtype=torch.float32, device=query.device)
+    acc = torch.empty(shares, dim, dtype=torch.float32, device=query.device)
+    partial_attention[(rows * kv_heads, SPLITS)](
+        query, key, value, read, maxima, totals, acc, length, chunk, float(scale),
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2),
+        value.stride(0), value.stride(1), value.stride(2), read.stride(0),
+        KV_HEADS=kv_heads, GROUP=group, G_PAD=g_pad, DIM=dim, BLOCK=BLOCK_SLOTS, SPLITS=SPLITS,
+        num_warps=4)
+    out = torch.empty(rows, 1, heads, dim, dtype=query.dtype, device=query.device)
+    merge_shares[(rows * kv_heads,)](maxima, totals, acc, out, out.stride(0), out.stride(2),
+                                     KV_HEADS=kv_heads, GROUP=group, G_PAD=g_pad, DIM=dim,
+                                     SPLITS=SPLITS, num_warps=4)
+    return out
+
+
+@torch.library.custom_op("vlmrl::cache_attention", mutates_args=())
+def cache_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        read: torch.Tensor, scale: float) -> torch.Tensor:
+    """`cache_attention` as one operator, which torch.compile calls as it is and a CUDA graph
+    captures."""
+    return cache_attention(query, key, value, read, scale)
+
+
+@cache_attention_op.register_fake
+def _(query, key, value, read, scale):
+    rows, heads, _, dim = query.shape
+    return query.new_empty(rows, 1, heads, dim)
