@@ -124,10 +124,11 @@ def decode_attention(mode: str) -> Iterator[None]:
 
 # The kernel (commit 7c1170f measured it no faster than the grouped products on a bf16 cache):
 # each program keeps a running softmax over its share of the slots for the query heads of one
-# key/value head (flash-decoding), skipping every block of slots the step's mask leaves out
+# key/value head (flash-decoding; its products on tensor cores, the heads padded to 16 and the
+# float8 values widened to the query's dtype in registers), skipping every block of slots the step's mask leaves out
 # (empty slots, left padding); a second launch merges the shares. float32 inside, the output
 # rounded once to the query's dtype.
-BLOCK_SLOTS = 32
+BLOCK_SLOTS = 64
 SPLITS = 4  # shares of the slots per (row, key/value head): 4 x 128 programs at 16 rows
 
 
@@ -159,7 +160,7 @@ def _kernels():
         dims = tl.arange(0, DIM)
         head_ok = heads < GROUP
         q = tl.load(q_ptr + row * stride_qb + (kv_head * GROUP + heads)[:, None] * stride_qh
-                    + dims[None, :], mask=head_ok[:, None], other=0.0).to(tl.float32)
+                    + dims[None, :], mask=head_ok[:, None], other=0.0)
         running_max = tl.full((G_PAD,), -1e30, tl.float32)
         total = tl.zeros((G_PAD,), tl.float32)
         acc = tl.zeros((G_PAD, DIM), tl.float32)
@@ -173,17 +174,16 @@ def _kernels():
             read = tl.load(mask_ptr + row * stride_mb + at, mask=inside, other=0).to(tl.int32)
             if tl.sum(read, axis=0) > 0:  # a block the step's mask leaves out is not read
                 keys = tl.load(k_base + at[:, None] * stride_kl + dims[None, :],
-                               mask=inside[:, None], other=0.0).to(tl.float32)
-                scores = tl.sum(q[:, None, :] * keys[None, :, :], axis=2) * scale
+                               mask=inside[:, None], other=0.0).to(q.dtype)
+                scores = tl.dot(q, tl.trans(keys)) * scale
                 scores = tl.where((read > 0)[None, :], scores, -float("inf"))
                 new_max = tl.maximum(running_max, tl.max(scores, axis=1))
                 decay = tl.exp(running_max - new_max)
                 weights = tl.exp(scores - new_max[:, None])
                 total = total * decay + tl.sum(weights, axis=1)
                 values = tl.load(v_base + at[:, None] * stride_vl + dims[None, :],
-                                 mask=inside[:, None], other=0.0).to(tl.float32)
-                acc = acc * decay[:, None] + tl.sum(weights[:, :, None] * values[None, :, :],
-                                                    axis=1)
+                                 mask=inside[:, None], other=0.0).to(q.dtype)
+                acc = acc * decay[:, None] + tl.dot(weights.to(q.dtype), values)
                 running_max = new_max
         share = (row_head * SPLITS + split) * G_PAD + heads
         tl.store(m_ptr + share, running_max)
@@ -225,7 +225,7 @@ def cache_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     rows, heads, _, dim = query.shape
     kv_heads = key.shape[1]
     group = heads // kv_heads
-    g_pad = triton.next_power_of_2(group)
+    g_pad = max(16, triton.next_power_of_2(group))  # tl.dot's least rows
     length = read.shape[-1]
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     read = read if read.stride(-1) == 1 else read.contiguous()

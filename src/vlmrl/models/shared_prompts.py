@@ -81,9 +81,11 @@ def select_rows(keep: list[int], input_ids: torch.Tensor, attention_mask: torch.
 @torch.no_grad()
 def copy_into_static(small, static, inverse: torch.Tensor, length: int) -> None:
     """Every row of the static cache gets its prompt's keys and values from `small` (a cache of
-    the distinct rows, `length` slots filled); the next slot written is `length`."""
+    the distinct rows, `length` slots filled); the next slot written is `length`. Each layer of
+    `small` is emptied once copied, so the two caches are never whole at once (the peak)."""
     for source, target in zip(small.layers, static.layers):
         keys, values = source.keys.index_select(0, inverse), source.values.index_select(0, inverse)
+        source.keys = source.values = None
         if not target.is_initialized:
             target.lazy_initialization(keys, values)
         target.keys[:, :, :length].copy_(stored(keys, target.keys.dtype))
