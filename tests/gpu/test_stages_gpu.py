@@ -57,7 +57,10 @@ CONFIGS = {
                                 "train.graph_decoding": "graph", **NF4_SFT,
                                 "train.grpo.generation_kwargs.disable_compile": False},
 }
-DOWNSTREAM = [name for name in CONFIGS if not name.endswith("-graph")]
+# the 2B recipe's rollouts: the graph profile over a float8 cache (vlmrl.models.decode_attention)
+CONFIGS["transformers-4bit-graph-fp8"] = {**CONFIGS["transformers-4bit-graph"],
+                                          "train.kv_cache_dtype": "fp8"}
+DOWNSTREAM = [name for name in CONFIGS if "-graph" not in name]
 # The cold start and GSPO of the tests, measured on an H100 (transformers bf16) with
 # benchmarks/gspo_settings_probe.py; tests/gpu/README.md has the figures. Without the SFT the
 # random model never samples EOS, every reward of a group is equal and no gradient flows. After
