@@ -704,12 +704,13 @@ def roofline_table(results: dict[str, Any]) -> str:
              "vs unsloth_4bit | vs today's profile |"),
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     order = {name: index for index, name in enumerate(CONFIGS)}
-    for run in sorted(runs, key=lambda r: (r.get("model", MODEL), r["completion_length"],
-                                           order.get(r["config"], 99))):
+    runs = sorted(runs, key=lambda r: (r.get("model", MODEL), r["completion_length"],
+                                       order.get(r["config"], 99)))
+    for run in runs:
         fraction = run.get("bandwidth_fraction")
         weights = run.get("decode_weight_bytes")
         lines.append(
-            f"| {run.get('model', MODEL).removeprefix('embedded:')} | `{run['config']}` | "
+            f"| {model_name(run)} | `{run['config']}` | "
             f"{run['completion_length']} | {_fmt(run['seconds_per_step'], '.2f')} | "
             f"{_fmt(run['generated_tokens_per_second'], '.0f')} | "
             f"{_fmt(run['generation_only_tokens_per_second'], '.0f')} | "
@@ -725,6 +726,10 @@ def roofline_table(results: dict[str, Any]) -> str:
         lines += ["", "Runs without a result in this file:", ""]
         lines += [f"- `{key}`: {error}" for key, error in failed]
     return "\n".join(lines)
+
+
+def model_name(run: dict[str, Any]) -> str:
+    return run.get("model", MODEL).removeprefix("embedded:")
 
 
 def micro_batch_seconds(run: dict[str, Any]) -> tuple[list[float], list[float]]:
@@ -749,14 +754,15 @@ def phase_table(runs: list[dict[str, Any]]) -> list[str]:
     timed = [r for r in runs if r.get("seconds_by_phase")]
     if not timed:
         return []
-    lines = ["", ("| configuration | tokens | generation | old log-probs | forward | backward | "
-                  "first micro-batch after a generation, s | other micro-batches, mean s |"),
-             "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
+    lines = ["", ("| model | configuration | tokens | generation | old log-probs | forward | "
+                  "backward | first micro-batch after a generation, s | "
+                  "other micro-batches, mean s |"),
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
     for run in timed:
         phases = run["seconds_by_phase"]
         first, others = micro_batch_seconds(run)
         lines.append(
-            f"| `{run['config']}` | {run['completion_length']} | "
+            f"| {model_name(run)} | `{run['config']}` | {run['completion_length']} | "
             + " | ".join(_fmt(phases.get(key), ".2f")
                          for key in ("generation", "old_logps", "loss", "backward"))
             + f" | {', '.join(f'{t:.2f}' for t in first) or '-'} | "

@@ -74,7 +74,8 @@ def test_phase_table_sets_the_first_micro_batch_after_a_generation_apart(bench) 
     assert others == [pytest.approx(0.8)] * 3
     lines = bench.phase_table([run, {"config": "unsloth_4bit", "completion_length": 1024}])
     row = next(line for line in lines if "gpu_profile_graph" in line)
-    assert row == "| `gpu_profile_graph` | 1024 | 6.50 | 0.60 | 0.70 | 1.00 | 3.50 | 0.80 |"
+    assert row == ("| qwen3-vl-2b-shape | `gpu_profile_graph` | 1024 | 6.50 | 0.60 | 0.70 | 1.00 | "
+                   "3.50 | 0.80 |")
     assert not any("unsloth_4bit" in line for line in lines)
     assert bench.phase_table([{"config": "x", "completion_length": 1}]) == []
 
