@@ -313,6 +313,28 @@ def test_fp8_cache_keeps_the_prefill_in_float8_and_decodes(vl_model) -> None:
     assert stored(torch.tensor([1e4, -1e4, 0.5]), FP8).float().tolist() == [FP8_MAX, -FP8_MAX, 0.5]
 
 
+def test_compiled_step_over_a_float8_cache_decodes_as_the_eager_step(vl_model) -> None:
+    """The decode step's forward under torch.compile writes the float8 cache (the compiled
+    `index_copy_` of float8 values) and reads it as the eager step does: the same tokens and the
+    same cache bytes."""
+    model, processor = vl_model
+    inputs = vl_inputs(processor, ["What is 2 + 2?", "Name the largest value in the chart now."])
+    config = GenerationConfig(max_new_tokens=20, do_sample=False, eos_token_id=-5, pad_token_id=0)
+    ids, mask = inputs["input_ids"], inputs["attention_mask"]
+    rest = {key: value for key, value in inputs.items() if key not in ("input_ids", "attention_mask")}
+    plan = graph_decode.plan_for(config, ids.shape[0], ids.shape[1], ())
+    decoders = [GraphDecoder(model, plan, ids.device, [-5], 0, (), use_graph=False,
+                             forward=forward, kv_cache_dtype="fp8")
+                for forward in (None, torch.compile(model))]
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager, compiled = (decoder.generate(ids, mask, 20, dict(rest)) for decoder in decoders)
+    assert torch.equal(compiled, eager)
+    for ours, theirs in zip(decoders[1].cache.layers, decoders[0].cache.layers):
+        assert torch.equal(ours.keys.view(torch.uint8), theirs.keys.view(torch.uint8))
+        assert torch.equal(ours.values.view(torch.uint8), theirs.values.view(torch.uint8))
+
+
 def test_fp8_cache_needs_the_grouped_attention_and_graph_decoding(vl_model) -> None:
     from vlmrl.models.decode_attention import static_cache
     from vlmrl.params import ParamsError
