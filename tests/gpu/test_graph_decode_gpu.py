@@ -70,6 +70,31 @@ def greedy(model, compiled: bool = False):
                             disable_compile=not compiled)
 
 
+def decode_and_record(model, batch: dict, runs: dict[str, tuple[dict, bool]]):
+    """Each run's greedy tokens (a GraphDecoding with these fields, its step compiled or not, a
+    new cache and graph per call) and the float32 logits of its every draw (the prefill's first)."""
+    from vlmrl.models import graph_decode
+    from vlmrl.models.graph_decode import GraphDecoding
+
+    tokens, logits = {}, {}
+    original = graph_decode.sample_next
+
+    def recording(values, *args):
+        logits.setdefault(key, []).append(values.clone())
+        return original(values, *args)
+
+    graph_decode.sample_next = recording
+    try:
+        with torch.no_grad():
+            for key, (fields, compiled) in runs.items():
+                decoding = GraphDecoding(model=model, original=model.generate, keep=False,
+                                         **fields)
+                tokens[key] = decoding._decode(greedy(model, compiled), batch)
+    finally:
+        graph_decode.sample_next = original
+    return tokens, logits
+
+
 @pytest.fixture
 def deterministic():
     """cuBLAS and SDPA made deterministic: without it `generate` itself is not (measured on the
@@ -115,28 +140,11 @@ def test_compiled_nf4_step_is_traced_once_and_close_to_the_eager_step():
     within bf16 rounding."""
     from torch._dynamo.utils import counters
 
-    from vlmrl.models import graph_decode
-    from vlmrl.models.graph_decode import GraphDecoding
-
     model, processor = load(four_bit=True)
-    batch = inputs(processor)
-    logits = {}
-    original = graph_decode.sample_next
-
-    def recording(values, *args):
-        logits.setdefault(key, []).append(values.clone())
-        return original(values, *args)
-
-    graph_decode.sample_next = recording
-    try:
-        torch._dynamo.reset()
-        counters.clear()
-        with torch.no_grad():
-            for key, compiled in (("eager", False), ("compiled", True), ("again", True)):
-                decoding = GraphDecoding(model=model, original=model.generate, keep=False)
-                decoding._decode(greedy(model, compiled), batch)
-    finally:
-        graph_decode.sample_next = original
+    torch._dynamo.reset()
+    counters.clear()
+    _, logits = decode_and_record(model, inputs(processor), {
+        "eager": ({}, False), "compiled": ({}, True), "again": ({}, True)})
     assert counters["stats"]["unique_graphs"] == 1
     eager, compiled = logits["eager"][1], logits["compiled"][1]  # [0] is the prefill's
     error = ((compiled - eager).abs().max() / eager.abs().max()).item()
@@ -235,31 +243,13 @@ def test_fp8_cache_graph_replays_equal_the_eager_loop_and_stay_near_bf16():
     """The shipped fast path with `kv_cache_dtype: fp8` (NF4 kernel, compiled forward, 16 rows):
     the graph's replays give the eager loop's tokens over the same float8 cache, and the first
     decode step's logits stay near those of the bf16 cache (printed: the float8 rounding)."""
-    from vlmrl.models import graph_decode
-    from vlmrl.models.graph_decode import GraphDecoding
-
     model, processor = load(four_bit=True)
     batch = inputs(processor)
-    logits = {}
-    original = graph_decode.sample_next
-
-    def recording(values, *args):
-        logits.setdefault(key, []).append(values.clone())
-        return original(values, *args)
-
-    graph_decode.sample_next = recording
-    tokens = {}
-    try:
-        with torch.no_grad():
-            for key, use_graph, dtype, compiled in (("eager", False, "fp8", False),
-                                                    ("graph", True, "fp8", False),
-                                                    ("compiled", True, "fp8", True),
-                                                    ("bf16", True, "auto", True)):
-                decoding = GraphDecoding(model=model, original=model.generate, keep=False,
-                                         use_graph=use_graph, kv_cache_dtype=dtype)
-                tokens[key] = decoding._decode(greedy(model, compiled), batch)
-    finally:
-        graph_decode.sample_next = original
+    tokens, logits = decode_and_record(model, batch, {
+        "eager": ({"use_graph": False, "kv_cache_dtype": "fp8"}, False),
+        "graph": ({"kv_cache_dtype": "fp8"}, False),
+        "compiled": ({"kv_cache_dtype": "fp8"}, True),
+        "bf16": ({}, True)})
     assert torch.equal(tokens["graph"], tokens["eager"])
     compiled, bf16 = logits["compiled"][1], logits["bf16"][1]
     error = ((compiled - bf16).abs().max() / bf16.abs().max()).item()
