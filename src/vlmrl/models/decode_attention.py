@@ -38,7 +38,8 @@ class Fp8Layer(StaticLayer):
     (`vlmrl.models.shared_prompts` prefills into a cache of the model's dtype)."""
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        super().lazy_initialization(key_states[..., :0, :].to(FP8), value_states[..., :0, :].to(FP8))
+        super().lazy_initialization(key_states[..., :0, :].to(FP8),
+                                    value_states[..., :0, :].to(FP8))
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         new = key_states.shape[-2]
@@ -83,9 +84,9 @@ def grouped_decode_attention(original):
                             scaling=scaling, **kwargs)
         span = attention_mask.shape[-1]  # the part of the cache this step reads
         key, value = key[:, :, :span], value[:, :, :span]
+        scale = dim ** -0.5 if scaling is None else scaling
         if key.dtype == FP8:
             if query.is_cuda:
-                scale = dim ** -0.5 if scaling is None else scaling
                 return cache_attention_op(query, key, value, attention_mask[:, 0, 0], scale), None
             key, value = key.to(query.dtype), value.to(query.dtype)
         kv_heads = key.shape[1]
@@ -96,7 +97,7 @@ def grouped_decode_attention(original):
         else:
             scores = torch.bmm(grouped.float(), keys.float())
         scores = scores.view(batch, kv_heads, heads // kv_heads, -1)
-        scores = scores * (dim ** -0.5 if scaling is None else scaling)
+        scores = scores * scale
         probs = scores.masked_fill(~attention_mask, -float("inf")).softmax(-1).to(value.dtype)
         out = torch.bmm(probs.view(batch * kv_heads, heads // kv_heads, -1),
                         value.reshape(batch * kv_heads, span, dim))
@@ -125,18 +126,11 @@ def decode_attention(mode: str) -> Iterator[None]:
 # The kernel (commit 7c1170f measured it no faster than the grouped products on a bf16 cache):
 # each program keeps a running softmax over its share of the slots for the query heads of one
 # key/value head (flash-decoding; its products on tensor cores, the heads padded to 16 and the
-# float8 values widened to the query's dtype in registers), skipping every block of slots the step's mask leaves out
-# (empty slots, left padding); a second launch merges the shares. float32 inside, the output
-# rounded once to the query's dtype.
+# float8 values widened to the query's dtype in registers), skipping every block of slots the
+# step's mask leaves out (empty slots, left padding); a second launch merges the shares. float32
+# inside, the output rounded once to the query's dtype.
 BLOCK_SLOTS = 64
 SPLITS = 4  # shares of the slots per (row, key/value head): 4 x 128 programs at 16 rows
-
-
-def kernel_available() -> bool:
-    """Whether this machine can run the kernel: CUDA and Triton present."""
-    from importlib.util import find_spec
-
-    return torch.cuda.is_available() and find_spec("triton") is not None
 
 
 @functools.cache
