@@ -2,7 +2,7 @@
 # Runs the GPU tests and/or the GSPO step benchmark on a GPU machine that lacks the project's
 # training packages, from the wheel set tests/gpu/make_wheels.sh put in .whl/.
 #
-#   tests/gpu/run_on_device.sh tests [pytest args...]   # tests/gpu (gpu-marked)
+#   tests/gpu/run_on_device.sh tests [pytest args...]   # tests/gpu (gpu-marked), or the paths named
 #   tests/gpu/run_on_device.sh bench [gspo_step.py args...]
 #   tests/gpu/run_on_device.sh probe [gspo_settings_probe.py args...]   # the tests' SFT/GSPO settings
 #   tests/gpu/run_on_device.sh learning [learning.py args...]   # the learning benchmark, no DVC
@@ -75,10 +75,12 @@ case "$MODE" in
     setup) ;;
     tests)
         export TQDM_DISABLE=1
+        targets=(tests/gpu)  # unless the arguments name test files, folders or node ids
+        for arg in "$@"; do [ -e "${arg%%::*}" ] && targets=(); done
         # SIGINT at the deadline: pytest stops cleanly, reports, and the logs below are kept.
         # One base temp directory, emptied by pytest at each start: every test leaves multi-GB
         # models behind, and pytest's default keeps three runs of them on a 64 GB disk.
-        timeout --signal=INT "${VLMRL_GPU_TEST_TIMEOUT:-36000}" python3 -m pytest tests/gpu -m gpu -p no:cacheprovider -v -s --tb=short \
+        timeout --signal=INT "${VLMRL_GPU_TEST_TIMEOUT:-36000}" python3 -m pytest "${targets[@]}" -m gpu -p no:cacheprovider -v -s --tb=short \
             --basetemp=/tmp/vlmrl-gpu-pytest --junitxml="$OUTDIR/gpu-tests.xml" "$@" 2>&1 | tee "$OUTDIR/gpu-tests.log"
         rc="${PIPESTATUS[0]}"
         # The device tool returns at most 8 files: one archive for the per-stage logs.
