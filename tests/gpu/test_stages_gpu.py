@@ -60,7 +60,7 @@ CONFIGS = {
 # the fastest profile: the graph profile over a float8 cache (vlmrl.models.decode_attention)
 CONFIGS["transformers-4bit-graph-fp8"] = {**CONFIGS["transformers-4bit-graph"],
                                           "train.kv_cache_dtype": "fp8"}
-DOWNSTREAM = [name for name in CONFIGS if "-graph" not in name]
+DOWNSTREAM_CONFIGS = [name for name in CONFIGS if "-graph" not in name]
 # The cold start and GSPO of the tests, measured on an H100 (transformers bf16) with
 # benchmarks/gspo_settings_probe.py; tests/gpu/README.md has the figures. Without the SFT the
 # random model never samples EOS, every reward of a group is equal and no gradient flows. After
@@ -342,7 +342,7 @@ def test_train_gspo(copies, config):
                            f"cold-start adapter's: {unchanged[:3]}")
 
 
-@pytest.mark.parametrize("config", DOWNSTREAM)
+@pytest.mark.parametrize("config", DOWNSTREAM_CONFIGS)
 def test_downstream(copies, config):
     """baseline_eval, post_eval, verify_lora, export (Unsloth's merged 16-bit save on the Unsloth
     path, transformers' merge otherwise; GGUF on both) and upload (local manifest only); or the
