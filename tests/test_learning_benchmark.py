@@ -26,18 +26,21 @@ def run(seed: int, format_delta: float, reward_delta: float) -> dict:
             "accuracy_by_tier": {"read": {"baseline": 0.0, "post": 0.5}}}
 
 
-def test_claim_holds_only_when_every_seed_gains_and_the_mean_beats_the_spread(learning):
-    assert learning.summarize([run(1, 0.2, 0.3), run(2, 0.25, 0.2), run(3, 0.3, 0.1)],
-                              0.10)["claim"]["holds"]
-    one_seed_short = learning.summarize([run(1, 0.2, 0.3), run(2, 0.05, 0.2), run(3, 0.3, 0.1)],
-                                        0.10)["claim"]
-    assert not one_seed_short["every_seed_format_gain"] and not one_seed_short["holds"]
-    reward_down = learning.summarize([run(1, 0.2, 0.3), run(2, 0.25, -0.1), run(3, 0.3, 0.1)],
-                                     0.10)["claim"]
+def test_claim_holds_only_when_every_seed_gains_and_the_mean_beats_its_error(learning):
+    assert learning.summarize([run(1, 0.2, 0.3), run(2, 0.25, 0.2), run(3, 0.3, 0.1)]
+                              )["claim"]["holds"]
+    one_seed_down = learning.summarize([run(1, 0.4, 0.3), run(2, -0.01, 0.2), run(3, 0.3, 0.1)]
+                                       )["claim"]
+    assert not one_seed_down["every_seed_format_gain"] and not one_seed_down["holds"]
+    reward_down = learning.summarize([run(1, 0.2, 0.3), run(2, 0.25, -0.1), run(3, 0.3, 0.1)]
+                                     )["claim"]
     assert not reward_down["every_seed_reward_gain"] and not reward_down["holds"]
-    spread = learning.summarize([run(1, 0.11, 0.3), run(2, 0.9, 0.2), run(3, 0.12, 0.1)],
-                                0.10)["claim"]
-    assert spread["every_seed_format_gain"] and not spread["mean_gain_at_least_twice_std"]
+    small = learning.summarize([run(1, 0.11, 0.3), run(2, 0.12, 0.2), run(3, 0.13, 0.1)])["claim"]
+    assert small["every_seed_format_gain"] and not small["mean_gain_large_enough"]
+    # mean 0.3667, std 0.4619, standard error 0.2667: 1.4 standard errors
+    spread = learning.summarize([run(1, 0.02, 0.3), run(2, 0.9, 0.2), run(3, 0.18, 0.1)])["claim"]
+    assert spread["mean_gain_large_enough"] and not spread["mean_gain_beats_its_standard_error"]
+    assert spread["standard_error"] == pytest.approx(0.2667, abs=1e-4) and not spread["holds"]
 
 
 def test_mechanics_read_off_policy_clip_from_steps_without_a_reward(learning):
@@ -58,7 +61,7 @@ def test_table_goes_between_the_markers_and_nowhere_else(learning, tmp_path: Pat
                    "<!-- benchmarks/learning.py:end -->\ntail\n")
     runs = [run(1, 0.2, 0.3), run(2, 0.25, 0.2)]
     results = {"date": "2026-11-23", "machine": "test", "overrides": {}, "runs": runs,
-               "summary": learning.summarize(runs, 0.10)}
+               "summary": learning.summarize(runs)}
     learning.write_doc_block(doc, learning.render_table(results), "")
     text = doc.read_text()
     assert text.startswith("intro\n") and text.endswith("tail\n") and "OLD TABLE" not in text

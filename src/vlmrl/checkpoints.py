@@ -49,6 +49,7 @@ MEMORY_ONLY = {  # the same updates, computed in more or fewer pieces or with re
 IO_ONLY = {  # what is logged, saved or printed, and where; not what training computes
     "train.save_steps": "how often a checkpoint is written",
     "train.resume": "whether to resume at all (false moves the checkpoints aside)",
+    "train.max_nonfinite_steps": "when skipped non-finite steps stop the run (a step is the same)",
     "train.grpo.save_total_limit": "how many checkpoints are kept",
     "train.grpo.save_only_model": "whether the optimizer state is saved too",
     "train.grpo.logging_steps": "how often a log row is written",

@@ -24,12 +24,13 @@ _EVAL = ("n", "accuracy", "format_compliance", "mean_reward", "rewards", "score_
          "vs_baseline.wrong_to_right", "vs_baseline.right_to_wrong")
 HEADLINE: dict[str, tuple[str, ...]] = {
     "prepare_data": ("total_records", "filtered_out", "skipped", "train.n", "eval.n"),
-    "sft_cold_start": ("steps", "first_loss", "last_loss"),
+    "sft_cold_start": ("steps", "first_loss", "last_loss", "nonfinite_steps"),
     "baseline_eval": _EVAL,
     "post_eval": _EVAL,
     "train_gspo": ("steps", "mean_reward", "last_reward", "last_clip_ratio", "max_clip_ratio",
                    "steps_with_clipping", "last_completion_length", "min_grad_norm",
-                   "last_grad_norm", "steps_with_zero_grad_norm", "mean_frac_reward_zero_std"),
+                   "last_grad_norm", "steps_with_zero_grad_norm", "mean_frac_reward_zero_std",
+                   "nonfinite_steps"),
     "verify_lora": ("checks_failed", "tensors.adapted_modules", "tensors.zero_lora_B",
                     "tensors.parameters", "logit_delta.max_abs", "logit_delta.mean_abs"),
     "export": ("checks_failed", "logit_max_abs_diff"),

@@ -214,6 +214,7 @@ class SftParams(Section):
     SECTION = "sft"
     enabled: Boolean = False
     reasoning: str = "I read the image."  # the reasoning block's text; may hold {answer}
+    max_nonfinite_steps: PositiveInteger = 3  # skipped non-finite steps in a row that stop it
     args: dict[str, Any] = {}
 
     # Set by the pipeline, never from sft.args.
@@ -266,6 +267,7 @@ class TrainParams(Section):
     graph_decoding: Literal["eager", "graph", "merged"] = "eager"  # GPU rollouts: vlmrl.models.graph_decode
     expandable_segments: Boolean = True  # the CUDA allocator's: vlmrl.training.use_expandable_segments
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"  # graph decoding's cache: vlmrl.models.decode_attention
+    max_nonfinite_steps: PositiveInteger = 3  # skipped non-finite steps in a row that stop it
     lora: LoraParams
     grpo: dict[str, Any] = {}
 

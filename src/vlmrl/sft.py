@@ -39,6 +39,7 @@ from vlmrl.models.loading import backend_for, load_policy, write_start_marker
 from vlmrl.models.processor import is_text_checkpoint, message_text, save_processing
 from vlmrl.outputs import atomic_dir
 from vlmrl.params import ModelParams, Params, ParamsError, SftParams
+from vlmrl.trainers import sft_trainer
 from vlmrl.trl_compat import (
     check_report_to,
     config_values,
@@ -133,8 +134,9 @@ def _train(settings: SftParams, params: Params, train_set: Path, staging: Path,
     dataset = sft_dataset(load_from_disk(str(train_set)), settings.reasoning,
                           answer_format(params), vision)
     callbacks = [] if log is None else [live_log(log, log_rows)]
-    trainer = trl.SFTTrainer(model=model, args=config, train_dataset=dataset,
-                             processing_class=processor, callbacks=callbacks)
+    trainer = sft_trainer(model=model, args=config, train_dataset=dataset,
+                          processing_class=processor, callbacks=callbacks,
+                          max_nonfinite_steps=settings.max_nonfinite_steps)
     started = time.perf_counter()
     trainer.train()
     runtime = time.perf_counter() - started
@@ -145,7 +147,8 @@ def _train(settings: SftParams, params: Params, train_set: Path, staging: Path,
     losses = [row["loss"] for row in rows if "loss" in row]
     return {"steps": trainer.state.global_step, "adapter": True,
             "runtime_seconds": round(runtime, 2), "first_loss": losses[0] if losses else None,
-            "last_loss": losses[-1] if losses else None, "log": rows}
+            "last_loss": losses[-1] if losses else None,
+            "nonfinite_steps": trainer.nonfinite.skipped, "log": rows}
 
 
 def log_rows(log_history: list[dict[str, Any]]) -> list[dict[str, Any]]:

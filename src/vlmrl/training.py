@@ -51,6 +51,7 @@ from vlmrl.outputs import atomic_dir
 from vlmrl.params import ModelParams, Params, ParamsError
 from vlmrl.portable import make_adapter_portable
 from vlmrl.rewards import build_rewards
+from vlmrl.trainers import grpo_trainer
 from vlmrl.trl_compat import (
     check_report_to,
     completions_table_to,
@@ -177,6 +178,7 @@ def summarize_training(rows: list[dict[str, Any]], runtime: float, global_step: 
         "last_grad_norm": (values("grad_norm") or [None])[-1],
         "steps_with_zero_grad_norm": sum(1 for g in values("grad_norm") if g == 0),
         "mean_frac_reward_zero_std": _mean(values("frac_reward_zero_std")),
+        "nonfinite_steps": int(max(values("nonfinite_steps"), default=0)),
         "step_seconds": step_seconds or [],  # wall clock: goes to the timings file
     }
 
@@ -232,20 +234,23 @@ def use_expandable_segments(enabled: bool) -> None:
 
 def make_trainer(model, processor, config, dataset, reward_funcs, *,
                  generation_rows: int | None, callbacks: list, graph_decoding: str = "eager",
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", max_nonfinite_steps: int = 3):
     """TRL's GRPOTrainer with the project's generation switches: the processor's suppressed
     tokens, compiled decoding when `generation_kwargs.disable_compile` is false (TRL itself
     always disables it), generation in chunks of `generation_rows`, on a GPU with
     `graph_decoding` the decode step in one CUDA graph (`vlmrl.models.graph_decode`) over a cache
-    of `kv_cache_dtype` (`vlmrl.models.decode_attention`), and on a CPU top-k sampling among k tokens (`vlmrl.models.sampling`)."""
+    of `kv_cache_dtype` (`vlmrl.models.decode_attention`), on a CPU top-k sampling among k tokens
+    (`vlmrl.models.sampling`), and steps with a non-finite loss or gradient skipped
+    (`vlmrl.nonfinite`, at most `max_nonfinite_steps` in a row)."""
     if kv_cache_dtype != "auto" and graph_decoding == "eager":
         raise ParamsError(f"params.yaml train.kv_cache_dtype: {kv_cache_dtype} needs "
                           "train.graph_decoding graph or merged (the cache it sets), not eager")
     generation_kwargs = dict(config.generation_kwargs or {})
     compile_generation = generation_kwargs.pop("disable_compile", True) is False
     config.generation_kwargs = {**suppressed_generation_kwargs(processor), **generation_kwargs}
-    trainer = trl.GRPOTrainer(model=model, reward_funcs=reward_funcs, args=config,
-                          train_dataset=dataset, processing_class=processor, callbacks=callbacks)
+    trainer = grpo_trainer(model=model, reward_funcs=reward_funcs, args=config,
+                           train_dataset=dataset, processing_class=processor, callbacks=callbacks,
+                           max_nonfinite_steps=max_nonfinite_steps)
     if compile_generation:
         enable_compiled_generation(trainer)
     if generation_rows is not None:
@@ -278,12 +283,13 @@ def adapter_digest(adapter: Path | None) -> str | None:
 
 
 def train(*, train_set: Path, params: Params, adapter_out: Path, checkpoints: Path,
-          sft_out: Path | None = None, live: LiveOutputs | None = None) -> TrainResult | None:
+          sft_out: Path | None = None, live: LiveOutputs | None = None,
+          callbacks: list | None = None) -> TrainResult | None:
     """Runs GSPO and writes the adapter; returns the per-step log and the summary (on rank 0;
     None on the other ranks of a launched run, which write nothing).
     `sft_out`: the sft_cold_start stage's output, whose adapter is continued (None, or a
     pass-through SFT: a fresh adapter). Read after the params are checked, so a params error is
-    reported first."""
+    reported first. `callbacks`: more trainer callbacks (a probe's, a benchmark's)."""
     model_params, train_params, rewards = params.model, params.train, params.rewards
     backend_for(model_params)  # Unsloth, when chosen, must patch TRL before its config is built
     if not (train_set / "dataset_info.json").is_file():
@@ -310,9 +316,10 @@ def train(*, train_set: Path, params: Params, adapter_out: Path, checkpoints: Pa
                                              init_adapter)
     dataset = policy_dataset(load_from_disk(str(train_set)), processor)
     trainer = make_trainer(model, processor, config, dataset, reward_funcs,
-                           generation_rows=rows, callbacks=[],
+                           generation_rows=rows, callbacks=list(callbacks or []),
                            graph_decoding=train_params.graph_decoding,
-                           kv_cache_dtype=train_params.kv_cache_dtype)
+                           kv_cache_dtype=train_params.kv_cache_dtype,
+                           max_nonfinite_steps=train_params.max_nonfinite_steps)
     live = live if trainer.accelerator.is_main_process else None  # rank 0 alone writes
     if live is not None:
         trainer.add_callback(live.callback())

@@ -1,0 +1,200 @@
+"""A step whose loss or gradient is not finite is skipped, counted, and never reaches the weights;
+too many in a row stop the stage with one line and nothing recorded as done (vlmrl.nonfinite)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import dvc_repro, make_project_repo, update_params
+from datasets import load_from_disk
+from safetensors.torch import load_file
+
+from vlmrl.data import load_raw_records, prepare, to_dataset
+from vlmrl.models.loading import load_policy
+from vlmrl.nonfinite import NonFiniteTrainingError
+from vlmrl.params import DataParams, Params
+from vlmrl.training import build_grpo_config, make_trainer
+from vlmrl.trl_compat import install_cpu_fallback
+
+LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
+PARAMS = Params({"model": {"name": "embedded:tiny-qwen3-vl"},
+                 "train": {"save_steps": 100, "lora": LORA}})
+GRPO = {"learning_rate": 1.0e-2, "lr_scheduler_type": "linear", "max_steps": 4,
+        "per_device_train_batch_size": 4, "steps_per_generation": 1, "num_generations": 4,
+        "max_completion_length": 6, "importance_sampling_level": "sequence", "beta": 0.0,
+        "logging_steps": 1, "seed": 3, "report_to": "none"}
+
+
+def length_reward(completions, **columns) -> list[float]:
+    return [float(len(str(c))) for c in completions]
+
+
+@pytest.fixture(scope="module")
+def train_set(tmp_path_factory):
+    root = tmp_path_factory.mktemp("nonfinite")
+    settings = DataParams(synthetic_size=8, synthetic_read_size=4, eval_size=2, image_size=64,
+                          seed=1)
+    to_dataset(prepare(load_raw_records(settings), settings).train).save_to_disk(
+        str(root / "train"))
+    return load_from_disk(str(root / "train"))
+
+
+def poison_gradient_at(model, steps: set[int], counter: list[int]) -> None:
+    """A gradient hook on one LoRA weight that turns its gradient into NaN on the given
+    optimizer steps (1-based; one micro-batch per step here)."""
+    name, weight = next((n, p) for n, p in model.named_parameters() if "lora_B" in n)
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        counter[0] += 1
+        return grad * math.nan if counter[0] in steps else grad
+
+    weight.register_hook(hook)
+
+
+def lora_weights(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def run_poisoned(train_set, tmp_path: Path, steps: set[int], limit: int = 3):
+    install_cpu_fallback()
+    model, processor, _ = load_policy(PARAMS.model, PARAMS.train.lora, GRPO["seed"])
+    poison_gradient_at(model, steps, [0])
+    config = build_grpo_config(GRPO, output_dir=tmp_path / "run", save_steps=100,
+                               reward_weights=[1.0], model_settings=PARAMS.model)
+    trainer = make_trainer(model.train(), processor, config, train_set, [length_reward],
+                           generation_rows=None, callbacks=[], max_nonfinite_steps=limit)
+    snapshots: dict[int, dict[str, torch.Tensor]] = {}
+
+    from transformers import TrainerCallback
+
+    class Snapshot(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            snapshots[state.global_step] = lora_weights(model)
+
+    trainer.add_callback(Snapshot())
+    return trainer, snapshots
+
+
+def test_a_nonfinite_gradient_skips_its_step_and_training_finishes(train_set, tmp_path) -> None:
+    trainer, snapshots = run_poisoned(train_set, tmp_path, steps={2})
+    trainer.train()
+    assert trainer.state.global_step == 4
+    for name, weight in snapshots[4].items():
+        assert torch.isfinite(weight).all(), name
+    # step 2 changed nothing: no optimizer step, and the schedule did not move on
+    for name, weight in snapshots[2].items():
+        assert torch.equal(weight, snapshots[1][name]), name
+    assert any(not torch.equal(w, snapshots[2][n]) for n, w in snapshots[3].items())
+    assert trainer.lr_scheduler.scheduler.last_epoch == 3
+    rows = [row for row in trainer.state.log_history if "nonfinite_steps" in row]
+    assert [row["nonfinite_steps"] for row in rows] == [0, 1, 1, 1]
+
+
+def test_too_many_nonfinite_steps_in_a_row_stop_training(train_set, tmp_path) -> None:
+    trainer, snapshots = run_poisoned(train_set, tmp_path, steps={2, 3, 4}, limit=2)
+    with pytest.raises(NonFiniteTrainingError,
+                       match=r"step 3: the gradient of .*lora_B.* was not finite on 2 steps in a "
+                             r"row \(train.max_nonfinite_steps = 2\); look at the learning rate"):
+        trainer.train()
+    assert all(torch.isfinite(w).all() for w in snapshots[2].values())
+
+
+INF_REWARD = '''
+def inf_after_first(completions, **columns):
+    """Finite on the first generation batch, infinite on every later one."""
+    global calls
+    calls = globals().get("calls", 0) + 1
+    return [float("inf") if calls > 1 else 1.0 for _ in completions]
+'''
+
+
+def test_stage_stops_in_one_line_and_records_nothing(tmp_path) -> None:
+    repo = make_project_repo(tmp_path / "repo", {
+        "data.synthetic_size": 16, "data.synthetic_read_size": 4, "data.eval_size": 4,
+        "data.image_size": 64, "sft.enabled": False, "train.save_steps": 1,
+        "train.grpo.max_steps": 4, "train.grpo.per_device_train_batch_size": 4,
+        "train.grpo.num_generations": 4, "train.grpo.max_completion_length": 6,
+        "train.max_nonfinite_steps": 2})
+    dvc_repro(repo, "sft_cold_start")
+    lock = (repo / "dvc.lock").read_text()
+    (repo / "inf_reward.py").write_text(INF_REWARD)
+    update_params(repo, {"rewards.weights": {"inf_reward:inf_after_first": 1.0}})
+    result = dvc_repro(repo, "train_gspo", check=False)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if "train_gspo failed" in line]
+    assert len(errors) == 1, result.stderr[-3000:]
+    assert "the loss" in errors[0] or "the gradient" in errors[0]
+    assert "2 steps in a row (train.max_nonfinite_steps = 2)" in errors[0]
+    assert "Traceback" not in result.stderr
+    assert (repo / "dvc.lock").read_text() == lock
+    assert not (repo / "data/models/adapter").exists()
+    assert not (repo / "data/metrics/train.json").exists()
+    # the checkpoint of the finite steps before it is kept, and its weights are finite
+    checkpoints = sorted((repo / "data/checkpoints/train_gspo").glob("checkpoint-*"))
+    assert [c.name for c in checkpoints][:2] == ["checkpoint-1", "checkpoint-2"]
+    for checkpoint in checkpoints:
+        for name, tensor in load_file(checkpoint / "adapter_model.safetensors").items():
+            assert torch.isfinite(tensor).all(), (checkpoint.name, name)
+
+
+def test_skipped_steps_are_counted_in_the_metrics(tmp_path) -> None:
+    """A run with one poisoned generation finishes and reports its skipped steps."""
+    repo = make_project_repo(tmp_path / "repo", {
+        "data.synthetic_size": 16, "data.synthetic_read_size": 4, "data.eval_size": 4,
+        "data.image_size": 64, "sft.enabled": False, "train.grpo.max_steps": 4,
+        "train.grpo.per_device_train_batch_size": 4, "train.grpo.num_generations": 4,
+        "train.grpo.max_completion_length": 6, "train.grpo.steps_per_generation": 2,
+        "rewards.weights": {"inf_reward:inf_on_second": 1.0}})
+    (repo / "inf_reward.py").write_text('''
+def inf_on_second(completions, **columns):
+    global calls
+    calls = globals().get("calls", 0) + 1
+    return [float("inf") if calls == 2 else float(len(str(c))) for c in completions]
+''')
+    dvc_repro(repo, "train_gspo")
+    metrics = json.loads((repo / "data/metrics/train.json").read_text())
+    assert metrics["nonfinite_steps"] == 2  # the generation's two optimizer steps
+    log = json.loads((repo / "data/metrics/train_log.json").read_text())
+    assert [row["nonfinite_steps"] for row in log] == [0, 0, 1, 2]
+    adapter = load_file(repo / "data/models/adapter/adapter_model.safetensors")
+    assert all(torch.isfinite(t).all() for t in adapter.values())
+
+
+def test_a_nonfinite_weight_stops_training(train_set, tmp_path) -> None:
+    """An update too large for float32 (learning rate 1e39) makes a weight infinite: the run
+    stops at that step's end, before anything is saved from it."""
+    install_cpu_fallback()
+    model, processor, _ = load_policy(PARAMS.model, PARAMS.train.lora, GRPO["seed"])
+    config = build_grpo_config({**GRPO, "learning_rate": 1e39, "max_grad_norm": 0.0},
+                               output_dir=tmp_path / "run", save_steps=1,
+                               reward_weights=[1.0], model_settings=PARAMS.model)
+    trainer = make_trainer(model.train(), processor, config, train_set, [length_reward],
+                           generation_rows=None, callbacks=[])
+    with pytest.raises(NonFiniteTrainingError, match=r"step 1: the weight .*lora.* is not finite"):
+        trainer.train()
+    assert not list((tmp_path / "run").glob("checkpoint-*"))
+
+
+def test_sft_skips_a_nonfinite_step(train_set, tmp_path) -> None:
+    from vlmrl.sft import build_sft_config, sft_dataset
+    from vlmrl.trainers import sft_trainer
+
+    install_cpu_fallback()
+    params = Params({"model": {"name": "embedded:tiny-qwen3-vl"},
+                     "sft": {"enabled": True, "args": {"max_steps": 3, "learning_rate": 1e-2,
+                                                       "per_device_train_batch_size": 2}},
+                     "train": {"save_steps": 100, "lora": LORA}})
+    config = build_sft_config(params.sft, tmp_path / "sft", params.model)
+    model, processor, _ = load_policy(params.model, params.train.lora, config.seed)
+    poison_gradient_at(model, {2}, [0])
+    trainer = sft_trainer(model=model, args=config, train_dataset=sft_dataset(train_set),
+                          processing_class=processor, max_nonfinite_steps=2)
+    trainer.train()
+    assert trainer.state.global_step == 3 and trainer.nonfinite.skipped == 1
+    assert all(torch.isfinite(w).all() for w in lora_weights(trainer.model).values())
+    assert [row["nonfinite_steps"] for row in trainer.state.log_history
+            if "nonfinite_steps" in row] == [0, 1, 1]
