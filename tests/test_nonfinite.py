@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import dvc_repro, make_project_repo, update_params
+from conftest import dvc_repro, make_project_repo, run
 from datasets import load_from_disk
 from safetensors.torch import load_file
 
@@ -97,69 +98,86 @@ def test_a_nonfinite_gradient_skips_its_step_and_training_finishes(train_set, tm
 def test_too_many_nonfinite_steps_in_a_row_stop_training(train_set, tmp_path) -> None:
     trainer, snapshots = run_poisoned(train_set, tmp_path, steps={2, 3, 4}, limit=2)
     with pytest.raises(NonFiniteTrainingError,
-                       match=r"step 3: the gradient of .*lora_B.* was not finite on 2 steps in a "
+                       match=r"step 3: the gradient norm was not finite on 2 steps in a "
                              r"row \(train.max_nonfinite_steps = 2\); look at the learning rate"):
         trainer.train()
     assert all(torch.isfinite(w).all() for w in snapshots[2].values())
 
 
-INF_REWARD = '''
-def inf_after_first(completions, **columns):
-    """Finite on the first generation batch, infinite on every later one."""
-    global calls
-    calls = globals().get("calls", 0) + 1
-    return [float("inf") if calls > 1 else 1.0 for _ in completions]
-'''
+# Loaded by every Python process of a stage run through PYTHONPATH (the standard `site` hook): the
+# language model's output becomes NaN in the training forward passes (grad enabled) numbered in
+# VLMRL_TEST_POISON (1-based), so the loss and the gradient of those steps are not finite.
+POISON = """
+import os
+
+import torch
+
+_poisoned = {int(n) for n in os.environ["VLMRL_TEST_POISON"].split(",")}
+_count = [0]
+
+
+def _poison(module, args, output):
+    if type(module).__name__ != "Qwen3VLTextModel" or not torch.is_grad_enabled():
+        return None
+    _count[0] += 1
+    if _count[0] in _poisoned:
+        output.last_hidden_state = output.last_hidden_state * float("nan")
+    return output
+
+
+torch.nn.modules.module.register_module_forward_hook(_poison)
+"""
+
+SMALL = {"data.synthetic_size": 16, "data.synthetic_read_size": 4, "data.eval_size": 4,
+         "data.image_size": 64, "sft.enabled": False, "train.save_steps": 1,
+         "train.grpo.max_steps": 4, "train.grpo.per_device_train_batch_size": 4,
+         "train.grpo.num_generations": 4, "train.grpo.max_completion_length": 6}
+
+
+def poisoned_env(tmp_path: Path, forward_passes: str) -> dict[str, str]:
+    from vlmrl.dvc_env import dvc_env
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(POISON)
+    env = dvc_env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
+    return {**env, "VLMRL_TEST_POISON": forward_passes}
 
 
 def test_stage_stops_in_one_line_and_records_nothing(tmp_path) -> None:
-    repo = make_project_repo(tmp_path / "repo", {
-        "data.synthetic_size": 16, "data.synthetic_read_size": 4, "data.eval_size": 4,
-        "data.image_size": 64, "sft.enabled": False, "train.save_steps": 1,
-        "train.grpo.max_steps": 4, "train.grpo.per_device_train_batch_size": 4,
-        "train.grpo.num_generations": 4, "train.grpo.max_completion_length": 6,
-        "train.max_nonfinite_steps": 2})
+    repo = make_project_repo(tmp_path / "repo", {**SMALL, "train.max_nonfinite_steps": 2})
     dvc_repro(repo, "sft_cold_start")
     lock = (repo / "dvc.lock").read_text()
-    (repo / "inf_reward.py").write_text(INF_REWARD)
-    update_params(repo, {"rewards.weights": {"inf_reward:inf_after_first": 1.0}})
-    result = dvc_repro(repo, "train_gspo", check=False)
+    result = run(["dvc", "repro", "train_gspo"], repo, check=False,
+                 env=poisoned_env(tmp_path, "3,4"))
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if "train_gspo failed" in line]
-    assert len(errors) == 1, result.stderr[-3000:]
-    assert "the loss" in errors[0] or "the gradient" in errors[0]
-    assert "2 steps in a row (train.max_nonfinite_steps = 2)" in errors[0]
+    assert errors == [
+        "train_gspo failed: step 4: the loss was not finite on 2 steps in a row "
+        "(train.max_nonfinite_steps = 2); look at the learning rate and model.dtype (bf16 "
+        "overflows where float32 does not); the last checkpoint saved before it is kept"
+    ], result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     assert (repo / "dvc.lock").read_text() == lock
     assert not (repo / "data/models/adapter").exists()
     assert not (repo / "data/metrics/train.json").exists()
-    # the checkpoint of the finite steps before it is kept, and its weights are finite
+    # the checkpoints of the steps before are kept, with finite weights; step 4's was not written
     checkpoints = sorted((repo / "data/checkpoints/train_gspo").glob("checkpoint-*"))
-    assert [c.name for c in checkpoints][:2] == ["checkpoint-1", "checkpoint-2"]
+    assert [c.name for c in checkpoints] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
     for checkpoint in checkpoints:
         for name, tensor in load_file(checkpoint / "adapter_model.safetensors").items():
             assert torch.isfinite(tensor).all(), (checkpoint.name, name)
 
 
 def test_skipped_steps_are_counted_in_the_metrics(tmp_path) -> None:
-    """A run with one poisoned generation finishes and reports its skipped steps."""
-    repo = make_project_repo(tmp_path / "repo", {
-        "data.synthetic_size": 16, "data.synthetic_read_size": 4, "data.eval_size": 4,
-        "data.image_size": 64, "sft.enabled": False, "train.grpo.max_steps": 4,
-        "train.grpo.per_device_train_batch_size": 4, "train.grpo.num_generations": 4,
-        "train.grpo.max_completion_length": 6, "train.grpo.steps_per_generation": 2,
-        "rewards.weights": {"inf_reward:inf_on_second": 1.0}})
-    (repo / "inf_reward.py").write_text('''
-def inf_on_second(completions, **columns):
-    global calls
-    calls = globals().get("calls", 0) + 1
-    return [float("inf") if calls == 2 else float(len(str(c))) for c in completions]
-''')
-    dvc_repro(repo, "train_gspo")
+    """A run with one poisoned step finishes, reports it and keeps a finite adapter."""
+    repo = make_project_repo(tmp_path / "repo", SMALL)
+    run(["dvc", "repro", "train_gspo"], repo, env=poisoned_env(tmp_path, "2"))
     metrics = json.loads((repo / "data/metrics/train.json").read_text())
-    assert metrics["nonfinite_steps"] == 2  # the generation's two optimizer steps
+    assert metrics["steps"] == 4 and metrics["nonfinite_steps"] == 1
     log = json.loads((repo / "data/metrics/train_log.json").read_text())
-    assert [row["nonfinite_steps"] for row in log] == [0, 0, 1, 2]
+    assert [row["nonfinite_steps"] for row in log] == [0, 1, 1, 1]
     adapter = load_file(repo / "data/models/adapter/adapter_model.safetensors")
     assert all(torch.isfinite(t).all() for t in adapter.values())
 

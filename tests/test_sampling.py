@@ -79,21 +79,20 @@ def test_only_top_k_sampling_takes_the_fast_path() -> None:
         SamplingSettings(1.0, 20, 1.5)
 
 
-def test_eval_kwargs_switch_to_the_sampler_on_cpu_only() -> None:
+def test_eval_kwargs_sample_with_common_random_numbers_on_every_device() -> None:
     class Processor:
         class tokenizer:
             pad_token_id = unk_token_id = 0
             convert_tokens_to_ids = staticmethod(lambda token: 1)
 
     settings = EvalParams(do_sample=True, temperature=0.7, top_p=0.8, top_k=20)
-    cpu = generation_kwargs(Processor, settings, cpu=True)
-    assert cpu["do_sample"] is False and cpu["top_k"] is None
-    assert [type(p) for p in cpu["logits_processor"]] == [TopKSampler]
-    assert cpu["logits_processor"][0].settings == SamplingSettings(
+    kwargs = generation_kwargs(Processor, settings)
+    assert kwargs["do_sample"] is False and kwargs["top_k"] is None
+    assert [type(p) for p in kwargs["logits_processor"]] == [TopKSampler]
+    assert kwargs["logits_processor"][0].settings == SamplingSettings(
         0.7, 20, 0.8, suppress=tuple(vision_token_ids(Processor)))
-    assert cpu["suppress_tokens"] is None  # suppressed by the sampler, not by a vocabulary-wide where
-    assert "logits_processor" not in generation_kwargs(Processor, settings, cpu=False)
-    no_cut = generation_kwargs(Processor, EvalParams(do_sample=True, top_k=0), cpu=True)
+    assert kwargs["suppress_tokens"] is None  # by the sampler, not by a vocabulary-wide where
+    no_cut = generation_kwargs(Processor, EvalParams(do_sample=True, top_k=0))
     assert no_cut["do_sample"] is True and "logits_processor" not in no_cut
 
 

@@ -40,7 +40,7 @@ from vlmrl.models.processor import (
     suppressed_generation_kwargs,
     tokenizer_of,
 )
-from vlmrl.models.sampling import on_cpu, sampling_kwargs, top_k_settings
+from vlmrl.models.sampling import sampling_kwargs, top_k_settings
 from vlmrl.params import EvalParams, ModelParams, RewardsParams
 from vlmrl.rewards import build_rewards, reward_label, score_completion
 
@@ -79,9 +79,11 @@ def render_prompt(processor, row: Mapping[str, Any]) -> str:
     return text
 
 
-def generation_kwargs(processor, settings: EvalParams, cpu: bool = False) -> dict[str, Any]:
-    """On a CPU, sampling with a top-k cut goes through `vlmrl.models.sampling` (the same
-    distribution, drawn among k tokens instead of the whole vocabulary)."""
+def generation_kwargs(processor, settings: EvalParams) -> dict[str, Any]:
+    """Sampling with a top-k cut goes through `vlmrl.models.sampling` on a CPU and a GPU alike:
+    the same distribution, drawn among k tokens with common random numbers, so baseline and post
+    draw the same tokens wherever the two policies agree (transformers' own sampler would draw
+    them independently on a GPU)."""
     kwargs: dict[str, Any] = {"max_new_tokens": settings.max_new_tokens,
                               "do_sample": settings.do_sample,
                               "pad_token_id": tokenizer_of(processor).pad_token_id,
@@ -91,7 +93,7 @@ def generation_kwargs(processor, settings: EvalParams, cpu: bool = False) -> dic
                       top_k=settings.top_k)  # 0: no top-k cut (None would mean 50)
         fast = top_k_settings(True, settings.temperature, settings.top_k, settings.top_p,
                               suppress=kwargs["suppress_tokens"])
-        if cpu and fast is not None:
+        if fast is not None:
             kwargs.update(sampling_kwargs(fast))
     return kwargs
 
@@ -146,7 +148,7 @@ def generate_responses(model, processor, rows: Sequence[Mapping[str, Any]],
     seeds are those of one process, so the responses are too."""
     index, count = shard
     tokenizer_of(processor).padding_side = "left"
-    kwargs = generation_kwargs(processor, settings, cpu=on_cpu(model))
+    kwargs = generation_kwargs(processor, settings)
     eos_ids = eos_token_ids(model, processor)
     starts = list(range(0, len(rows), settings.batch_size))
     mine: list[tuple[int, list[Generation]]] = []

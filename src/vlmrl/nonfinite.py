@@ -86,9 +86,7 @@ class GuardCallback(TrainerCallback):
         if agree(flag, self.accelerator_of()):
             guard.in_a_row, guard.skipping = 0, False
             return
-        bad = first_nonfinite(grads)
-        guard.last_cause = (f"the gradient of {bad}" if bad is not None
-                            else "the loss" if not bool(loss_ok) else "another process's gradient")
+        guard.last_cause = "the loss" if not bool(loss_ok) else "the gradient norm"
         guard.skipped += 1
         guard.in_a_row += 1
         guard.skipping = True
@@ -141,6 +139,14 @@ class NonFiniteGuard:
         super().__init__(*args, **kwargs)
         self.nonfinite = NonFiniteState(max_nonfinite_steps, limit_key)
         self.add_callback(GuardCallback(self.nonfinite, lambda: getattr(self, "accelerator", None)))
+
+    def train(self, *args: Any, **kwargs: Any):
+        try:
+            return super().train(*args, **kwargs)
+        except NonFiniteTrainingError:
+            # the callbacks' end of training (the progress bar ends its line) before the one line
+            self.callback_handler.on_train_end(self.args, self.state, self.control)
+            raise
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)

@@ -10,8 +10,9 @@ completion masks) is transformers' own.
 
 The processor overwrites the scores it is given (allocating a new [rows, vocabulary] tensor at
 every step costs more than the draw), so it is never used where `generate` keeps raw logits.
-The draw uses torch's global generator, so `torch.manual_seed` makes it repeat. It is used on a
-CPU only; on a GPU transformers' sampling is cheap and stays as measured."""
+The draw uses torch's global generator, so `torch.manual_seed` makes it repeat. Evaluations use
+it on every device, for its common random numbers (`draw`); training rollouts use it on a CPU
+only, where it is faster: on a GPU transformers' sampling is cheap and stays as measured."""
 
 from __future__ import annotations
 
