@@ -115,6 +115,15 @@ def run_seed(seed: int, overrides: dict[str, Any], workdir: Path,
     return result
 
 
+def run_seed_or_failure(seed: int, overrides: dict[str, Any], workdir: Path,
+                        without_dvc: bool = False) -> dict[str, Any]:
+    """`run_seed`, or {"seed", "error"} where a stage failed: the other seeds still finish."""
+    try:
+        return run_seed(seed, overrides, workdir, without_dvc)
+    except (SystemExit, AssertionError) as error:
+        return {"seed": seed, "error": str(error)[-6000:]}
+
+
 def spread(values: list[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(values),
             "std": statistics.stdev(values) if len(values) > 1 else 0.0}
@@ -250,20 +259,23 @@ def main() -> None:
     claim = Claim(args.min_format_gain, args.min_mean_gain, args.min_standard_errors)
     with tempfile.TemporaryDirectory(prefix="vlmrl-learning-") as tmp, \
             concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        futures = [pool.submit(run_seed, seed, overrides, Path(tmp), args.without_dvc)
+        futures = [pool.submit(run_seed_or_failure, seed, overrides, Path(tmp), args.without_dvc)
                    for seed in args.seeds]
         for future in concurrent.futures.as_completed(futures):
             print(json.dumps(future.result()), flush=True)
         runs = [future.result() for future in futures]
+    failed = [run for run in runs if "error" in run]
     results = {"date": time.strftime("%Y-%m-%d"),
                "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
                           f"Python {platform.python_version()}",
                "seeds": args.seeds, "seed_keys": list(SEED_KEYS), "overrides": overrides,
                "runner": "stage commands" if args.without_dvc else "dvc repro post_eval",
                "jobs": args.jobs, "device": device_name(),
-               "runs": runs, "summary": summarize(runs, claim)}
+               "runs": runs, "summary": None if failed else summarize(runs, claim)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    if failed:
+        raise SystemExit("\n".join(f"seed {run['seed']}: {run['error']}" for run in failed))
     table = render_table(results)
     if not args.no_doc:
         write_doc_block(args.doc, table, args.doc_block)

@@ -27,8 +27,8 @@ from transformers import TrainerCallback
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from learning import SEED_KEYS, parse_override, run_without_dvc  # noqa: E402
-from project_repo import copy_project  # noqa: E402
+from learning import SEED_KEYS, parse_override, run_without_dvc
+from project_repo import copy_project
 
 MAX_EVENTS = 20
 
@@ -100,7 +100,7 @@ def probe_seed(seed: int, overrides: dict[str, Any], workdir: Path) -> dict[str,
         train(train_set=Path("data/prepared/train"), params=load_params(Path("params.yaml")),
               adapter_out=Path("data/models/adapter"), checkpoints=Path("data/checkpoints/p"),
               sft_out=Path("data/models/sft"), callbacks=[probe])
-    except Exception as caught:  # what the probe is looking for: reported, not raised
+    except Exception as caught:  # noqa: BLE001 - what the probe looks for: reported, not raised
         error = {"type": type(caught).__name__, "message": str(caught)[:4000],
                  "traceback": traceback.format_exc()[-6000:]}
     finally:

@@ -47,7 +47,7 @@ def train_set(tmp_path_factory):
 def poison_gradient_at(model, steps: set[int], counter: list[int]) -> None:
     """A gradient hook on one LoRA weight that turns its gradient into NaN on the given
     optimizer steps (1-based; one micro-batch per step here)."""
-    name, weight = next((n, p) for n, p in model.named_parameters() if "lora_B" in n)
+    weight = next(p for n, p in model.named_parameters() if "lora_B" in n)
 
     def hook(grad: torch.Tensor) -> torch.Tensor:
         counter[0] += 1
@@ -153,11 +153,11 @@ def test_stage_stops_in_one_line_and_records_nothing(tmp_path) -> None:
                  env=poisoned_env(tmp_path, "3,4"))
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if "train_gspo failed" in line]
-    assert errors == [
+    assert errors == [(
         "train_gspo failed: step 4: the loss was not finite on 2 steps in a row "
         "(train.max_nonfinite_steps = 2); look at the learning rate and model.dtype (bf16 "
         "overflows where float32 does not); the last checkpoint saved before it is kept"
-    ], result.stderr[-3000:]
+    )], result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     assert (repo / "dvc.lock").read_text() == lock
     assert not (repo / "data/models/adapter").exists()
