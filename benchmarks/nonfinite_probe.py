@@ -81,8 +81,8 @@ class Probe(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.steps and logs:
-            self.steps[-1]["log"] = {k: v for k, v in logs.items()
-                                     if isinstance(v, (int, float))}
+            self.steps[-1].setdefault("log", {}).update(
+                {k: v for k, v in logs.items() if isinstance(v, (int, float))})
 
 
 def probe_seed(seed: int, overrides: dict[str, Any], workdir: Path) -> dict[str, Any]:
