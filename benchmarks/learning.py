@@ -74,9 +74,12 @@ def train_mechanics(log_rows: list[dict[str, Any]]) -> dict[str, Any]:
             "mean_frac_reward_zero_std": statistics.fmean(zero_std)}
 
 
-def run_without_dvc(repo: Path, stages: tuple[str, ...] = STAGES) -> None:
+def run_without_dvc(repo: Path, stages: tuple[str, ...] = STAGES,
+                    threads: int | None = None) -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(repo / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    if threads is not None:
+        env.setdefault("OMP_NUM_THREADS", str(threads))
     for name in stages:
         print(f"{repo.name}: running {name}", flush=True)
         argv = stage_command(name, repo)
@@ -89,12 +92,12 @@ def run_without_dvc(repo: Path, stages: tuple[str, ...] = STAGES) -> None:
 
 
 def run_seed(seed: int, overrides: dict[str, Any], workdir: Path,
-             without_dvc: bool = False) -> dict[str, Any]:
+             without_dvc: bool = False, threads: int | None = None) -> dict[str, Any]:
     update = {**dict.fromkeys(SEED_KEYS, seed), **overrides}
     started = time.perf_counter()
     if without_dvc:
         repo = copy_project(workdir / f"seed-{seed}", update)
-        run_without_dvc(repo)
+        run_without_dvc(repo, threads=threads)
     else:
         repo = make_project_repo(workdir / f"seed-{seed}", update)
         run(["dvc", "repro", "post_eval"], repo)
@@ -116,10 +119,10 @@ def run_seed(seed: int, overrides: dict[str, Any], workdir: Path,
 
 
 def run_seed_or_failure(seed: int, overrides: dict[str, Any], workdir: Path,
-                        without_dvc: bool = False) -> dict[str, Any]:
+                        without_dvc: bool = False, threads: int | None = None) -> dict[str, Any]:
     """`run_seed`, or {"seed", "error"} where a stage failed: the other seeds still finish."""
     try:
-        return run_seed(seed, overrides, workdir, without_dvc)
+        return run_seed(seed, overrides, workdir, without_dvc, threads)
     except (SystemExit, AssertionError) as error:
         return {"seed": seed, "error": str(error)[-6000:]}
 
@@ -259,8 +262,10 @@ def main() -> None:
     claim = Claim(args.min_format_gain, args.min_mean_gain, args.min_standard_errors)
     with tempfile.TemporaryDirectory(prefix="vlmrl-learning-") as tmp, \
             concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        futures = [pool.submit(run_seed_or_failure, seed, overrides, Path(tmp), args.without_dvc)
-                   for seed in args.seeds]
+        # seeds run at once share the cores: each process's CPU threads are capped to its share
+        threads = max(1, (os.cpu_count() or 1) // args.jobs) if args.jobs > 1 else None
+        futures = [pool.submit(run_seed_or_failure, seed, overrides, Path(tmp), args.without_dvc,
+                               threads) for seed in args.seeds]
         for future in concurrent.futures.as_completed(futures):
             print(json.dumps(future.result()), flush=True)
         runs = [future.result() for future in futures]

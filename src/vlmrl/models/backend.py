@@ -26,6 +26,18 @@ def pick_backend(requested: str) -> str:
     return "unsloth" if has_unsloth and cuda_available() else "transformers"
 
 
+def avoid_cudnn_attention() -> None:
+    """Turns off PyTorch's cuDNN backend of `scaled_dot_product_attention` (a public switch);
+    SDPA then picks flash or memory-efficient attention. On Hopper GPUs its backward returns NaN
+    in the query gradient when an attention mask is passed, the sequence length is 64 more than
+    a multiple of 128 and a row's log-sum-exp is below about -88.7 (pytorch/pytorch#196678,
+    huggingface/trl#7181); transformers bf16 training on data seed 7 hit it at GSPO step 7
+    (`benchmarks/nonfinite_probe.py`, docs/benchmarks.md). Training calls this before a trainer
+    is built; the forward pass, which evaluation uses, is not affected."""
+    if torch.cuda.is_available():
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def resolve_dtype(name: str) -> torch.dtype:
     if name == "auto":
         if not cuda_available():
