@@ -4,7 +4,6 @@ where bf16 is unsupported) on a GPU, unless `model.dtype` says otherwise."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -12,6 +11,7 @@ from typing import Any
 import torch
 from transformers import BitsAndBytesConfig
 
+from vlmrl.launch import unsloth_chosen
 from vlmrl.params import ModelParams, ParamsError
 
 
@@ -22,8 +22,7 @@ def cuda_available() -> bool:
 def pick_backend(requested: str) -> str:
     if requested != "auto":
         return requested
-    has_unsloth = importlib.util.find_spec("unsloth") is not None
-    return "unsloth" if has_unsloth and cuda_available() else "transformers"
+    return "unsloth" if unsloth_chosen(requested, cuda_available()) else "transformers"
 
 
 def resolve_dtype(name: str) -> torch.dtype:
