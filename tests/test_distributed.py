@@ -245,6 +245,19 @@ def test_stage_scripts_choose_their_gpus_before_torch_is_imported(script: str) -
     assert result.stdout.strip() == "[]", result.stdout
 
 
+def test_gspo_step_benchmark_keeps_one_gpu_of_several(tmp_path: Path) -> None:
+    """Each of its runs trains in one process: on a host with two GPUs it keeps the first (its
+    --doc mode says so too, and measures nothing)."""
+    doc = tmp_path / "doc.md"
+    doc.write_text("<!-- gspo_step roofline: start -->\n<!-- gspo_step roofline: end -->\n")
+    env = {**os.environ, **fake_nvidia_smi(tmp_path / "bin", 2), "PYTHONPATH": str(ROOT / "src")}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    result = run([sys.executable, "benchmarks/gspo_step.py", "--doc", str(doc),
+                  "--out", str(tmp_path / "none.json")], ROOT, env=env)
+    assert result.stdout.splitlines()[0] == (
+        "benchmarks/gspo_step.py: one process on GPU 0 of the 2 visible (CUDA_VISIBLE_DEVICES=0)")
+
+
 # ------------------------------------------------------------------ CPU, 2 processes
 
 

@@ -4,6 +4,7 @@ where bf16 is unsupported) on a GPU, unless `model.dtype` says otherwise."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -11,7 +12,6 @@ from typing import Any
 import torch
 from transformers import BitsAndBytesConfig
 
-from vlmrl.launch import unsloth_chosen
 from vlmrl.params import ModelParams, ParamsError
 
 
@@ -22,7 +22,8 @@ def cuda_available() -> bool:
 def pick_backend(requested: str) -> str:
     if requested != "auto":
         return requested
-    return "unsloth" if unsloth_chosen(requested, cuda_available()) else "transformers"
+    has_unsloth = importlib.util.find_spec("unsloth") is not None
+    return "unsloth" if has_unsloth and cuda_available() else "transformers"
 
 
 def resolve_dtype(name: str) -> torch.dtype:
