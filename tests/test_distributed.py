@@ -119,16 +119,17 @@ def test_rows_report_counts_prompts_two_processes_share() -> None:
                       "prompts_in_several_processes": 1}
 
 
-def fake_nvidia_smi(folder: Path, gpus: int) -> dict[str, str]:
-    """An environment whose PATH finds an `nvidia-smi` listing `gpus` GPUs (for `-L` only, as
-    the real one prints them; anything else fails): the GPU count of a host this one is not."""
+def fake_nvidia_smi(folder: Path, gpus: int, path: str | None = None) -> dict[str, str]:
+    """A PATH (before `path`, default this process's) that finds an `nvidia-smi` listing `gpus`
+    GPUs (for `-L` only, as the real one prints them; anything else fails): the GPU count of a
+    host this one is not. The processes still run on the CPU (torch finds no CUDA)."""
     folder.mkdir(parents=True, exist_ok=True)
     script = folder / "nvidia-smi"
     lines = "".join(f"echo 'GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i:08d})'\n"
                     for i in range(gpus))
     script.write_text(f'#!/bin/sh\n[ "$1" = "-L" ] || exit 9\n{lines}')
     script.chmod(0o755)
-    return {"PATH": f"{folder}{os.pathsep}{os.environ['PATH']}"}
+    return {"PATH": f"{folder}{os.pathsep}{path or os.environ['PATH']}"}
 
 
 @pytest.fixture
@@ -345,3 +346,54 @@ def test_two_process_evaluation_gives_the_records_of_one(pipeline_repo: Path, tm
     assert [r["pid"] for r in two] == [r["pid"] for r in one]
     assert two == one
     assert len({r["response"] for r in one}) > 1  # real, differing generations
+
+
+@pytest.mark.slow
+def test_defaults_on_two_gpus_train_and_evaluate_with_two_processes(tmp_path: Path) -> None:
+    """The default `auto` on a host with two GPUs (nvidia-smi lists two; the processes run on
+    the CPU with gloo): sft_cold_start, train_gspo and baseline_eval each launch one process per
+    GPU, rank 1 writes nothing under data/, and verify_lora passes the adapter."""
+    repo = make_project_repo(tmp_path / "repo", {**TEST_PARAMS, "train.grpo.max_steps": 2})
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    assert params["train"]["distributed"]["strategy"] == "auto"
+    assert params["eval"]["num_processes"] == "auto"
+    audit = tmp_path / "audit"
+    audit.mkdir()
+    env = audited_env(audit)
+    env.update(fake_nvidia_smi(tmp_path / "bin", 2, env["PATH"]))
+    result = run(["dvc", "repro", "verify_lora", "baseline_eval"], repo, env=env)
+    output = result.stdout + result.stderr
+    assert output.count("launching 2 process(es) with ddp.yaml") == 3, output[-3000:]
+    assert "SFT: 2 steps on 2 process(es)" in output
+    details = repo / "data/reports/details"
+    sft = json.loads((details / "sft_cold_start.json").read_text())["batch"]
+    assert (sft["num_processes"], sft["per_device_train_batch_size"], sft["strategy"]) == (
+        2, 4, "ddp")  # params.yaml's global 8, split
+    train = json.loads((details / "train_gspo.json").read_text())["batch"]
+    assert (train["num_processes"], train["strategy"], train["rows_per_process"]) == (
+        2, "ddp", [4, 4])
+    assert json.loads((repo / "data/metrics/verify_lora.json").read_text())["checks_failed"] == 0
+    baseline = json.loads((repo / "data/metrics/baseline_eval.json").read_text())
+    assert baseline["n"] == TEST_PARAMS["data.eval_size"]
+    rank0, rank1 = audit_lines(audit, 0), audit_lines(audit, 1)
+    assert any(line.endswith("data/metrics/sft.json") for line in rank0), rank0[:20]
+    assert rank1 == [], rank1[:20]
+    assert len(list(audit.glob("rank1-*.txt"))) >= 3, "rank 1 of each stage must be audited"
+
+
+@pytest.mark.slow
+def test_strategy_none_on_two_gpus_trains_in_one_process(tmp_path: Path) -> None:
+    """`strategy: none` on a host with two GPUs says in one line that it keeps the first, and
+    trains in this process."""
+    repo = make_project_repo(tmp_path / "repo", {
+        **TEST_PARAMS, "train.grpo.max_steps": 2, "sft.enabled": False,
+        "train.distributed.strategy": "none"})
+    env = dvc_env()
+    env.update(fake_nvidia_smi(tmp_path / "bin", 2, env["PATH"]))
+    result = run(["dvc", "repro", "train_gspo"], repo, env=env)
+    output = result.stdout + result.stderr
+    assert ("train_gspo: train.distributed.strategy none, num_processes auto: one process on "
+            "GPU 0 of the 2 visible (CUDA_VISIBLE_DEVICES=0)") in output
+    assert "launching" not in output
+    batch = json.loads((repo / "data/reports/details/train_gspo.json").read_text())["batch"]
+    assert (batch["num_processes"], batch["strategy"]) == (1, "none")
