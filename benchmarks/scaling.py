@@ -34,7 +34,8 @@ Usage (on a host with 2 GPUs; tests/gpu/run_on_device.sh scaling installs what i
       --warmup 2 --steps 2 --out benchmarks/results/scaling.json
   PYTHONPATH=src python benchmarks/scaling.py --runs 8b_one,8b_sharded --sharded-length 256 \\
       --warmup 0 --steps 2 --out benchmarks/results/scaling.json
-  python benchmarks/scaling.py --render benchmarks/results/scaling.json   # the tables; no run
+  python benchmarks/scaling.py --render 2b.json 8b.json   # merged into --out, the tables into
+                                                          # --doc (docs/benchmarks.md); no run
 """
 
 from __future__ import annotations
@@ -486,6 +487,16 @@ def load_results(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {"runs": {}}
 
 
+def merged(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Results of several calls as one: the runs of each, later ones replacing earlier ones of
+    the same name; the device line of the last (each call names its own in its runs' order)."""
+    result: dict[str, Any] = {"runs": {}}
+    for part in parts:
+        result["runs"].update(part.get("runs", {}))
+        result["device"] = part.get("device", result.get("device"))
+    return result
+
+
 def save_results(path: Path, results: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -587,8 +598,10 @@ def main() -> int:
                         help="the tiny model on the CPU: checks this script, measures nothing")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/scaling.json")
     parser.add_argument("--doc", type=Path, default=ROOT / "docs/benchmarks.md")
-    parser.add_argument("--render", type=Path, metavar="JSON",
-                        help="write the tables of an earlier run's JSON into --doc; run nothing")
+    parser.add_argument("--render", type=Path, nargs="+", metavar="JSON",
+                        help="write the tables of earlier runs' JSON into --doc; run nothing. "
+                             "Several files (device calls) are merged, later runs replacing "
+                             "earlier ones of the same name, into --out")
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "scaling")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--result-dir", type=Path, help=argparse.SUPPRESS)
@@ -599,8 +612,10 @@ def main() -> int:
         worker(args)
         return 0
     if args.render:
-        write_doc_block(args.doc, scaling_table(json.loads(args.render.read_text())),
-                        Path(__file__).name)
+        results = merged([json.loads(path.read_text()) for path in args.render])
+        if len(args.render) > 1:
+            save_results(args.out, results)
+        write_doc_block(args.doc, scaling_table(results), Path(__file__).name)
         return 0
     names = [n.strip() for n in args.runs.split(",") if n.strip()]
     unknown = sorted(set(names) - set(RUNS))
@@ -617,7 +632,8 @@ def main() -> int:
         if left < args.min_run_s:
             print(f"{name}: skipped, {left:.0f} s of the budget left", flush=True)
             continue
-        results["runs"][name] = measure(name, args, train_set, left)
+        results["runs"][name] = {**measure(name, args, train_set, left),
+                                 "device": results["device"]}
         save_results(args.out, results)
         shown = {k: v for k, v in results["runs"][name].items() if k != "records"}
         print(json.dumps(shown), flush=True)

@@ -83,7 +83,8 @@ def test_speedups_and_verdicts_against_the_goals(scaling) -> None:
     assert scaling.speedups({"one": {"generated_tokens_per_second": 100.0}})["weak"] is None
 
 
-def results_file(scaling, tmp_path: Path) -> Path:
+def results_files(scaling, tmp_path: Path) -> list[Path]:
+    """The 2B runs and the 8B runs as two device calls' files."""
     one = scaling.run_summary([rank_record(0)], 2)
     strong = scaling.run_summary([rank_record(0), rank_record(1)], 2)
     runs = {"one": {**one, "completion_length": 1024, "warmup_steps": 2},
@@ -91,17 +92,23 @@ def results_file(scaling, tmp_path: Path) -> Path:
             "weak": {"error": "RuntimeError: NCCL timeout"},
             "8b_one": {**scaling.run_summary([rank_record(0)], 2), "strategy": "none"},
             "8b_sharded": {**strong, "strategy": "fsdp", "completion_length": 256}}
-    path = tmp_path / "scaling.json"
-    path.write_text(json.dumps({"device": "2 x NVIDIA H100 80GB HBM3 (79 GiB)", "runs": runs}))
-    return path
+    paths = []
+    for name, names in (("2b", ("one", "strong", "weak")), ("8b", ("8b_one", "8b_sharded"))):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps({"device": "2 x NVIDIA H100 80GB HBM3 (79 GiB)",
+                                         "runs": {n: runs[n] for n in names}}))
+    return paths
 
 
 def test_render_writes_the_tables_between_the_markers(scaling, tmp_path: Path) -> None:
     doc = tmp_path / "benchmarks.md"
     doc.write_text("before\n<!-- benchmarks/scaling.py:begin -->\nOLD\n"
                    "<!-- benchmarks/scaling.py:end -->\nafter\n")
-    run([sys.executable, "benchmarks/scaling.py", "--render", str(results_file(scaling, tmp_path)),
-         "--doc", str(doc)], ROOT)
+    merged = tmp_path / "scaling.json"
+    run([sys.executable, "benchmarks/scaling.py", "--render",
+         *map(str, results_files(scaling, tmp_path)), "--doc", str(doc), "--out", str(merged)],
+        ROOT)
+    assert sorted(json.loads(merged.read_text())["runs"]) == sorted(scaling.RUNS)
     text = doc.read_text()
     assert text.startswith("before\n") and text.endswith("after\n") and "OLD" not in text
     lines = text.splitlines()
