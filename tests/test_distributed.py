@@ -229,6 +229,7 @@ def test_eval_auto_is_one_process_per_gpu(tmp_path: Path, monkeypatch, capsys,
     assert evaluation_plan(1, "post_eval") == 1
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"
     assert capsys.readouterr().out.startswith("post_eval: eval.num_processes 1: one process on GPU 0")
+    assert evaluation_processes("auto") == 1  # evaluating in this process, GPUs or not
     monkeypatch.setenv("VLMRL_LAUNCHED", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert evaluation_processes("auto") == 2

@@ -195,12 +195,12 @@ def check_world(world: int, num_processes: int, script: str) -> None:
 
 
 def evaluation_processes(setting: int | str) -> int:
-    """`eval.num_processes` resolved for this process: a launched worker's world size, else
-    `auto`: one per visible GPU where there are several, else 1."""
-    world = world_size()
+    """`eval.num_processes` for the evaluation this process takes part in: `auto` is the world
+    size of a launched worker, and 1 in a process that was not launched (a stage that evaluates
+    in its own process, or a caller of vlmrl.evaluation)."""
     if setting != "auto":
         return int(setting)
-    return world or max(1, visible_gpus())
+    return world_size() or 1
 
 
 def evaluation_plan(setting: int | str, stage: str) -> int:
