@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -296,6 +297,7 @@ def worker(args: argparse.Namespace) -> None:
         record["error"] = f"{type(error).__name__}: {error}"[:2000]
     record.update(calls=recorder.calls, steps=recorder.steps, tokens=recorder.tokens)
     out.write_text(json.dumps(record))
+    shutil.rmtree(work, ignore_errors=True)  # the adapter rank 0 wrote: not what is measured
 
 
 # ------------------------------------------------------------------ arithmetic (unit-tested)
@@ -385,6 +387,10 @@ def _fmt(value: Any, spec: str) -> str:
     return format(value, spec) if isinstance(value, (int, float)) else "-"
 
 
+def ratio_cell(ratio: float | None) -> str:
+    return f"{ratio:.2f}x" if ratio is not None else "-"
+
+
 def verdict(name: str, speedup: float | None) -> str:
     if speedup is None:
         return f"{name} scaling: not measured"
@@ -435,7 +441,7 @@ def scaling_table(results: dict[str, Any]) -> str:
                      f"({_fmt(run['completions_per_step_per_gpu'], '.0f')}) | "
                      f"{_fmt(run['seconds_per_step'], '.2f')} | "
                      f"{_fmt(run['generated_tokens_per_second'], '.0f')} | "
-                     f"{_fmt(gains.get(name) or (1.0 if name == 'one' else None), '.2f')}x |")
+                     f"{ratio_cell(1.0 if name == 'one' else gains.get(name))} |")
     lines += ["", *(f"- {verdict(name, gains[name])}" for name in GOALS)]
     lines += ["", ("Seconds per optimizer step by phase and rank (mean over the timed steps; "
               "all-reduce: the synced backward beyond the unsynced one; waiting: at a barrier "
@@ -544,6 +550,7 @@ def measure(name: str, args: argparse.Namespace, train_set: Path, budget_left: f
     except subprocess.TimeoutExpired:
         print(f"{name}: timed out", flush=True)
     records = [json.loads(p.read_text()) for p in sorted(result_dir.glob("rank*.json"))]
+    shutil.rmtree(result_dir, ignore_errors=True)
     summary = run_summary(records, args.warmup)
     if records and len(records) < run["processes"] and "error" not in summary:
         summary = {"error": f"{len(records)} of {run['processes']} ranks wrote a record"}
