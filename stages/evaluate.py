@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         remove_outputs(*outputs)
     try:
         params = load_params(args.params)
-        launch = evaluation_launch(evaluation_plan(params.eval.num_processes,
+        launch = evaluation_launch(evaluation_plan(params.eval.num_processes, params.model,
                                                    f"{args.mode}_eval"))
         if launch is not None and not launched_worker():
             code = run_launched(launch, __file__, sys.argv[1:] if argv is None else argv)

@@ -29,7 +29,6 @@ from vlmrl.launch import (
     NO_MULTICAST_ENV,
     DistributedParams,
     Launch,
-    check_strategy,
     distributed_settings,
     evaluation_launch,
     evaluation_plan,
@@ -213,20 +212,28 @@ def test_auto_launches_on_several_gpus_and_keeps_one_for_unsloth(
     assert (plan.strategy, plan.num_processes) == ("none", 1)
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"
     assert "train_gspo: Unsloth trains on one GPU" in capsys.readouterr().out
-    explicit = DistributedParams.from_params({"strategy": "ddp", "num_processes": 2})
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     with pytest.raises(ParamsError, match=r"strategy ddp: Unsloth trains on one GPU"):
-        check_strategy(explicit, "unsloth", False)
+        training_plan(train_params(num_processes=2), unsloth, "train_gspo")  # before launching
+    with pytest.raises(ParamsError, match=r"load_in_4bit with train.distributed.strategy fsdp"):
+        training_plan(train_params(multi_gpu_strategy="fsdp"),
+                      ModelParams(name="x", backend="transformers", load_in_4bit=True), "sft")
 
 
 def test_eval_auto_is_one_process_per_gpu(tmp_path: Path, monkeypatch, capsys,
                                           no_launch_env) -> None:
-    assert evaluation_plan("auto", "baseline_eval") == 1  # no GPU here
+    model = ModelParams(name="embedded:tiny-qwen3-vl", backend="transformers")
+    assert evaluation_plan("auto", model, "baseline_eval") == 1  # no GPU here
     monkeypatch.setenv("PATH", fake_nvidia_smi(tmp_path / "bin", 2)["PATH"])
-    assert evaluation_plan("auto", "baseline_eval") == 2
+    assert evaluation_plan("auto", model, "baseline_eval") == 2
     assert capsys.readouterr().out == ""
     with pytest.raises(ParamsError, match=r"eval\.num_processes \(3\) is more than the 2 GPUs"):
-        evaluation_plan(3, "baseline_eval")
-    assert evaluation_plan(1, "post_eval") == 1
+        evaluation_plan(3, model, "baseline_eval")
+    unsloth = ModelParams(name="embedded:tiny-qwen3-vl", backend="unsloth")
+    assert evaluation_plan("auto", unsloth, "baseline_eval") == 1
+    assert capsys.readouterr().out.startswith("baseline_eval: Unsloth runs on one GPU")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert evaluation_plan(1, model, "post_eval") == 1
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"
     assert capsys.readouterr().out.startswith("post_eval: eval.num_processes 1: one process on GPU 0")
     assert evaluation_processes("auto") == 1  # evaluating in this process, GPUs or not

@@ -153,19 +153,23 @@ def unsloth_chosen(requested: str, cuda: bool) -> bool:
 
 def training_plan(train: TrainParams, model: ModelParams, stage: str) -> DistributedParams:
     """What a training stage does, decided before torch initialises CUDA: `train.distributed`
-    resolved on this host. Where it runs in this process on several GPUs it keeps one (Unsloth
-    trains on one GPU: `auto` keeps one for it too); a launched worker only resolves."""
+    resolved on this host and checked against the model. Where it runs in this process on
+    several GPUs it keeps one; Unsloth trains on one GPU, so `auto` keeps one for it too (an
+    explicit strategy or count with Unsloth is a params error). A launched worker only
+    resolves."""
     if launched_worker():
         return distributed_settings(train)
     gpus = visible_gpus()
     settings = DistributedParams.from_params(train.distributed)
     resolved = resolve(settings, gpus)
-    if (settings.strategy == "auto" and resolved.strategy != "none"
-            and unsloth_chosen(model.backend, gpus > 0)):
-        resolved = resolved.model_copy(update={"strategy": "none", "num_processes": 1})
+    unsloth = unsloth_chosen(model.backend, gpus > 0)
+    if unsloth and resolved.strategy != "none" and settings.strategy == "auto" == (
+            settings.num_processes):
         keep_one_gpu(gpus, f"{stage}: Unsloth trains on one GPU (model.backend: transformers "
                            "trains on all)")
-    elif resolved.strategy == "none":
+        return resolved.model_copy(update={"strategy": "none", "num_processes": 1})
+    check_strategy(resolved, "unsloth" if unsloth else model.backend, model.load_in_4bit)
+    if resolved.strategy == "none":
         keep_one_gpu(gpus, f"{stage}: train.distributed.strategy {settings.strategy}, "
                            f"num_processes {settings.num_processes}")
     return resolved
@@ -203,12 +207,17 @@ def evaluation_processes(setting: int | str) -> int:
     return world_size() or 1
 
 
-def evaluation_plan(setting: int | str, stage: str) -> int:
+def evaluation_plan(setting: int | str, model: ModelParams, stage: str) -> int:
     """The evaluation's process count on this host, decided before torch initialises CUDA; a
-    run of one process on several GPUs keeps one."""
+    run of one process on several GPUs keeps one (`auto` with Unsloth, which runs on one GPU,
+    too)."""
     if launched_worker():
         return evaluation_processes(setting)
     gpus = visible_gpus()
+    if setting == "auto" and gpus > 1 and unsloth_chosen(model.backend, True):
+        keep_one_gpu(gpus, f"{stage}: Unsloth runs on one GPU (model.backend: transformers "
+                           "evaluates on all)")
+        return 1
     count = int(setting) if setting != "auto" else max(1, gpus)
     if 0 < gpus < count:
         raise ParamsError(f"params.yaml eval.num_processes ({count}) is more than the {gpus} "
