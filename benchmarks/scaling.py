@@ -606,9 +606,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/scaling.json")
     parser.add_argument("--doc", type=Path, default=ROOT / "docs/benchmarks.md")
     parser.add_argument("--render", type=Path, nargs="+", metavar="JSON",
-                        help="write the tables of earlier runs' JSON into --doc; run nothing. "
-                             "Several files (device calls) are merged, later runs replacing "
-                             "earlier ones of the same name, into --out")
+                        help="write the tables of earlier runs' JSON into --doc and the runs into "
+                             "--out; run nothing. Several files (device calls) are merged, later "
+                             "runs replacing earlier ones of the same name")
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "scaling")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--result-dir", type=Path, help=argparse.SUPPRESS)
@@ -620,8 +620,8 @@ def main() -> int:
         return 0
     if args.render:
         results = merged([json.loads(path.read_text()) for path in args.render])
-        if len(args.render) > 1:
-            save_results(args.out, results)
+        if [path.resolve() for path in args.render] != [args.out.resolve()]:
+            save_results(args.out, results)  # the device calls' files, kept as one
         write_doc_block(args.doc, scaling_table(results), Path(__file__).name)
         return 0
     names = [n.strip() for n in args.runs.split(",") if n.strip()]
