@@ -135,9 +135,9 @@ def run_sft(*, train_set: Path, params: Params, out: Path,
 
 def _train(settings: SftParams, params: Params, train_set: Path, staging: Path,
            log: Path | None) -> dict[str, Any]:
-    backend_for(params.model)  # Unsloth, when chosen, must patch TRL before the config is built
+    backend = backend_for(params.model)  # Unsloth, when chosen, patches TRL before the config
     distributed = distributed_settings(params.train)
-    check_strategy(distributed, backend_for(params.model).name, params.model.load_in_4bit)
+    check_strategy(distributed, backend.name, params.model.load_in_4bit)
     install_cpu_fallback()  # SFTTrainer's loss goes through the same Triton log-prob kernel
     vision = not is_text_checkpoint(resolve_model_path(params.model))
     default = trl.SFTConfig.__dataclass_fields__["per_device_train_batch_size"].default
