@@ -597,9 +597,10 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=2,
                         help="timed optimizer steps (2: one generation serves two)")
     parser.add_argument("--dataset-size", type=int, default=64)
-    parser.add_argument("--budget-s", type=float, default=480,
+    parser.add_argument("--budget-s", type=float, default=500,
                         help="stop starting runs when less than --min-run-s of this is left")
-    parser.add_argument("--min-run-s", type=float, default=60)
+    parser.add_argument("--min-run-s", type=float, default=150,
+                        help="a run needs about this long on the 2-GPU host (2B, 1024 tokens)")
     parser.add_argument("--run-timeout-s", type=float, default=300)
     parser.add_argument("--smoke", action="store_true",
                         help="the tiny model on the CPU: checks this script, measures nothing")
