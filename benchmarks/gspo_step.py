@@ -816,6 +816,11 @@ def main() -> int:
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--others-bytes", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    from vlmrl.launch import keep_one_gpu, visible_gpus
+
+    # each run trains in one process: on a host with several GPUs, on the first (before torch
+    # initialises CUDA; the workers inherit it), as the train_gspo stage does with one process
+    keep_one_gpu(visible_gpus(), "benchmarks/gspo_step.py")
 
     if args.worker:
         config, length = args.worker[0], int(args.worker[1])

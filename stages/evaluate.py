@@ -1,9 +1,12 @@
 """DVC stages baseline_eval and post_eval: score the base model, or the model with the trained
 adapter, on the prepared eval set; post also writes the before/after report.
 
-Thin on purpose: the work is in vlmrl.evaluation and vlmrl.eval_report. With `eval.num_processes`
-> 1 the script relaunches itself under `accelerate launch` (vlmrl.launch); rank 0 writes. Stale outputs are removed
-first and every output appears atomically, so a failed run leaves none behind for DVC to trust.
+Thin on purpose: the work is in vlmrl.evaluation and vlmrl.eval_report. Where `eval.num_processes`
+resolves to more than one (`auto`: one per GPU, on a host with several) the script relaunches itself
+under `accelerate launch` (vlmrl.launch); rank 0 writes. The decision comes before torch is imported
+(vlmrl.evaluation imports it), so one process on a host with several GPUs keeps to one of them.
+Stale outputs are removed first and every output appears atomically, so a failed run leaves none
+behind for DVC to trust.
 """
 
 from __future__ import annotations
@@ -16,16 +19,15 @@ from typing import Any
 from vlmrl.answer_format import answer_format
 from vlmrl.errors import run_stage
 from vlmrl.eval_report import comparison_metrics, find_flips, read_records, write_report
-from vlmrl.evaluation import run_evaluation
 from vlmrl.launch import (
     die_with_launcher,
     evaluation_launch,
+    evaluation_plan,
     is_main_process,
     launched_worker,
     run_launched,
 )
 from vlmrl.metric_files import category_rows, write_stage_metrics
-from vlmrl.models.loading import starting_adapter
 from vlmrl.outputs import atomic_dir, remove_outputs, write_json_atomic, write_jsonl_atomic
 from vlmrl.params import Params, load_params
 
@@ -98,6 +100,9 @@ def write_post_report(args: argparse.Namespace, records: list[dict[str, Any]],
 
 
 def evaluate(args: argparse.Namespace, params: Params) -> dict[str, Any] | None:
+    from vlmrl.evaluation import run_evaluation  # torch: once the GPUs are chosen
+    from vlmrl.models.loading import starting_adapter
+
     if args.mode == "post":
         check_baseline_inputs(args)
     adapter = args.adapter if args.mode == "post" else starting_adapter(args.start_adapter)
@@ -124,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         remove_outputs(*outputs)
     try:
         params = load_params(args.params)
-        launch = evaluation_launch(params.eval.num_processes)
+        launch = evaluation_launch(evaluation_plan(params.eval.num_processes, params.model,
+                                                   f"{args.mode}_eval"))
         if launch is not None and not launched_worker():
             code = run_launched(launch, __file__, sys.argv[1:] if argv is None else argv)
             if code:  # a worker that was killed cleaned nothing up

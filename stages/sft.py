@@ -1,19 +1,33 @@
 """sft_cold_start: prime the answer format with TRL's SFTTrainer before GSPO (vlmrl.sft); writes
-the starting LoRA adapter that baseline_eval applies and train_gspo continues."""
+the starting LoRA adapter that baseline_eval applies and train_gspo continues.
+
+Like train_gspo, where `train.distributed` resolves to several processes (by default one per
+GPU, on a host with several) the script relaunches itself under `accelerate launch`
+(vlmrl.launch) and rank 0 alone writes; the decision comes before torch is imported. A
+pass-through SFT (nothing to train) always runs in this process."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from vlmrl.errors import run_stage
+from vlmrl.launch import (
+    DistributedParams,
+    die_with_launcher,
+    is_main_process,
+    launched_worker,
+    run_launched,
+    training_launch,
+    training_plan,
+)
 from vlmrl.metric_files import write_stage_metrics
 from vlmrl.outputs import remove_outputs, write_json_atomic
-from vlmrl.params import load_params
-from vlmrl.sft import run_sft
+from vlmrl.params import Params, load_params
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--train-set", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True, help="starting adapter directory")
@@ -28,17 +42,43 @@ def main() -> None:
     args = parser.parse_args()
 
     outputs = (args.out, args.metrics, args.log, args.details, args.timings)
-    remove_outputs(*outputs)
-    try:
-        summary = run_sft(train_set=args.train_set, params=load_params(args.params), out=args.out,
-                          log=args.log)
-        write_json_atomic(args.log, summary.pop("log"))
-        write_stage_metrics("sft_cold_start", summary, metrics=args.metrics,
-                            details=args.details, timings=args.timings)
-    except BaseException:
+    main_process = is_main_process()  # also the launcher, which is no rank
+    if main_process:
         remove_outputs(*outputs)
+    params = load_params(args.params)
+    if params.sft.trains:
+        plan = training_plan(params.train, params.model, "sft_cold_start")
+        if plan.strategy != "none" and not launched_worker():
+            return launch_workers(plan, params, outputs)
+    die_with_launcher()
+    from vlmrl.sft import run_sft  # torch: once the GPUs are chosen
+
+    try:
+        summary = run_sft(train_set=args.train_set, params=params, out=args.out, log=args.log)
+        if summary is not None:
+            write_json_atomic(args.log, summary.pop("log"))
+            write_stage_metrics("sft_cold_start", summary, metrics=args.metrics,
+                                details=args.details, timings=args.timings)
+    except BaseException:
+        if main_process:
+            remove_outputs(*outputs)
         raise
-    print(f"SFT: {summary['steps']} steps; starting adapter: {summary['adapter']} ({args.out})")
+    if summary is not None:
+        processes = summary.get("batch", {}).get("num_processes", 1)
+        print(f"SFT: {summary['steps']} steps on {processes} process(es); starting adapter: "
+              f"{summary['adapter']} ({args.out})")
+    return 0
+
+
+def launch_workers(plan: DistributedParams, params: Params, outputs: tuple[Path, ...]) -> int:
+    """Runs this script's workers under `accelerate launch` and returns their exit code."""
+    from vlmrl.models.backend import mixed_precision  # torch, without initialising CUDA
+
+    launch = training_launch(plan, mixed_precision(params.sft.args, params.model))
+    code = run_launched(launch, __file__, sys.argv[1:])
+    if code:  # a worker that was killed cleaned nothing up
+        remove_outputs(*outputs)
+    return code
 
 
 if __name__ == "__main__":

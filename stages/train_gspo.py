@@ -1,7 +1,9 @@
 """train_gspo: LoRA on the language model with TRL's GRPOTrainer in GSPO mode.
 
-With `train.distributed.strategy` other than none the script relaunches itself under `accelerate
-launch` (vlmrl.launch) and rank 0 alone writes the outputs."""
+Where `train.distributed` resolves to several processes (by default one per GPU, on a host with
+several) the script relaunches itself under `accelerate launch` (vlmrl.launch) and rank 0 alone
+writes the outputs. The decision comes before torch is imported (vlmrl.training imports it), so
+a run in this process on a host with several GPUs can still keep to one of them."""
 
 from __future__ import annotations
 
@@ -12,17 +14,17 @@ from pathlib import Path
 
 from vlmrl.errors import run_stage
 from vlmrl.launch import (
+    DistributedParams,
     die_with_launcher,
     is_main_process,
     launched_worker,
     run_launched,
     training_launch,
+    training_plan,
 )
 from vlmrl.metric_files import write_stage_metrics
-from vlmrl.models.backend import mixed_precision
 from vlmrl.outputs import atomic_dir, remove_outputs, write_json_atomic
-from vlmrl.params import load_params
-from vlmrl.training import LiveOutputs, TrainResult, plot_training_curves, train
+from vlmrl.params import Params, load_params
 
 
 def main() -> int:
@@ -54,13 +56,12 @@ def main() -> int:
     if main_process:
         remove_outputs(*outputs)
     params = load_params(args.params)
-    launch = training_launch(params.train, mixed_precision(params.train.grpo, params.model))
-    if launch is not None and not launched_worker():
-        code = run_launched(launch, __file__, sys.argv[1:])
-        if code:  # a worker that was killed cleaned nothing up
-            remove_outputs(*outputs)
-        return code
+    plan = training_plan(params.train, params.model, "train_gspo")
+    if plan.strategy != "none" and not launched_worker():
+        return launch_workers(plan, params, outputs)
     die_with_launcher()
+    from vlmrl.training import LiveOutputs, train  # torch: once the GPUs are chosen
+
     try:
         result = train(train_set=args.train_set, params=params, adapter_out=args.out,
                        checkpoints=args.checkpoints, sft_out=args.start_adapter,
@@ -80,7 +81,21 @@ def main() -> int:
     return 0
 
 
-def write_outputs(args: argparse.Namespace, result: TrainResult) -> None:
+def launch_workers(plan: DistributedParams, params: Params, outputs: tuple[Path, ...]) -> int:
+    """Runs this script's workers under `accelerate launch` and returns their exit code."""
+    from vlmrl.models.backend import mixed_precision  # torch, without initialising CUDA
+
+    launch = training_launch(plan, mixed_precision(params.train.grpo, params.model))
+    code = run_launched(launch, __file__, sys.argv[1:])
+    if code:  # a worker that was killed cleaned nothing up
+        remove_outputs(*outputs)
+    return code
+
+
+def write_outputs(args: argparse.Namespace, result) -> None:
+    """`result`: vlmrl.training.TrainResult."""
+    from vlmrl.training import plot_training_curves
+
     with atomic_dir(args.completions) as staging:
         for parquet in sorted(result.completions_dir.glob("*.parquet")):
             shutil.copy2(parquet, staging / parquet.name)

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 from conftest import (
+    ROOT,
     TEST_PARAMS,
     dvc_env,
     dvc_repro,
@@ -27,12 +29,18 @@ from vlmrl.launch import (
     NO_MULTICAST_ENV,
     DistributedParams,
     Launch,
+    distributed_settings,
     evaluation_launch,
+    evaluation_plan,
+    evaluation_processes,
     launch_command,
+    resolve,
     training_launch,
+    training_plan,
+    visible_gpus,
     worker_env,
 )
-from vlmrl.params import ParamsError, TrainParams
+from vlmrl.params import ModelParams, ParamsError, TrainParams
 from vlmrl.training import rows_report, split_batch
 
 AUDIT_SITE = Path(__file__).parent / "write_audit"
@@ -48,9 +56,13 @@ def train_params(**distributed) -> TrainParams:
                                              "target_modules": ["q_proj"]}})
 
 
+def settings(**distributed) -> DistributedParams:
+    return distributed_settings(train_params(**distributed))
+
+
 def test_the_four_strategies_have_checked_in_configs() -> None:
     for strategy in ("ddp", "zero2", "zero3", "fsdp"):
-        launch = training_launch(train_params(strategy=strategy, num_processes=2), "bf16")
+        launch = training_launch(settings(strategy=strategy, num_processes=2), "bf16")
         config = yaml.safe_load(launch.config_file.read_text())
         assert launch.config_file.parent == ACCELERATE_CONFIGS
         assert config["compute_environment"] == "LOCAL_MACHINE"
@@ -58,14 +70,14 @@ def test_the_four_strategies_have_checked_in_configs() -> None:
 
 
 def test_strategy_none_runs_in_this_process() -> None:
-    assert training_launch(train_params(), "no") is None
+    assert training_launch(settings(strategy="none"), "no") is None
     assert evaluation_launch(1) is None
     assert evaluation_launch(3).config_file.name == "ddp.yaml"
 
 
 def test_several_processes_need_a_strategy() -> None:
     with pytest.raises(ParamsError, match=r"train\.distributed: num_processes 2 needs a strategy"):
-        training_launch(train_params(num_processes=2), "no")
+        settings(num_processes=2, strategy="none")
     with pytest.raises(ParamsError, match=r"train\.distributed\.strategy: 'ddp2' is not one of"):
         DistributedParams.from_params({"strategy": "ddp2"})
 
@@ -73,7 +85,7 @@ def test_several_processes_need_a_strategy() -> None:
 def test_a_missing_config_file_is_named(tmp_path: Path) -> None:
     missing = tmp_path / "mine.yaml"
     with pytest.raises(ParamsError, match=r"train\.distributed\.config_file: .*mine\.yaml"):
-        training_launch(train_params(strategy="ddp", config_file=str(missing)), "no")
+        training_launch(settings(strategy="ddp", config_file=str(missing)), "no")
 
 
 def test_launch_command_and_environment() -> None:
@@ -104,6 +116,155 @@ def test_rows_report_counts_prompts_two_processes_share() -> None:
     report = rows_report([["a", "a", "b", "b"], ["b", "b", "c", "c"]])
     assert report == {"rows_per_process": [4, 4], "prompts_per_process": [2, 2],
                       "prompts_in_several_processes": 1}
+
+
+def fake_nvidia_smi(folder: Path, gpus: int, path: str | None = None) -> dict[str, str]:
+    """A PATH (before `path`, default this process's) that finds an `nvidia-smi` listing `gpus`
+    GPUs (for `-L` only, as the real one prints them; anything else fails): the GPU count of a
+    host this one is not. The processes still run on the CPU (torch finds no CUDA)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    script = folder / "nvidia-smi"
+    lines = "".join(f"echo 'GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i:08d})'\n"
+                    for i in range(gpus))
+    script.write_text(f'#!/bin/sh\n[ "$1" = "-L" ] || exit 9\n{lines}')
+    script.chmod(0o755)
+    return {"PATH": f"{folder}{os.pathsep}{path or os.environ['PATH']}"}
+
+
+@pytest.fixture
+def no_launch_env(monkeypatch) -> None:
+    """This process as a stage's own (no torchrun variables), with no GPU narrowing set."""
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "VLMRL_LAUNCHED", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_auto_is_one_process_per_gpu_where_there_are_several() -> None:
+    auto = DistributedParams.from_params({})
+    assert (auto.strategy, auto.num_processes, auto.multi_gpu_strategy) == ("auto", "auto", "ddp")
+    resolved = {gpus: resolve(auto, gpus) for gpus in (0, 1, 2, 8)}
+    assert {gpus: (r.strategy, r.num_processes) for gpus, r in resolved.items()} == {
+        0: ("none", 1), 1: ("none", 1), 2: ("ddp", 2), 8: ("ddp", 8)}
+    sharded = DistributedParams.from_params({"multi_gpu_strategy": "fsdp"})
+    assert (resolve(sharded, 2).strategy, resolve(sharded, 1).strategy) == ("fsdp", "none")
+    # an explicit count picks the strategy without GPUs: the CPU's gloo processes
+    two = DistributedParams.from_params({"num_processes": 2})
+    assert (resolve(two, 0).strategy, resolve(two, 0).num_processes) == ("ddp", 2)
+    # none and an explicit strategy: one process, or one per GPU
+    none = DistributedParams.from_params({"strategy": "none"})
+    assert (resolve(none, 4).strategy, resolve(none, 4).num_processes) == ("none", 1)
+    ddp = DistributedParams.from_params({"strategy": "ddp"})
+    assert [resolve(ddp, gpus).num_processes for gpus in (0, 1, 4)] == [1, 1, 4]
+
+
+def test_a_launched_worker_takes_its_world_size() -> None:
+    auto = DistributedParams.from_params({})
+    assert (resolve(auto, 0, world=3).strategy, resolve(auto, 0, world=3).num_processes) == (
+        "ddp", 3)
+
+
+def test_more_processes_than_gpus_is_named() -> None:
+    with pytest.raises(ParamsError, match=r"train\.distributed\.num_processes \(4\) is more "
+                                          r"than the 2 GPUs"):
+        resolve(DistributedParams.from_params({"num_processes": 4}), 2)
+    with pytest.raises(ParamsError, match=r"must be a positive integer or auto, got 'all'"):
+        DistributedParams.from_params({"num_processes": "all"})
+
+
+def test_visible_gpus_counts_nvidia_smi_as_cuda_visible_devices_narrows_it(
+        tmp_path: Path, monkeypatch, no_launch_env) -> None:
+    monkeypatch.setenv("PATH", fake_nvidia_smi(tmp_path / "bin", 4)["PATH"])
+    assert visible_gpus() == 4
+    for chosen, count in (("1,3", 2), ("2", 1), ("", 0), ("-1", 0), ("0,7,1", 1),
+                          ("GPU-00000002,GPU-00000003", 2)):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", chosen)
+        assert visible_gpus() == count, chosen
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no nvidia-smi: no GPU
+    assert visible_gpus() == 0
+
+
+def test_one_process_on_several_gpus_keeps_the_first_and_says_so(
+        tmp_path: Path, monkeypatch, capsys, no_launch_env) -> None:
+    monkeypatch.setenv("PATH", fake_nvidia_smi(tmp_path / "bin", 2)["PATH"])
+    model = ModelParams(name="embedded:tiny-qwen3-vl", backend="transformers")
+    plan = training_plan(train_params(strategy="none"), model, "train_gspo")
+    assert (plan.strategy, plan.num_processes) == ("none", 1)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"
+    line = capsys.readouterr().out.strip()
+    assert line == ("train_gspo: train.distributed.strategy none, num_processes auto: one "
+                    "process on GPU 0 of the 2 visible (CUDA_VISIBLE_DEVICES=0)")
+    assert visible_gpus() == 1  # what the trainer's process sees from here on
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
+    training_plan(train_params(num_processes=1), model, "sft_cold_start")
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "1"
+    assert "sft_cold_start: train.distributed.strategy auto, num_processes 1" in (
+        capsys.readouterr().out)
+
+
+def test_auto_launches_on_several_gpus_and_keeps_one_for_unsloth(
+        tmp_path: Path, monkeypatch, capsys, no_launch_env) -> None:
+    monkeypatch.setenv("PATH", fake_nvidia_smi(tmp_path / "bin", 2)["PATH"])
+    transformers = ModelParams(name="embedded:tiny-qwen3-vl", backend="transformers")
+    plan = training_plan(train_params(), transformers, "train_gspo")
+    assert (plan.strategy, plan.num_processes) == ("ddp", 2)
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ and capsys.readouterr().out == ""
+    unsloth = ModelParams(name="embedded:tiny-qwen3-vl", backend="unsloth")
+    plan = training_plan(train_params(), unsloth, "train_gspo")
+    assert (plan.strategy, plan.num_processes) == ("none", 1)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"
+    assert "train_gspo: Unsloth trains on one GPU" in capsys.readouterr().out
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    with pytest.raises(ParamsError, match=r"strategy ddp: Unsloth trains on one GPU"):
+        training_plan(train_params(num_processes=2), unsloth, "train_gspo")  # before launching
+    with pytest.raises(ParamsError, match=r"load_in_4bit with train.distributed.strategy fsdp"):
+        training_plan(train_params(multi_gpu_strategy="fsdp"),
+                      ModelParams(name="x", backend="transformers", load_in_4bit=True), "sft")
+
+
+def test_eval_auto_is_one_process_per_gpu(tmp_path: Path, monkeypatch, capsys,
+                                          no_launch_env) -> None:
+    model = ModelParams(name="embedded:tiny-qwen3-vl", backend="transformers")
+    assert evaluation_plan("auto", model, "baseline_eval") == 1  # no GPU here
+    monkeypatch.setenv("PATH", fake_nvidia_smi(tmp_path / "bin", 2)["PATH"])
+    assert evaluation_plan("auto", model, "baseline_eval") == 2
+    assert capsys.readouterr().out == ""
+    with pytest.raises(ParamsError, match=r"eval\.num_processes \(3\) is more than the 2 GPUs"):
+        evaluation_plan(3, model, "baseline_eval")
+    unsloth = ModelParams(name="embedded:tiny-qwen3-vl", backend="unsloth")
+    assert evaluation_plan("auto", unsloth, "baseline_eval") == 1
+    assert capsys.readouterr().out.startswith("baseline_eval: Unsloth runs on one GPU")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert evaluation_plan(1, model, "post_eval") == 1
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"
+    assert capsys.readouterr().out.startswith("post_eval: eval.num_processes 1: one process on GPU 0")
+    assert evaluation_processes("auto") == 1  # evaluating in this process, GPUs or not
+    monkeypatch.setenv("VLMRL_LAUNCHED", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert evaluation_processes("auto") == 2
+
+
+@pytest.mark.parametrize("script", ["train_gspo.py", "sft.py", "evaluate.py"])
+def test_stage_scripts_choose_their_gpus_before_torch_is_imported(script: str) -> None:
+    """CUDA reads CUDA_VISIBLE_DEVICES once, when torch first initialises it: a stage that keeps
+    one GPU must decide before anything imports torch (bitsandbytes initialises CUDA on import)."""
+    code = ("import importlib.util, sys; "
+            f"spec = importlib.util.spec_from_file_location('stage', 'stages/{script}'); "
+            "spec.loader.exec_module(importlib.util.module_from_spec(spec)); "
+            "print(sorted(m for m in ('torch', 'transformers', 'trl') if m in sys.modules))")
+    result = run([sys.executable, "-c", code], ROOT)
+    assert result.stdout.strip() == "[]", result.stdout
+
+
+def test_gspo_step_benchmark_keeps_one_gpu_of_several(tmp_path: Path) -> None:
+    """Each of its runs trains in one process: on a host with two GPUs it keeps the first (its
+    --doc mode says so too, and measures nothing)."""
+    doc = tmp_path / "doc.md"
+    doc.write_text("<!-- gspo_step roofline: start -->\n<!-- gspo_step roofline: end -->\n")
+    env = {**os.environ, **fake_nvidia_smi(tmp_path / "bin", 2), "PYTHONPATH": str(ROOT / "src")}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    result = run([sys.executable, "benchmarks/gspo_step.py", "--doc", str(doc),
+                  "--out", str(tmp_path / "none.json")], ROOT, env=env)
+    assert result.stdout.splitlines()[0] == (
+        "benchmarks/gspo_step.py: one process on GPU 0 of the 2 visible (CUDA_VISIBLE_DEVICES=0)")
 
 
 # ------------------------------------------------------------------ CPU, 2 processes
@@ -193,3 +354,54 @@ def test_two_process_evaluation_gives_the_records_of_one(pipeline_repo: Path, tm
     assert [r["pid"] for r in two] == [r["pid"] for r in one]
     assert two == one
     assert len({r["response"] for r in one}) > 1  # real, differing generations
+
+
+@pytest.mark.slow
+def test_defaults_on_two_gpus_train_and_evaluate_with_two_processes(tmp_path: Path) -> None:
+    """The default `auto` on a host with two GPUs (nvidia-smi lists two; the processes run on
+    the CPU with gloo): sft_cold_start, train_gspo and baseline_eval each launch one process per
+    GPU, rank 1 writes nothing under data/, and verify_lora passes the adapter."""
+    repo = make_project_repo(tmp_path / "repo", {**TEST_PARAMS, "train.grpo.max_steps": 2})
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    assert params["train"]["distributed"]["strategy"] == "auto"
+    assert params["eval"]["num_processes"] == "auto"
+    audit = tmp_path / "audit"
+    audit.mkdir()
+    env = audited_env(audit)
+    env.update(fake_nvidia_smi(tmp_path / "bin", 2, env["PATH"]))
+    result = run(["dvc", "repro", "verify_lora", "baseline_eval"], repo, env=env)
+    output = result.stdout + result.stderr
+    assert output.count("launching 2 process(es) with ddp.yaml") == 3, output[-3000:]
+    assert "SFT: 2 steps on 2 process(es)" in output
+    details = repo / "data/reports/details"
+    sft = json.loads((details / "sft_cold_start.json").read_text())["batch"]
+    assert (sft["num_processes"], sft["per_device_train_batch_size"], sft["strategy"]) == (
+        2, 4, "ddp")  # params.yaml's global 8, split
+    train = json.loads((details / "train_gspo.json").read_text())["batch"]
+    assert (train["num_processes"], train["strategy"], train["rows_per_process"]) == (
+        2, "ddp", [4, 4])
+    assert json.loads((repo / "data/metrics/verify_lora.json").read_text())["checks_failed"] == 0
+    baseline = json.loads((repo / "data/metrics/baseline_eval.json").read_text())
+    assert baseline["n"] == TEST_PARAMS["data.eval_size"]
+    rank0, rank1 = audit_lines(audit, 0), audit_lines(audit, 1)
+    assert any(line.endswith("data/metrics/sft.json") for line in rank0), rank0[:20]
+    assert rank1 == [], rank1[:20]
+    assert len(list(audit.glob("rank1-*.txt"))) >= 3, "rank 1 of each stage must be audited"
+
+
+@pytest.mark.slow
+def test_strategy_none_on_two_gpus_trains_in_one_process(tmp_path: Path) -> None:
+    """`strategy: none` on a host with two GPUs says in one line that it keeps the first, and
+    trains in this process."""
+    repo = make_project_repo(tmp_path / "repo", {
+        **TEST_PARAMS, "train.grpo.max_steps": 2, "sft.enabled": False,
+        "train.distributed.strategy": "none"})
+    env = dvc_env()
+    env.update(fake_nvidia_smi(tmp_path / "bin", 2, env["PATH"]))
+    result = run(["dvc", "repro", "train_gspo"], repo, env=env)
+    output = result.stdout + result.stderr
+    assert ("train_gspo: train.distributed.strategy none, num_processes auto: one process on "
+            "GPU 0 of the 2 visible (CUDA_VISIBLE_DEVICES=0)") in output
+    assert "launching" not in output
+    batch = json.loads((repo / "data/reports/details/train_gspo.json").read_text())["batch"]
+    assert (batch["num_processes"], batch["strategy"]) == (1, "none")

@@ -14,10 +14,13 @@ import yaml
 from conftest import ROOT, dvc_repro, run
 
 from vlmrl.answer_format import answer_format
+from vlmrl.data_parallel import split_global_batch
+from vlmrl.launch import DistributedParams, resolve
+from vlmrl.params import ParamsError
 from vlmrl.recipes import RecipeError, available, check_recipe, cli_recipe, recipe_path, summary
 from vlmrl.rewards import build_rewards
 from vlmrl.sft import build_sft_config
-from vlmrl.training import build_grpo_config
+from vlmrl.training import build_grpo_config, local_generation_rows, split_batch
 
 RECIPES = available(ROOT)
 # Short enough for the test suite; every stage still does its real work.
@@ -42,6 +45,35 @@ def test_recipe_validates_against_every_schema(name: str, tmp_path: Path) -> Non
                       reward_weights=[1.0] * len(params.rewards.weights),
                       model_settings=params.model)
     build_sft_config(params.sft, tmp_path, params.model)
+
+
+@pytest.mark.parametrize("processes", [1, 2, 4, 8])
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_trains_on_1_2_4_and_8_processes(name: str, processes: int) -> None:
+    """Each recipe as `auto` runs it on a host with that many GPUs: the global batches split
+    evenly, TRL's generation batch holds whole groups, and each process's generate calls
+    (`train.max_generation_rows`, capped at its share) divide its share of the generation."""
+    params = check_recipe(recipe_path(name, ROOT))
+    settings = resolve(DistributedParams.from_params(params.train.distributed), processes)
+    assert settings.num_processes == processes
+    assert settings.strategy == ("none" if processes == 1 else "ddp")
+    grpo = params.train.grpo
+    per_process = split_batch(grpo, processes)["per_device_train_batch_size"]
+    steps_per_generation = grpo.get("steps_per_generation") or grpo["gradient_accumulation_steps"]
+    share = per_process * steps_per_generation
+    assert share * processes % grpo["num_generations"] == 0  # GRPOConfig's own check
+    rows = local_generation_rows(params.train.max_generation_rows, share)
+    assert rows is None or share % rows == 0
+    split_global_batch(params.sft.args, processes, 8, "sft.args")
+
+
+def test_generation_rows_are_capped_at_one_processes_share() -> None:
+    assert local_generation_rows(None, 16) is None
+    assert [local_generation_rows(32, share) for share in (32, 16, 8, 4)] == [32, 16, 8, 4]
+    assert local_generation_rows(16, 32) == 16
+    with pytest.raises(ParamsError, match=r"train\.max_generation_rows \(12\) must divide the "
+                                          r"generation batch of one process .* = 16\)"):
+        local_generation_rows(12, 16)
 
 
 def test_embedded_vl_recipe_is_the_shipped_params() -> None:

@@ -9,9 +9,11 @@ module stays light."""
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
+
+from vlmrl.params import ParamsError
 
 T = TypeVar("T")
 
@@ -32,6 +34,20 @@ def start_processes(cpu: bool) -> tuple[int, int]:
 
     PartialState(cpu=cpu)
     return world()
+
+
+def split_global_batch(args: Mapping[str, Any], num_processes: int, default: int,
+                       section: str) -> dict[str, Any]:
+    """Trainer `args` whose `per_device_train_batch_size` (`default` where unset) is the batch of
+    all processes together, with each of `num_processes` processes given its share (as
+    accelerate's `split_batches`), so the optimizer batch means the same at any process count."""
+    batch = int(args.get("per_device_train_batch_size", default))
+    if batch % num_processes:
+        raise ParamsError(
+            f"params.yaml {section}.per_device_train_batch_size ({batch}) is the batch of all "
+            f"processes together and must be divisible by train.distributed.num_processes "
+            f"({num_processes})")
+    return {**args, "per_device_train_batch_size": batch // num_processes}
 
 
 def gather_lists(local: list[T]) -> list[list[T]]:

@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 from vlmrl.answer_format import DEFAULT_FORMAT, AnswerFormat
 from vlmrl.data_parallel import gather_lists, start_processes
 from vlmrl.errors import UserError
+from vlmrl.launch import evaluation_processes
 from vlmrl.models.backend import model_device
 from vlmrl.models.loading import load_model
 from vlmrl.models.processor import (
@@ -282,9 +283,10 @@ def load_eval_set(path: Path):
     return dataset
 
 
-def eval_shard(num_processes: int) -> tuple[int, int]:
+def eval_shard(num_processes: int | str) -> tuple[int, int]:
     """(this process's index, the process count) of a launched evaluation, checked against
-    `eval.num_processes`; (0, 1) in one process."""
+    `eval.num_processes` (`auto` resolved as the stage resolved it); (0, 1) in one process."""
+    num_processes = evaluation_processes(num_processes)
     if num_processes == 1:
         return 0, 1
     index, count = start_processes(cpu=not torch.cuda.is_available())

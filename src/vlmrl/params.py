@@ -21,14 +21,7 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Self, get_args
 
 import yaml
-from pydantic import (
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    ValidationError,
-    field_validator,
-)
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 from pydantic.dataclasses import dataclass as validated_dataclass
 
 from vlmrl.errors import ParamsError  # defined there, beside the other user errors
@@ -63,9 +56,12 @@ def _integer(value: Any) -> int:
     return value
 
 
-def _positive_integer(value: Any) -> int:
+def _positive_integer(value: Any, auto: bool = False) -> int | str:
+    """A positive integer; with `auto`, also the word auto (a process count: vlmrl.launch)."""
+    if auto and value == "auto":
+        return value
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"must be a positive integer, got {value!r}")
+        raise ValueError(f"must be a positive integer{' or auto' * auto}, got {value!r}")
     return value
 
 
@@ -105,6 +101,7 @@ def _list(value: Any) -> Any:
 
 Integer = Annotated[int, BeforeValidator(_integer)]
 PositiveInteger = Annotated[int, BeforeValidator(_positive_integer)]
+ProcessCount = Annotated[int | str, BeforeValidator(lambda value: _positive_integer(value, True))]
 Number = Annotated[float, BeforeValidator(_number)]
 Boolean = Annotated[bool, BeforeValidator(_boolean)]
 
@@ -203,7 +200,7 @@ class EvalParams(Section):
     top_p: Annotated[float, BeforeValidator(_number), Field(gt=0, le=1)] = 1.0
     top_k: Annotated[int, BeforeValidator(_integer), Field(ge=0)] = 0  # 0: no top-k cut
     seed: Integer = 0
-    num_processes: PositiveInteger = 1  # > 1: the eval set split across processes (vlmrl.launch)
+    num_processes: ProcessCount = "auto"  # auto: one process per GPU (vlmrl.launch)
 
 
 class SftParams(Section):

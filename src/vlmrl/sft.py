@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -33,6 +34,8 @@ import trl
 from datasets import load_from_disk
 
 from vlmrl.answer_format import DEFAULT_FORMAT, AnswerFormat, answer_format
+from vlmrl.data_parallel import gathered_state_dict, split_global_batch
+from vlmrl.launch import check_strategy, check_world, distributed_settings, is_main_process
 from vlmrl.models.backend import precision_flags
 from vlmrl.models.embedded import resolve_model_path
 from vlmrl.models.loading import backend_for, load_policy, write_start_marker
@@ -104,10 +107,12 @@ def build_sft_config(settings: SftParams, output_dir: Path, model_settings: Mode
 
 
 def run_sft(*, train_set: Path, params: Params, out: Path,
-            log: Path | None = None) -> dict[str, Any]:
+            log: Path | None = None) -> dict[str, Any] | None:
     """Writes the starting adapter (or the pass-through marker) to `out`; returns the summary,
     with the per-step log under "log" and the wall seconds under "runtime_seconds". `log`, if
-    given, is rewritten with the rows so far at every logging step."""
+    given, is rewritten with the rows so far at every logging step. In a launched run
+    (`train.distributed`) rank 0 alone writes and returns; the other ranks train in a private
+    temporary directory and return None."""
     settings = params.sft
     if not settings.trains:
         with atomic_dir(out) as staging:
@@ -116,20 +121,30 @@ def run_sft(*, train_set: Path, params: Params, out: Path,
     if not (train_set / "dataset_info.json").is_file():
         raise FileNotFoundError(f"{train_set}: no prepared train set; the prepare_data stage "
                                 "makes it")
+    if not is_main_process():
+        with tempfile.TemporaryDirectory(prefix="vlmrl-sft-") as scratch:
+            _train(settings, params, train_set, Path(scratch), None)
+        return None
     with atomic_dir(out) as staging:
         summary = _train(settings, params, train_set, staging, log)
         write_start_marker(staging, adapter=True,
                            summary={k: v for k, v in summary.items()
-                                    if k not in ("log", "runtime_seconds")})
+                                    if k not in ("log", "runtime_seconds", "batch")})
     return summary
 
 
 def _train(settings: SftParams, params: Params, train_set: Path, staging: Path,
            log: Path | None) -> dict[str, Any]:
-    backend_for(params.model)  # Unsloth, when chosen, must patch TRL before the config is built
+    backend = backend_for(params.model)  # Unsloth, when chosen, patches TRL before the config
+    distributed = distributed_settings(params.train)
+    check_strategy(distributed, backend.name, params.model.load_in_4bit)
     install_cpu_fallback()  # SFTTrainer's loss goes through the same Triton log-prob kernel
     vision = not is_text_checkpoint(resolve_model_path(params.model))
-    config = build_sft_config(settings, staging / "_trainer", params.model, vision)
+    default = trl.SFTConfig.__dataclass_fields__["per_device_train_batch_size"].default
+    args = split_global_batch(settings.args, distributed.num_processes, default, "sft.args")
+    config = build_sft_config(settings.model_copy(update={"args": args}), staging / "_trainer",
+                              params.model, vision)
+    check_world(config.world_size, distributed.num_processes, "stages/sft.py")
     model, processor, _backend = load_policy(params.model, params.train.lora, config.seed)
     dataset = sft_dataset(load_from_disk(str(train_set)), settings.reasoning,
                           answer_format(params), vision)
@@ -140,7 +155,9 @@ def _train(settings: SftParams, params: Params, train_set: Path, staging: Path,
     started = time.perf_counter()
     trainer.train()
     runtime = time.perf_counter() - started
-    trainer.model.save_pretrained(str(staging))
+    state_dict = gathered_state_dict(trainer)  # collective: every rank takes part
+    trainer.model.save_pretrained(str(staging), **({"state_dict": state_dict}
+                                                   if state_dict is not None else {}))
     save_processing(staging, processor)
     shutil.rmtree(staging / "_trainer", ignore_errors=True)
     rows = log_rows(trainer.state.log_history)
@@ -148,7 +165,12 @@ def _train(settings: SftParams, params: Params, train_set: Path, staging: Path,
     return {"steps": trainer.state.global_step, "adapter": True,
             "runtime_seconds": round(runtime, 2), "first_loss": losses[0] if losses else None,
             "last_loss": losses[-1] if losses else None,
-            "nonfinite_steps": trainer.nonfinite.skipped, "log": rows}
+            "nonfinite_steps": trainer.nonfinite.skipped, "log": rows,
+            "batch": {"num_processes": config.world_size, "strategy": distributed.strategy,
+                      "per_device_train_batch_size": config.per_device_train_batch_size,
+                      "gradient_accumulation_steps": config.gradient_accumulation_steps,
+                      "global_batch_size": config.per_device_train_batch_size
+                      * config.world_size * config.gradient_accumulation_steps}}
 
 
 def log_rows(log_history: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -35,8 +35,9 @@ from vlmrl.data_parallel import (
     record_trained_rows,
     resume_on_cpu_processes,
     save_rng_states_on_main,
+    split_global_batch,
 )
-from vlmrl.launch import DistributedParams, distributed_settings
+from vlmrl.launch import DistributedParams, check_strategy, check_world, distributed_settings
 from vlmrl.models.backend import precision_flags
 from vlmrl.models.graph_decode import install_graph_decoding
 from vlmrl.models.loading import backend_for, load_policy, starting_adapter
@@ -70,9 +71,15 @@ MANAGED_GRPO_KEYS = {"output_dir", "save_steps", "save_strategy", "reward_weight
 
 
 def generation_rows(rows: int | None, config) -> int | None:
-    """`train.max_generation_rows`, checked against the generation batch it splits (one
-    process's share of it: each process generates its own rows)."""
-    local_batch = config.generation_batch_size // config.world_size
+    """`train.max_generation_rows`, at most one process's share of the generation batch (each
+    process generates its own rows), which it must divide."""
+    return local_generation_rows(rows, config.generation_batch_size // config.world_size)
+
+
+def local_generation_rows(rows: int | None, local_batch: int) -> int | None:
+    """`rows` capped at `local_batch`, the generation batch of one process: a recipe's rows then
+    hold at any process count whose share it divides or exceeds."""
+    rows = None if rows is None else min(rows, local_batch)
     if rows is not None and local_batch % rows:
         raise ParamsError(
             f"params.yaml train.max_generation_rows ({rows}) must divide the generation batch "
@@ -87,13 +94,7 @@ def split_batch(grpo: Mapping[str, Any], num_processes: int) -> dict[str, Any]:
     `num_processes` processes (accelerate's `split_batches`): the optimizer batch (x gradient
     accumulation) and the generation batch (x steps_per_generation) stay what params say."""
     default = trl.GRPOConfig.__dataclass_fields__["per_device_train_batch_size"].default
-    batch = int(grpo.get("per_device_train_batch_size", default))
-    if batch % num_processes:
-        raise ParamsError(
-            f"params.yaml train.grpo.per_device_train_batch_size ({batch}) is the batch of all "
-            f"processes together and must be divisible by train.distributed.num_processes "
-            f"({num_processes})")
-    return {**grpo, "per_device_train_batch_size": batch // num_processes}
+    return split_global_batch(grpo, num_processes, default, "train.grpo")
 
 
 def batch_report(config) -> dict[str, Any]:
@@ -302,10 +303,12 @@ def train(*, train_set: Path, params: Params, adapter_out: Path, checkpoints: Pa
     config = build_grpo_config(split_batch(train_params.grpo, distributed.num_processes),
                                output_dir=checkpoints, save_steps=train_params.save_steps,
                                reward_weights=reward_weights, model_settings=model_params)
-    check_world(config, distributed.num_processes)
+    check_world(config.world_size, distributed.num_processes, "stages/train_gspo.py")
     rows = generation_rows(train_params.max_generation_rows, config)
     init_adapter = starting_adapter(sft_out)
-    settings = run_settings(params.raw, adapter_digest(init_adapter), train_set)
+    settings = {**run_settings(params.raw, adapter_digest(init_adapter), train_set),
+                "train.distributed.num_processes": distributed.num_processes,  # as resolved
+                "train.distributed.strategy": distributed.strategy}
     resume_from = main_decides(lambda: prepare_checkpoints(checkpoints, settings,
                                                            train_params.resume),
                                lambda: newest_checkpoint(checkpoints))
@@ -352,23 +355,8 @@ def train(*, train_set: Path, params: Params, adapter_out: Path, checkpoints: Pa
 
 def check_distributed(distributed: DistributedParams, model_params: ModelParams) -> None:
     """Settings the launched path does not support, named before anything loads."""
-    if distributed.strategy == "none":
-        return
-    if backend_for(model_params).name == "unsloth":
-        raise ParamsError("params.yaml train.distributed.strategy "
-                          f"{distributed.strategy}: Unsloth trains on one GPU; set "
-                          "model.backend: transformers (or strategy: none)")
-    if model_params.load_in_4bit and distributed.strategy in ("zero3", "fsdp"):
-        raise ParamsError(f"params.yaml model.load_in_4bit with train.distributed.strategy "
-                          f"{distributed.strategy}: sharding 4-bit weights is not supported "
-                          "here; use ddp or zero2")
-
-
-def check_world(config, num_processes: int) -> None:
-    if config.world_size != num_processes:
-        raise ParamsError(f"params.yaml train.distributed.num_processes is {num_processes} but "
-                          f"{config.world_size} processes were launched; let train_gspo launch "
-                          "itself (python stages/train_gspo.py ...)")
+    if distributed.strategy != "none":
+        check_strategy(distributed, backend_for(model_params).name, model_params.load_in_4bit)
 
 
 def rows_report(rows_per_process: list[list[Any]]) -> dict[str, Any]:

@@ -9,6 +9,7 @@
 #   tests/gpu/run_on_device.sh launch [launch_one_process.py args...]   # in-process vs accelerate launch
 #   tests/gpu/run_on_device.sh decode [decode_profile.py args...]   # ms per decode step, kernels
 #   tests/gpu/run_on_device.sh nonfinite [nonfinite_probe.py args...]   # where a run goes NaN
+#   tests/gpu/run_on_device.sh scaling [scaling.py args...]   # 1 vs 2 GPUs, strong/weak (2 GPUs)
 #   tests/gpu/run_on_device.sh setup                    # install only, print versions
 #
 # Installs into /tmp/site (kept while the machine stays up: a second call skips the install),
@@ -93,5 +94,6 @@ case "$MODE" in
     launch) run_script benchmarks/launch_one_process.py launch_one_process "$@" ;;
     decode) run_script benchmarks/decode_profile.py decode_profile "$@" ;;
     nonfinite) run_script benchmarks/nonfinite_probe.py nonfinite "$@" ;;
-    *) echo "usage: $0 tests|bench|probe|decode|learning|launch|nonfinite|setup [args]" >&2; exit 2 ;;
+    scaling) run_script benchmarks/scaling.py scaling "$@" ;;
+    *) echo "usage: $0 tests|bench|probe|decode|learning|launch|nonfinite|scaling|setup [args]" >&2; exit 2 ;;
 esac

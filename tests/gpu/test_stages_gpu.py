@@ -176,11 +176,13 @@ def stage_commands(repo: Path) -> dict[str, str]:
             for name, stage in dvc["stages"].items()}
 
 
-def run_stage(repo: Path, name: str, tag: str) -> subprocess.CompletedProcess:
+def run_stage(repo: Path, name: str, tag: str,
+              python_path: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """dvc.yaml's command of stage `name` in `repo`; `python_path`: more PYTHONPATH entries."""
     command = stage_commands(repo)[name]
     argv = [sys.executable, *command.split()[1:]]  # `python` -> this interpreter
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(repo / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]),
+        [*python_path, str(repo / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]),
         PYTHONUNBUFFERED="1")
     started = time.perf_counter()
     result = subprocess.run(argv, cwd=repo, env=env, text=True, capture_output=True,
