@@ -42,17 +42,26 @@ def trainable(model) -> list[tuple[str, torch.nn.Parameter]]:
     return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
 
 
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's part of a tensor: FSDP2 shards parameters and gradients as DTensors, whose
+    reductions would need a collective; each process checks its shard and `agree` combines."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
 def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
     """One boolean tensor (no host sync): whether every element of every tensor is finite."""
-    if not tensors:
+    parts = [local(t) for t in tensors]
+    if not parts:
         return torch.tensor(True)
-    device = tensors[0].device
-    return torch.stack([torch.isfinite(t).all().to(device) for t in tensors]).all()
+    device = parts[0].device
+    return torch.stack([torch.isfinite(t).all().to(device) for t in parts]).all()
 
 
 def first_nonfinite(named: list[tuple[str, torch.Tensor]]) -> str | None:
     """The name of the first tensor holding a NaN or an infinity (host syncs: only on failure)."""
-    return next((name for name, tensor in named if not bool(torch.isfinite(tensor).all())), None)
+    return next((name for name, tensor in named
+                 if not bool(torch.isfinite(local(tensor)).all())), None)
 
 
 def agree(flag: torch.Tensor, accelerator) -> bool:
