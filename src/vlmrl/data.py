@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -47,8 +48,12 @@ class PreparedData:
     train: list[dict[str, Any]]
     eval: list[dict[str, Any]]
     skipped: list[Skipped] = field(default_factory=list)
-    filtered_out: int = 0
+    filtered: list[Skipped] = field(default_factory=list)  # good records data.*_types leave out
     total: int = 0
+
+    @property
+    def filtered_out(self) -> int:
+        return len(self.filtered)
 
 
 # ---------------------------------------------------------------- sources
@@ -199,9 +204,13 @@ def resize_longest(image: Image.Image, size: int) -> Image.Image:
 
 # ---------------------------------------------------------------- pipeline
 
-def passes_filters(raw: Mapping[str, Any], settings: DataParams) -> bool:
-    return (raw.get("question_type") in settings.question_types
-            and raw.get("answer_type") in settings.answer_types)
+def filter_reason(raw: Mapping[str, Any], settings: DataParams) -> str | None:
+    """Why data.question_types or data.answer_types leave the record out; None if they keep it."""
+    for key, allowed in (("question_type", settings.question_types),
+                         ("answer_type", settings.answer_types)):
+        if raw.get(key) not in allowed:
+            return f"{key} {raw.get(key)} is not in data.{key}s [{', '.join(allowed)}]"
+    return None
 
 
 def prepare(raw_records: Iterable[Mapping[str, Any] | BadLine],
@@ -224,8 +233,9 @@ def prepare(raw_records: Iterable[Mapping[str, Any] | BadLine],
         try:
             mapped = map_record(raw, settings)
             pid = mapped["pid"]
-            if not passes_filters(mapped, settings):
-                prepared.filtered_out += 1
+            reason = filter_reason(mapped, settings)
+            if reason is not None:
+                prepared.filtered.append(Skipped(pid, reason, where))
                 continue
             record = validate_record(mapped, settings.image_size)
             if pid in seen_pids:
@@ -329,10 +339,40 @@ def data_summary(prepared: PreparedData) -> dict[str, Any]:
             "text_only": sum(r.get("image") is None for r in rows),
         }
 
-    skip_reasons = Counter(s.reason.split(" (")[0].split(":")[0] for s in prepared.skipped)
     return {"total_records": prepared.total, "filtered_out": prepared.filtered_out,
-            "skipped": len(prepared.skipped), "skip_reasons": dict(skip_reasons),
+            "skipped": len(prepared.skipped),
+            "filter_reasons": {reason: n for reason, n, _ in reason_groups(prepared.filtered)},
+            "skip_reasons": {reason: n for reason, n, _ in reason_groups(prepared.skipped)},
             "train": counts(prepared.train), "eval": counts(prepared.eval)}
+
+
+EXAMPLES_PER_REASON = 3
+_QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
+
+
+def reason_groups(items: list[Skipped]) -> list[tuple[str, int, str]]:
+    """(reason, how many records, a few example ids) per reason, the most frequent first."""
+    groups: dict[str, list[Skipped]] = {}
+    for item in items:
+        groups.setdefault(reason_kind(item.reason), []).append(item)
+    return [(reason, len(members), ", ".join(
+        member.pid if member.pid != "-" else member.where
+        for member in members[:EXAMPLES_PER_REASON]))
+        for reason, members in sorted(groups.items(), key=lambda group: -len(group[1]))]
+
+
+def reason_kind(reason: str) -> str:
+    """The reason without the record's own values (quoted answers, parser details), so that
+    records with the same problem count together."""
+    return _QUOTED.sub("…", reason.split(" (")[0])
+
+
+def reasons_section(title: str, items: list[Skipped], what: str) -> list[str]:
+    if not items:
+        return [f"## {title}", "", "None.", ""]
+    return [f"## {title}", "", what, "", markdown_table(
+        ("reason", "records", "example ids"), reason_groups(items),
+        align=("left", "right", "left")), ""]
 
 
 def describe_source(settings: DataParams) -> str:
@@ -369,10 +409,12 @@ def render_report(prepared: PreparedData, settings: DataParams) -> str:
         ("tier", "train", "eval"),
         [(tier, summary["train"]["by_tier"].get(tier, 0), summary["eval"]["by_tier"].get(tier, 0))
          for tier in tiers], align=("left", "right", "right")), ""]
-    lines += ["## Skipped records", ""]
+    lines += reasons_section("Filtered out", prepared.filtered,
+                             "Good records that data.question_types and data.answer_types leave "
+                             "out, by reason:")
+    lines += reasons_section("Skipped records", prepared.skipped,
+                             "Bad records and lines, by reason (each one is listed below):")
     if prepared.skipped:
         lines.append(markdown_table(("pid", "where", "reason"), [
             (s.pid, s.where or "-", s.reason) for s in prepared.skipped]))
-    else:
-        lines.append("None.")
     return "\n".join(lines) + "\n"
