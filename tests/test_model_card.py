@@ -179,3 +179,34 @@ def test_the_whole_release_names_nothing_of_this_machine(pipeline_repo: Path) ->
     config = json.loads((data / "models/adapter/adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == "embedded:tiny-qwen3-vl"
     assert not (data / "models/adapter/README.md").exists()  # PEFT's template card
+
+
+def text_run_outputs(project: Path, params_update: dict) -> Path:
+    """A text model's outputs (no projector) on local data, with the project's params changed."""
+    from project_repo import update_params
+
+    make_outputs(project)
+    (project / "data/models/gguf/mmproj-f16.gguf").unlink()
+    update_params(project, {"model.name": "embedded:tiny-qwen3", "data.source": "local",
+                            "data.path": "data/local/gsm8k.jsonl", **params_update})
+    return project
+
+
+@pytest.mark.parametrize(("sft_enabled", "baseline"), [(True, "before (base + SFT)"),
+                                                       (False, "before (base)")])
+def test_cards_name_the_local_data_and_the_baseline_for_what_they_are(
+        tmp_path: Path, sft_enabled: bool, baseline: str) -> None:
+    project = text_run_outputs(tmp_path, {"sft.enabled": sft_enabled})
+    completed = run_upload_stage(project)
+    assert completed.returncode == 0, completed.stderr
+    reports = project / "data/reports"
+    for name in ("model_card.md", "model_card_adapter.md", "model_card_gguf.md"):
+        card = (reports / name).read_text()
+        assert f"| metric | {baseline} | after (GSPO adapter) |" in card, name
+        assert "testmini" not in card and "split" not in card, name
+        meta = card_metadata(reports / name)
+        assert meta["datasets"] == ["gsm8k.jsonl"]
+        assert meta["model-index"][0]["results"][0]["dataset"] == {
+            "name": "gsm8k.jsonl", "type": "gsm8k.jsonl"}
+    card = (reports / "model_card.md").read_text()
+    assert "- Data: `data/local/gsm8k.jsonl` (local), question types" in card

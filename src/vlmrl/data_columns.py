@@ -74,7 +74,8 @@ def check_mapping(settings: DataParams) -> None:
 
 def map_record(raw: Mapping[str, Any], settings: DataParams) -> dict[str, Any]:
     """A dataset row as a MathVista-schema row (pid, question, answer, image, choices, types,
-    precision, unit, source, category, metadata), or DataError naming the field and column."""
+    precision, unit, source, category, metadata, and `origin`: the file or dataset it came
+    from), or DataError naming the field and column."""
     columns = {**DEFAULT_COLUMNS, **settings.columns}
     value = {field: _present(raw.get(column)) for field, column in columns.items()}
     for required in ("question", "answer"):
@@ -99,7 +100,7 @@ def map_record(raw: Mapping[str, Any], settings: DataParams) -> dict[str, Any]:
         "question_type": value["question_type"] or ("multi_choice" if choices else "free_form"),
         "answer_type": answer_type, "precision": precision, "unit": value["unit"],
         "source": value["source"], "category": value["category"],
-        "metadata": raw.get("metadata"),
+        "metadata": raw.get("metadata"), "origin": getattr(origin, "source", None),
     }
 
 

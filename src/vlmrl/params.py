@@ -165,6 +165,23 @@ class DataParams(Section):
     image_size: Annotated[int, BeforeValidator(_integer), Field(ge=28)] = 512
     strict: Boolean = False
 
+    @property
+    def from_hub(self) -> bool:
+        """Whether `source` is a hub dataset id: the only source that config, split and
+        revision apply to."""
+        return (self.source not in (EMBEDDED_SOURCE, EMBEDDED_TEXT_SOURCE, LOCAL_SOURCE)
+                and not Path(self.source).exists())
+
+    def describe(self) -> str:
+        """The source as reports and the model card name it, with the split only for the hub."""
+        if self.source == LOCAL_SOURCE:
+            return f"`{self.path}` (local)"
+        if not self.from_hub:
+            return f"`{self.source}`"
+        config = f", config `{self.config}`" if self.config else ""
+        revision = f", revision `{self.revision}`" if self.revision else ""
+        return f"`{self.source}` (hub{config}, split `{self.split}`{revision})"
+
 
 class RewardsParams(Section):
     """`weights` (name -> weight; a list of names means weight 1 each) and, beside it in
