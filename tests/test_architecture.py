@@ -29,7 +29,7 @@ FLOORS: dict[str, tuple[str, ...]] = {
     "stages": ("vlmrl.evaluation", "vlmrl.training", "vlmrl.verify", "vlmrl.export",
                "vlmrl.sft"),
     "apps": ("vlmrl.cli", "vlmrl.ui", "vlmrl.publish", "vlmrl.orchestration", "vlmrl.recipes",
-             "vlmrl.serve"),
+             "vlmrl.serve", "vlmrl.serve_app"),
 }
 # Floors whose units (the names listed) must not import one another.
 PEER_FLOORS = {"stages"}
