@@ -57,8 +57,9 @@ def build_release_cards(params: Mapping[str, Any], metrics_dir: Path,
                                 "export")
     baseline, post = (_read_json(metrics_dir / name) for name in EVAL_METRICS_NAMES)
     vision = any(path.name.startswith(PROJECTOR_PREFIX) for path in gguf_dir.glob("*.gguf"))
-    adapter = "\n".join([card_header(params, "adapter", post, vision), *_adapter_body(params),
-                         *_training_section(params), *_answer_format_section(params),
+    adapter = "\n".join([card_header(params, "adapter", post, vision),
+                         *_adapter_body(params, vision), *_training_section(params, vision),
+                         *_answer_format_section(params),
                          *_results_section(params, baseline, post)])
     gguf = "\n".join([card_header(params, "gguf", post, vision),
                       readme.read_text(encoding="utf-8"), *_results_section(params, baseline, post)])
@@ -102,25 +103,35 @@ def dataset_name(data: DataParams) -> str:
     return Path(data.path).name if data.source == LOCAL_SOURCE else data.source
 
 
-def _adapter_body(params: Mapping[str, Any]) -> list[str]:
+def _adapter_body(params: Mapping[str, Any], vision: bool) -> list[str]:
     model = params.get("model", {})
-    name = str(model.get("name"))
+    base = release_base_name(str(model.get("name")))
+    what = ("on the language model (the vision tower is not adapted)" if vision
+            else "on the decoder layers of a text model")
+    return [f"# {base} + GSPO LoRA adapter", "",
+            (f"A PEFT LoRA adapter {what}, trained with GSPO. Load it on its base model; run "
+             "this in the adapter's folder:"), "", "```python",
+            *adapter_snippet(str(model.get("name")), int(model.get("seed", 0)), vision), "```",
+            ""]
+
+
+def adapter_snippet(name: str, seed: int, vision: bool) -> list[str]:
+    """Python that loads the adapter on its base model (a hub id, or the built-in model rebuilt
+    by vlmrl from its name and seed) with the auto classes for the model's kind."""
+    model_class = "AutoModelForImageTextToText" if vision else "AutoModelForCausalLM"
+    inputs = ("# the processor: transformers.AutoProcessor.from_pretrained(BASE) (needs torchvision)"
+              if vision else "tokenizer = AutoTokenizer.from_pretrained(BASE)")
+    imports = model_class if vision else "AutoModelForCausalLM, AutoTokenizer"
     base = release_base_name(name)
-    lines = [f"# {base} + GSPO LoRA adapter", "",
-             ("A PEFT LoRA adapter on the language model (the vision tower is not adapted), "
-             "trained with GSPO. Load it on its base model:"), "", "```python",
-             "from peft import PeftModel", "from transformers import AutoModelForImageTextToText",
-             "", "base = AutoModelForImageTextToText.from_pretrained(BASE)  # see below",
-             "model = PeftModel.from_pretrained(base, 'path/to/this/folder')", "```", ""]
     if name.startswith(EMBEDDED_PREFIX):
-        lines += [(f"`{base}` is the project's built-in model, random weights from seed "
-                  f"{model.get('seed', 0)}; rebuild it (BASE above) with vlmrl:"), "",
-                  "```python", "from vlmrl.models.embedded import ensure_embedded_model", "",
-                  f"BASE = ensure_embedded_model({base!r}, seed={model.get('seed', 0)})", "```",
-                  ""]
+        where = ["from vlmrl.models.embedded import ensure_embedded_model", "",
+                 f"# {base}: the project's built-in model, random weights from seed {seed}",
+                 f"BASE = ensure_embedded_model({base!r}, seed={seed})"]
     else:
-        lines += [f"BASE is `{base}`.", ""]
-    return lines
+        where = ["", f"BASE = {base!r}"]
+    return ["from peft import PeftModel", f"from transformers import {imports}", *where,
+            f"base = {model_class}.from_pretrained(BASE)",
+            "model = PeftModel.from_pretrained(base, '.')  # this folder", inputs]
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -192,7 +203,7 @@ def render_model_card(
     return "\n".join(
         [
             *header,
-            *_training_section(params),
+            *_training_section(params, vision),
             *_answer_format_section(params),
             *_results_section(params, baseline, post),
             *_files_section(gguf_sizes, export_metrics.get("logit_max_abs_diff") or {}),
@@ -216,7 +227,7 @@ def _answer_format_section(params: Mapping[str, Any]) -> list[str]:
     ]
 
 
-def _training_section(params: Mapping[str, Any]) -> list[str]:
+def _training_section(params: Mapping[str, Any], vision: bool) -> list[str]:
     model, data = params.get("model", {}), params.get("data", {})
     source = DataParams.from_params(data).describe()
     train = params.get("train", {})
@@ -236,7 +247,8 @@ def _training_section(params: Mapping[str, Any]) -> list[str]:
         "",
         markdown_table(["reward", "weight"], list(weights.items())),
         "",
-        "LoRA (language model only; the vision tower is not adapted):",
+        ("LoRA (language model only; the vision tower is not adapted):" if vision
+         else "LoRA (decoder layers):"),
         "",
         markdown_table(
             ["r", "alpha", "dropout", "target modules"],
