@@ -125,5 +125,5 @@ def test_recipe_list_gives_each_recipe_a_whole_sentence():
     listed = vlmrl("recipe").stdout.splitlines()
     assert len(listed) == 5
     for line in listed:
-        name, _, summary = line.partition(": ")
+        _name, _, summary = line.partition(": ")
         assert summary.endswith(".") and len(summary) > 40, line

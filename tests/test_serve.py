@@ -16,6 +16,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -96,17 +97,23 @@ def start_serve(folder: Path, port: int, log: Path) -> subprocess.Popen:
              str(port), "--n-ctx", "2048"], stdout=handle, stderr=subprocess.STDOUT, env=env)
 
 
-@pytest.fixture(scope="module")
-def server_url(pulled_gguf: Path, tmp_path_factory) -> Iterator[str]:
+@contextmanager
+def serving(folder: Path, log_dir: Path) -> Iterator[str]:
+    """The API base URL of `vlmrl serve` on `folder` while it runs; stopped afterwards."""
     port = free_port()
-    log = tmp_path_factory.mktemp("serve-log") / "serve.log"
-    process = start_serve(pulled_gguf, port, log)
+    process = start_serve(folder, port, log_dir / "serve.log")
     base = f"http://127.0.0.1:{port}/v1"
     try:
-        wait_until_up(process, f"{base}/models", log)
+        wait_until_up(process, f"{base}/models", log_dir / "serve.log")
         yield base
     finally:
         stop_process(process, 20)
+
+
+@pytest.fixture(scope="module")
+def server_url(pulled_gguf: Path, tmp_path_factory) -> Iterator[str]:
+    with serving(pulled_gguf, tmp_path_factory.mktemp("serve-log")) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
@@ -120,15 +127,8 @@ def text_gguf(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def text_server_url(text_gguf: Path, tmp_path_factory) -> Iterator[str]:
-    port = free_port()
-    log = tmp_path_factory.mktemp("serve-text-log") / "serve.log"
-    process = start_serve(text_gguf, port, log)
-    base = f"http://127.0.0.1:{port}/v1"
-    try:
-        wait_until_up(process, f"{base}/models", log)
+    with serving(text_gguf, tmp_path_factory.mktemp("serve-text-log")) as base:
         yield base
-    finally:
-        stop_process(process, 20)
 
 
 @pytest.fixture(scope="module")
