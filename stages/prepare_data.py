@@ -47,8 +47,10 @@ def main() -> None:
     except BaseException:
         remove_outputs(*outputs)
         raise
+    left_out = prepared.filtered_out + len(prepared.skipped)
+    where = f": the reasons, with example ids, are in {args.report}" if left_out else ""
     print(f"prepared {len(prepared.train)} train and {len(prepared.eval)} eval records "
-          f"({len(prepared.skipped)} skipped, {prepared.filtered_out} filtered out)")
+          f"({prepared.filtered_out} filtered out, {len(prepared.skipped)} skipped{where})")
 
 
 if __name__ == "__main__":

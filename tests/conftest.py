@@ -1,5 +1,6 @@
 """Shared fixtures: a real git + DVC copy of the project in a temporary directory, so stages run
-through `dvc repro` exactly as users run them, without touching the checkout."""
+through `dvc repro` exactly as users run them, without touching the checkout. The hooks of
+leftover_processes fail a run that leaves a server behind."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from leftover_processes import pytest_configure, pytest_sessionfinish  # noqa: F401 - hooks
 from project_repo import dvc_env, make_project_repo, run, update_params  # noqa: F401
 from project_repo import stage_command as _stage_command
 

@@ -19,7 +19,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 # Lowest first. A module may import its own floor and the floors below it.
 FLOORS: dict[str, tuple[str, ...]] = {
-    "ground": ("vlmrl.errors", "vlmrl.checkpoints", "vlmrl.params", "vlmrl.answer_format", "vlmrl.outputs", "vlmrl.cache", "vlmrl.checks",
+    "ground": ("vlmrl.errors", "vlmrl.checkpoints", "vlmrl.params", "vlmrl.params_checks", "vlmrl.answer_format", "vlmrl.outputs", "vlmrl.cache", "vlmrl.checks",
                "vlmrl.timing", "vlmrl.prompts", "vlmrl.scoring", "vlmrl.rewards", "vlmrl.text_rewards", "vlmrl.synth",
                "vlmrl.data", "vlmrl.data_columns", "vlmrl.data_sources", "vlmrl.gguf_tools", "vlmrl.merged_weights", "vlmrl.eval_report",
                "vlmrl.trl_compat", "vlmrl.tables", "vlmrl.dvc_env", "vlmrl.dvc_records",
@@ -29,7 +29,7 @@ FLOORS: dict[str, tuple[str, ...]] = {
     "stages": ("vlmrl.evaluation", "vlmrl.training", "vlmrl.verify", "vlmrl.export",
                "vlmrl.sft"),
     "apps": ("vlmrl.cli", "vlmrl.ui", "vlmrl.publish", "vlmrl.orchestration", "vlmrl.recipes",
-             "vlmrl.serve"),
+             "vlmrl.serve", "vlmrl.serve_app"),
 }
 # Floors whose units (the names listed) must not import one another.
 PEER_FLOORS = {"stages"}

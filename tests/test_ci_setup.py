@@ -95,3 +95,35 @@ def test_dev_setup_runs_the_install_outside_any_error_swallowing():
     calls = [line for line in lines if ".ci/install-chromium" in line and not line.startswith("#")]
     assert calls and all(line.startswith("bash .ci/install-chromium") for line in calls)
     assert not any("||" in line for line in calls)
+
+
+INSTALL_VEGA = ROOT / ".ci" / "install-vega"
+
+
+def run_install_vega(fake_bin: Path, tmp_path: Path, ci: str | None) -> subprocess.CompletedProcess:
+    """.ci/install-vega with an empty cache and an npm that cannot reach its registry."""
+    fake_command(fake_bin, "npm", "echo 'npm error network' >&2; exit 1")
+    env = {name: value for name, value in os.environ.items() if name != "CI"}
+    env |= {"PATH": f"{fake_bin}:{env['PATH']}", "VLMRL_CACHE": str(tmp_path / "cache")}
+    if ci is not None:
+        env["CI"] = ci
+    return subprocess.run(["bash", str(INSTALL_VEGA)], env=env, capture_output=True, text=True,
+                          timeout=60, check=False)
+
+
+def test_offline_plots_page_that_cannot_be_built_fails_set_up_under_ci(fake_bin, tmp_path):
+    completed = run_install_vega(fake_bin, tmp_path, "true")
+    assert completed.returncode == 1
+    assert completed.stderr.strip().splitlines()[-1] == (
+        "error: npm pack vega@5.20.2 failed; with CI=true the offline plots page must be built, "
+        "so set-up fails")
+    outside = run_install_vega(fake_bin, tmp_path, None)
+    assert outside.returncode == 0
+    assert outside.stderr.strip().splitlines()[-1] == (
+        "warning: npm pack vega@5.20.2 failed: `dvc plots show` will load Vega from its CDN")
+
+
+def test_setup_runs_the_plots_page_install_outside_any_error_swallowing():
+    lines = [line.strip() for line in (ROOT / ".ci/setup").read_text().splitlines()]
+    calls = [line for line in lines if ".ci/install-vega" in line and not line.startswith("#")]
+    assert calls and not any("||" in line for line in calls)

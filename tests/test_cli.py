@@ -107,3 +107,23 @@ def test_version_prints_the_package_version():
     completed = vlmrl("--version")
     assert completed.returncode == 0 and completed.stderr == ""
     assert completed.stdout == f"vlmrl {project['version']}\n"
+
+
+def description(help_text: str) -> str:
+    """The paragraph argparse prints between the usage and the first argument group."""
+    body = help_text.split("\n\n", 1)[1]
+    return " ".join(body.split("\n\n", 1)[0].split())
+
+
+@pytest.mark.parametrize("name", list(SUBCOMMANDS))
+def test_every_subcommand_describes_itself_in_whole_sentences(name, tmp_path):
+    text = description(vlmrl(name, "--help", cwd=tmp_path).stdout)
+    assert text[:1].isupper() and text.endswith((".", ".)")), f"vlmrl {name}: {text!r}"
+
+
+def test_recipe_list_gives_each_recipe_a_whole_sentence():
+    listed = vlmrl("recipe").stdout.splitlines()
+    assert len(listed) == 5
+    for line in listed:
+        _name, _, summary = line.partition(": ")
+        assert summary.endswith(".") and len(summary) > 40, line

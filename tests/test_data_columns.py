@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
+from project_repo import copy_project, run, stage_command, update_params
 
-from vlmrl.data import load_raw_records, prepare, to_dataset
+from vlmrl.data import data_summary, load_raw_records, prepare, render_report, to_dataset
 from vlmrl.data_columns import derive_id, infer_answer_type
 from vlmrl.params import DataParams, ParamsError
 
@@ -166,3 +167,71 @@ def test_a_duplicate_record_is_skipped(tmp_path: Path) -> None:
                                               ("1,000", "text"), ("B", "text")])
 def test_answer_type_inferred_from_the_gold(answer: str, kind: str) -> None:
     assert infer_answer_type(answer) == kind
+
+
+# GSM8K writes large golds with thousands separators; every row here is a good record.
+SEPARATED_ROWS = [
+    {"question": "A farm has 64,000 hens and buys 216 more. How many hens?",
+     "answer": "64,000 + 216 = <<64000+216=64216>>64,216\n#### 64,216"},
+    {"question": "A car costs 1,000 dollars a month. What do 12 months cost?",
+     "answer": "1,000 * 12 = 12,000\n#### 12,000"},
+    {"question": "Tom has 3 apples and buys 4 more. How many apples?", "answer": "#### 7"},
+    {"question": "A ticket costs 1,234.5 dollars. What do 2 tickets cost?",
+     "answer": "#### $2,469.00"},
+    {"question": "Which colour is the sky on a clear day?", "answer": "It is\n#### blue"},
+    {"question": "What is a third as a fraction?", "answer": "#### 1/3"},
+]
+
+
+def test_golds_with_thousands_separators_are_typed_as_numbers(tmp_path: Path) -> None:
+    from vlmrl.scoring import score
+
+    settings = local(write_jsonl(tmp_path / "gsm8k.jsonl", SEPARATED_ROWS),
+                     answer_pattern="after_hashes", answer_types=("integer", "float"))
+    prepared = prepare(load_raw_records(settings), settings)
+    rows = {row["answer"]: row for row in prepared.train + prepared.eval}
+    assert {answer: row["answer_type"] for answer, row in rows.items()} == {
+        "64216": "integer", "12000": "integer", "7": "integer", "2469.00": "float"}
+    assert rows["2469.00"]["precision"] == 2.0
+    assert score("<SOLUTION>64,216</SOLUTION>", rows["64216"]).correct
+    filtered = {item.pid: item.reason for item in prepared.filtered}
+    assert set(filtered.values()) == {
+        "answer_type text is not in data.answer_types [integer, float]"}
+    assert len(filtered) == 2  # "blue" and "1/3", as written
+    report = render_report(prepared, settings)
+    assert ("| answer_type text is not in data.answer_types [integer, float] | 2 | "
+            f"{', '.join(filtered)} |") in report
+
+
+def test_report_counts_every_reason_with_example_ids(tmp_path: Path) -> None:
+    rows = [{"pid": f"t{i}", "question": f"Which word is number {i}?", "answer": f"w{i}"}
+            for i in range(5)]
+    rows += [{"pid": f"n{i}", "question": f"What is {i} + 1?", "answer": str(i + 1)}
+             for i in range(4)]
+    rows += [{"pid": "x1", "question": "Q?"}, {"pid": "x2", "question": "R?"}]
+    path = write_jsonl(tmp_path / "mixed.jsonl", rows)
+    path.write_text(path.read_text() + "{not json\n")
+    settings = local(path, answer_types=("integer",))
+    prepared = prepare(load_raw_records(settings), settings)
+    summary = data_summary(prepared)
+    assert summary["filter_reasons"] == {
+        "answer_type text is not in data.answer_types [integer]": 5}
+    assert summary["skip_reasons"] == {"missing answer": 2, "not valid JSON": 1}
+    report = render_report(prepared, settings)
+    assert "| answer_type text is not in data.answer_types [integer] | 5 | t0, t1, t2 |" in report
+    assert "| missing answer | 2 | x1, x2 |" in report
+    assert f"| not valid JSON | 1 | {path}:12 |" in report
+
+
+def test_prepare_data_names_the_report_when_records_were_left_out(tmp_path: Path) -> None:
+    project = copy_project(tmp_path / "project")
+    write_jsonl(project / "data/local/gsm8k.jsonl", [*SEPARATED_ROWS, *GSM8K_ROWS[:3]])
+    params = {"data.source": "local", "data.path": "data/local/gsm8k.jsonl", "data.eval_size": 2,
+              "data.answer_pattern": "after_hashes", "data.answer_types": ["integer"]}
+    update_params(project, params)
+    result = run(stage_command("prepare_data", project), project)
+    assert ("(4 filtered out, 0 skipped: the reasons, with example ids, are in "
+            "data/reports/data_report.md)") in result.stdout
+    update_params(project, {"data.answer_types": ["integer", "float", "text"]})
+    result = run(stage_command("prepare_data", project), project)
+    assert "(0 filtered out, 0 skipped)" in result.stdout

@@ -123,7 +123,7 @@ def test_aggregate_matches_hand_computation():
     assert metrics["accuracy_by_answer_type"] == {"float": 0.5, "integer": 0.5}
     assert metrics["accuracy_by_category"] == {"bar chart": 1.0, "table": 1 / 3}
     assert metrics["accuracy_by_source"] == {"s1": 1.0, "s2": 0.0}
-    assert metrics["accuracy_by_tier"] == {"None": 1 / 3, "read": 1.0}
+    assert metrics["accuracy_by_tier"] == {"read": 1.0}  # records without a tier are in no group
     assert metrics["score_errors"] == 1
     assert metrics["samples_per_second"] == 1.0
     assert metrics["generated_tokens_per_second"] == 25.0
@@ -256,6 +256,18 @@ def test_write_report_lists_flips_with_responses_plots_and_thumbnails(tmp_path):
     assert page.count("data:image/png;base64,") == 4  # plus the two plots
     for name in (PLOT_BEFORE_AFTER, PLOT_BY_CATEGORY):
         assert (tmp_path / name).read_bytes().startswith(PNG_MAGIC)
+
+
+def test_report_of_records_without_a_category_leaves_categories_out(tmp_path):
+    baseline = [record("a", False, category=None), record("b", True, category=None)]
+    post = [record("a", True, category=None), record("b", True, category=None)]
+    metrics = {"accuracy": 0.5, "format_compliance": 0.5, "mean_reward": 0.5}
+    write_report(tmp_path, baseline, post, metrics, metrics)
+    markdown = (tmp_path / "report.md").read_text()
+    assert "The eval set's records have no category." in markdown and "| None |" not in markdown
+    assert "Baseline: the model GSPO starts from" in markdown
+    page = (tmp_path / "report.html").read_text()
+    assert "have no category" in page and ">None</td>" not in page
 
 
 # ------------------------------------------------------------- missing inputs

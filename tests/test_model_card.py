@@ -179,3 +179,99 @@ def test_the_whole_release_names_nothing_of_this_machine(pipeline_repo: Path) ->
     config = json.loads((data / "models/adapter/adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == "embedded:tiny-qwen3-vl"
     assert not (data / "models/adapter/README.md").exists()  # PEFT's template card
+
+
+def text_run_outputs(project: Path, params_update: dict) -> Path:
+    """A text model's outputs (no projector) on local data, with the project's params changed."""
+    from project_repo import update_params
+
+    make_outputs(project)
+    (project / "data/models/gguf/mmproj-f16.gguf").unlink()
+    update_params(project, {"model.name": "embedded:tiny-qwen3", "data.source": "local",
+                            "data.path": "data/local/gsm8k.jsonl", **params_update})
+    return project
+
+
+@pytest.mark.parametrize(("sft_enabled", "baseline"), [(True, "before (base + SFT)"),
+                                                       (False, "before (base)")])
+def test_cards_name_the_local_data_and_the_baseline_for_what_they_are(
+        tmp_path: Path, sft_enabled: bool, baseline: str) -> None:
+    project = text_run_outputs(tmp_path, {"sft.enabled": sft_enabled})
+    completed = run_upload_stage(project)
+    assert completed.returncode == 0, completed.stderr
+    reports = project / "data/reports"
+    for name in ("model_card.md", "model_card_adapter.md", "model_card_gguf.md"):
+        card = (reports / name).read_text()
+        assert f"| metric | {baseline} | after (GSPO adapter) |" in card, name
+        assert "testmini" not in card and "split" not in card, name
+        meta = card_metadata(reports / name)
+        assert meta["datasets"] == ["gsm8k.jsonl"]
+        assert meta["model-index"][0]["results"][0]["dataset"] == {
+            "name": "gsm8k.jsonl", "type": "gsm8k.jsonl"}
+    card = (reports / "model_card.md").read_text()
+    assert "- Data: `data/local/gsm8k.jsonl` (local), question types" in card
+
+
+def released_adapter(folder: Path, name: str) -> None:
+    """A real LoRA adapter on the built-in model `name`, saved as the release ships it: its
+    base named by the model's name, not by a path of this machine."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from vlmrl.models.embedded import ensure_embedded_model
+
+    model_class = AutoModelForCausalLM if name == "embedded:tiny-qwen3" else (
+        AutoModelForImageTextToText)
+    base = model_class.from_pretrained(ensure_embedded_model(name))
+    config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM",
+                        exclude_modules=r".*\.visual\..*" if name.endswith("-vl") else None)
+    get_peft_model(base, config).save_pretrained(str(folder))
+    saved = folder / "adapter_config.json"
+    saved.write_text(json.dumps({**json.loads(saved.read_text()),
+                                 "base_model_name_or_path": name}))
+
+
+def python_block(card: str) -> str:
+    return card.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.parametrize(("name", "vision"), [("embedded:tiny-qwen3", False),
+                                              ("embedded:tiny-qwen3-vl", True)])
+def test_adapter_card_code_loads_the_released_adapter(tmp_path: Path, name: str,
+                                                      vision: bool) -> None:
+    """The card's own code, run as a user runs it in the released adapter's folder."""
+    from project_repo import update_params
+
+    from vlmrl.publish.model_card import build_release_cards
+
+    project = make_outputs(tmp_path)
+    update_params(project, {"model.name": name})
+    if not vision:
+        (project / "data/models/gguf/mmproj-f16.gguf").unlink()
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    card = build_release_cards(params, project / "data/metrics", project / "data/models/gguf")[
+        "adapter"]
+    assert ("vision tower is not adapted" in card) is vision
+    adapter = tmp_path / "released-adapter"
+    released_adapter(adapter, name)
+    check = "\nprint(type(model).__name__, type(base).__name__)\n"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
+    completed = subprocess.run([sys.executable, "-c", python_block(card) + check], cwd=adapter,
+                               env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    loaded = completed.stdout.split()
+    assert loaded == ["PeftModelForCausalLM", "Qwen3VLForConditionalGeneration" if vision
+                      else "Qwen3ForCausalLM"], loaded
+
+
+def test_gguf_readme_and_modelfile_carry_the_training_system_prompt(tmp_path: Path) -> None:
+    from vlmrl.gguf_release import write_gguf_consumer_files
+
+    (tmp_path / "model-f16.gguf").write_bytes(b"GGUF")
+    system = "You solve maths. Answer between <SOLUTION> and </SOLUTION>."
+    write_gguf_consumer_files(tmp_path, {"f16": "model-f16.gguf"}, "tiny", system, {})
+    readme = (tmp_path / "README.md").read_text()
+    assert "## System prompt\n\nThe model was trained with this system prompt" in readme
+    assert f"```text\n{system}\n```" in readme and "A text model: no projector." in readme
+    assert f'SYSTEM """{system}"""' in (tmp_path / "Modelfile").read_text()

@@ -7,6 +7,7 @@ through every stage."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -103,6 +104,46 @@ def test_cli_lists_checks_and_refuses_without_writing(tmp_path: Path, monkeypatc
     assert cli_recipe(["no-such-recipe", "--params", str(target)]) == 2
     assert "no recipe 'no-such-recipe'" in capsys.readouterr().err
     assert target.read_text() == "untouched\n"
+
+
+def documented_keys(text: str) -> set[str]:
+    """Dotted key paths of a params file whose line carries a comment."""
+    found: set[str] = set()
+    path: list[str] = []
+    for line in text.splitlines():
+        match = re.match(r"^( *)([A-Za-z_]\w*):(.*)$", line)
+        if match:
+            path = [*path[:len(match.group(1)) // 2], match.group(2)]
+            if "#" in match.group(3):
+                found.add(".".join(path))
+    return found
+
+
+def leaf_values(params: dict, prefix: str = "") -> dict[str, object]:
+    values: dict[str, object] = {}
+    for key, value in params.items():
+        if isinstance(value, dict) and value:
+            values |= leaf_values(value, f"{prefix}{key}.")
+        else:
+            values[f"{prefix}{key}"] = value
+    return values
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_applying_a_recipe_keeps_the_comments_on_its_keys(name: str, tmp_path: Path,
+                                                         monkeypatch) -> None:
+    """`vlmrl recipe NAME` writes the recipe as it is, comments and all, and a recipe documents
+    every key the shipped params.yaml documents where it keeps that key's value."""
+    monkeypatch.chdir(ROOT)
+    target = tmp_path / "params.yaml"
+    assert cli_recipe([name, "--params", str(target)]) == 0
+    written = target.read_text()
+    assert written == recipe_path(name, ROOT).read_text()
+    shipped_text = (ROOT / "params.yaml").read_text()
+    shipped = leaf_values(yaml.safe_load(shipped_text))
+    kept = {key for key, value in leaf_values(yaml.safe_load(written)).items()
+            if key in shipped and shipped[key] == value}
+    assert sorted(documented_keys(shipped_text) & kept - documented_keys(written)) == []
 
 
 @pytest.mark.slow

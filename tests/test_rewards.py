@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from vlmrl.params import RewardsParams
+from vlmrl.params import ParamsError, RewardsParams
+from vlmrl.params_checks import BUILTIN_REWARDS
 from vlmrl.rewards import (
     MODEL_REWARDS,
     REWARD_FUNCS,
@@ -244,6 +245,18 @@ def test_unknown_reward_names_the_bad_one_and_the_known_ones() -> None:
     assert all(name in str(error.value) for name in REWARD_FUNCS)
     with pytest.raises(ValueError, match="'nope'"):
         build_rewards({"format_reward": 1.0}, {"nope": {}})
+
+
+def test_params_validation_knows_every_built_in_reward() -> None:
+    assert set(BUILTIN_REWARDS) == set(REWARD_FUNCS) | set(MODEL_REWARDS)
+
+
+def test_unknown_reward_fails_params_validation_with_its_key() -> None:
+    for section, key in (({"weights": {"bleu": 1.0}}, "rewards.weights"),
+                         ({"weights": ["format_reward"], "blue": {"n": 4}}, "rewards")):
+        with pytest.raises(ParamsError, match=rf"^params\.yaml {key}: unknown reward 'bl"):
+            RewardsParams.from_params(section)
+    RewardsParams.from_params({"weights": {"my_rewards:brevity": 1.0}})  # imported later
 
 
 def test_unknown_option_names_it() -> None:

@@ -1,21 +1,27 @@
 """`vlmrl serve` on a GGUF folder pulled from a real (moto) S3 store: llama-cpp-python's OpenAI
 server on 127.0.0.1 answers one chat request with an image and one without, greedily, with the
-same text the in-process llama.cpp gives for the image turn."""
+same text the in-process llama.cpp gives for the image turn. On a text model's folder it takes
+OpenAI content parts and refuses an image with HTTP 400; stopped by its process id, it leaves no
+server behind."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 from conftest import ROOT, stop_process
+from leftover_processes import descendants
 from s3_server import free_port, start_moto_server
 
 from vlmrl import publish as pub
@@ -81,22 +87,48 @@ def wait_until_up(process: subprocess.Popen, url: str, log: Path, timeout_s: flo
     raise RuntimeError(f"vlmrl serve did not answer within {timeout_s}s: {log.read_text()}")
 
 
-@pytest.fixture(scope="module")
-def server_url(pulled_gguf: Path, tmp_path_factory) -> Iterator[str]:
-    port = free_port()
-    log = tmp_path_factory.mktemp("serve-log") / "serve.log"
+def start_serve(folder: Path, port: int, log: Path) -> subprocess.Popen:
+    """`vlmrl serve` as a user starts it, its output in `log`."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
     with log.open("w") as handle:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "vlmrl.cli", "serve", "--gguf", str(pulled_gguf), "--port",
+        return subprocess.Popen(
+            [sys.executable, "-m", "vlmrl.cli", "serve", "--gguf", str(folder), "--port",
              str(port), "--n-ctx", "2048"], stdout=handle, stderr=subprocess.STDOUT, env=env)
+
+
+@contextmanager
+def serving(folder: Path, log_dir: Path) -> Iterator[str]:
+    """The API base URL of `vlmrl serve` on `folder` while it runs; stopped afterwards."""
+    port = free_port()
+    process = start_serve(folder, port, log_dir / "serve.log")
     base = f"http://127.0.0.1:{port}/v1"
     try:
-        wait_until_up(process, f"{base}/models", log)
+        wait_until_up(process, f"{base}/models", log_dir / "serve.log")
         yield base
     finally:
         stop_process(process, 20)
+
+
+@pytest.fixture(scope="module")
+def server_url(pulled_gguf: Path, tmp_path_factory) -> Iterator[str]:
+    with serving(pulled_gguf, tmp_path_factory.mktemp("serve-log")) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def text_gguf(tmp_path_factory) -> Path:
+    """The embedded text model's f16 GGUF: a folder without a projector."""
+    folder = tmp_path_factory.mktemp("text-gguf")
+    convert_hf_to_gguf(ensure_embedded_model("embedded:tiny-qwen3"), folder / "model-f16.gguf",
+                       "f16")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def text_server_url(text_gguf: Path, tmp_path_factory) -> Iterator[str]:
+    with serving(text_gguf, tmp_path_factory.mktemp("serve-text-log")) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +169,7 @@ def test_served_chat_answers_with_and_without_an_image(server_url: str, pulled_g
 def test_serve_command_uses_the_projector_and_names_a_missing_file(pulled_gguf: Path,
                                                                    tmp_path: Path) -> None:
     command = serve_command(pulled_gguf, port=9000)
-    assert command[1:5] == ["-m", "llama_cpp.server", "--model",
+    assert command[1:5] == ["-m", "vlmrl.serve_app", "--model",
                             str(pulled_gguf / "model-f16.gguf")]
     assert command[command.index("--clip_model_path") + 1] == str(pulled_gguf / "mmproj-f16.gguf")
     assert command[command.index("--host") + 1] == "127.0.0.1"
@@ -146,3 +178,51 @@ def test_serve_command_uses_the_projector_and_names_a_missing_file(pulled_gguf: 
         serve_command(pulled_gguf, file="model-Q4_K_M.gguf")
     with pytest.raises(ServeError, match="no GGUF model file there"):
         serve_command(tmp_path)
+
+
+def test_text_model_takes_content_parts_and_refuses_an_image(text_server_url: str,
+                                                              image) -> None:
+    as_text = chat(text_server_url, f"{QUESTION}\nAnswer briefly.")
+    as_parts = chat(text_server_url, [{"type": "text", "text": QUESTION},
+                                      {"type": "text", "text": "Answer briefly."}])
+    assert as_parts["choices"][0]["message"]["content"] == as_text["choices"][0]["message"][
+        "content"]
+    assert as_parts["usage"] == as_text["usage"]
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        chat(text_server_url, [{"type": "text", "text": QUESTION},
+                               {"type": "image_url", "image_url": {"url": image_data_url(image)}}])
+    assert refused.value.code == 400
+    error = json.loads(refused.value.read())["error"]
+    assert error["message"].startswith("messages[0].content[1] is an image, but this model is "
+                                       "served without a vision projector")
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
+def test_stopping_serve_by_its_pid_leaves_no_server(text_gguf: Path, tmp_path: Path,
+                                                    stop_signal: signal.Signals) -> None:
+    """What Prefect, systemd or a test does: signal the `vlmrl serve` process itself. The
+    server is that process (exec), so the port is free afterwards and nothing below it runs."""
+    port = free_port()
+    process = start_serve(text_gguf, port, tmp_path / "serve.log")
+    try:
+        wait_until_up(process, f"http://127.0.0.1:{port}/v1/models", tmp_path / "serve.log")
+        below = descendants(process.pid)
+        os.kill(process.pid, stop_signal)
+        process.wait(timeout=30)
+    finally:
+        stop_process(process, 5)
+    still_running = [pid for pid in below if Path(f"/proc/{pid}").exists()]
+    for pid in still_running:
+        os.kill(pid, signal.SIGKILL)  # stopped here, so the failure below is the only trace
+    assert still_running == [], "processes of vlmrl serve outlived it"
+    assert port_is_free(port)

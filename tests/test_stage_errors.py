@@ -52,6 +52,20 @@ def corrupt_adapter(project: Path) -> None:
     write(project / "data/models/adapter/adapter_model.safetensors", "not weights")
 
 
+def truncated_adapter(project: Path) -> None:
+    """A real adapter's weights file cut short, as a failed copy or a full disk leaves it."""
+    import torch
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    adapter = project / "data/models/adapter"
+    LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj"]).save_pretrained(str(adapter))
+    weights = adapter / "adapter_model.safetensors"
+    save_file({"base_model.model.model.language_model.layers.0.self_attn.q_proj.lora_A.weight":
+               torch.ones(8, 256)}, str(weights))
+    weights.write_bytes(weights.read_bytes()[:-100])
+
+
 def params(update: dict) -> Callable[[Path], None]:
     return lambda project: update_params(project, update)
 
@@ -73,7 +87,24 @@ CASES = [
     ("verify_lora", corrupt_adapter, "data/models/adapter/adapter_config.json: not valid JSON"),
     ("export", params({"export.gguf_outtypes": ["q8_0"]}), "export.gguf_outtypes"),
     ("upload", params({"upload.max_attempts": 0}), "upload.max_attempts"),
+    ("sft_cold_start", params({"model.name": "embedded:no-such-model"}),
+     "model.name: unknown embedded model 'embedded:no-such-model'"),
+    ("baseline_eval", then(pass_through_sft, params({"rewards.weights.bleu": 1.0})),
+     "rewards.weights: unknown reward 'bleu'"),
+    ("train_gspo", params({"train.grpo.num_generations": 0}), "train.grpo.num_generations"),
+    ("verify_lora", truncated_adapter,
+     "data/models/adapter/adapter_model.safetensors: not a readable safetensors file"),
 ]
+
+
+def case_ids(cases: list[tuple]) -> list[str]:
+    """The stage's name, numbered from its second case on."""
+    seen: dict[str, int] = {}
+    ids = []
+    for stage, *_ in cases:
+        seen[stage] = seen.get(stage, 0) + 1
+        ids.append(stage if seen[stage] == 1 else f"{stage}-{seen[stage]}")
+    return ids
 
 
 def run_stage_script(project: Path, stage: str, debug: bool = False):
@@ -84,7 +115,7 @@ def run_stage_script(project: Path, stage: str, debug: bool = False):
     return run(stage_command(stage, project), project, check=False, env=env)
 
 
-@pytest.mark.parametrize(("stage", "setup", "named"), CASES, ids=[case[0] for case in CASES])
+@pytest.mark.parametrize(("stage", "setup", "named"), CASES, ids=case_ids(CASES))
 def test_stage_refuses_bad_input_in_one_line(project: Path, stage, setup, named) -> None:
     setup(project)
     result = run_stage_script(project, stage)

@@ -4,12 +4,13 @@ make. tests/test_recipes.py runs all seven stages on it."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
 import torch
 
-from vlmrl.data import load_raw_records, prepare
+from vlmrl.data import load_raw_records, prepare, render_report
 from vlmrl.evaluation import generate_responses, render_prompt
 from vlmrl.models.embedded import ensure_embedded_model
 from vlmrl.models.loading import load_model, load_policy
@@ -46,6 +47,26 @@ def test_prepared_arithmetic_has_integer_gold_derived_ids_and_no_images() -> Non
         assert re.fullmatch(r"\d+", row["answer"]) and row["answer_type"] == "integer"
         assert row["pid"].startswith("auto-") and row["image"] is None
         assert all(part["type"] == "text" for m in row["prompt"] for part in m["content"])
+
+
+def test_text_records_are_labelled_with_what_the_data_says(tmp_path) -> None:
+    """Source: the file's name (or the built-in set's); no category or tier where the data has
+    none, and the report leaves those groupings out instead of counting "unknown"."""
+    path = tmp_path / "my_gsm8k.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in generate_arithmetic(12)))
+    local = DataParams(source="local", path=str(path), answer_pattern="after_hashes",
+                       eval_size=2, answer_types=("integer",))
+    for settings, source in ((local, "my_gsm8k.jsonl"), (ARITHMETIC, "embedded:arithmetic")):
+        prepared = prepare(load_raw_records(settings), settings)
+        rows = prepared.train + prepared.eval
+        assert {(row["source"], row["category"], row["tier"]) for row in rows} == {
+            (source, None, None)}
+        report = render_report(prepared, settings)
+        assert f"| {source} | {len(prepared.train)} | {len(prepared.eval)} |" in report
+        assert "unknown" not in report and "## By category" not in report
+        assert "## By tier" not in report
+    report = render_report(prepare(load_raw_records(local), local), local)
+    assert f"Source: `{path}` (local);" in report and "testmini" not in report
 
 
 def test_embedded_text_model_is_a_qwen3_causal_lm_with_its_chat_template(text_model) -> None:

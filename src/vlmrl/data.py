@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from typing import Any
 from PIL import Image
 
 from vlmrl.data_columns import ORIGIN, DataError, check_mapping, map_record
-from vlmrl.data_sources import BadLine, hub_rows, local_rows
+from vlmrl.data_sources import BadLine, Origin, hub_rows, local_rows
 from vlmrl.params import (
     EMBEDDED_SOURCE,
     EMBEDDED_TEXT_SOURCE,
@@ -47,8 +48,12 @@ class PreparedData:
     train: list[dict[str, Any]]
     eval: list[dict[str, Any]]
     skipped: list[Skipped] = field(default_factory=list)
-    filtered_out: int = 0
+    filtered: list[Skipped] = field(default_factory=list)  # good records data.*_types leave out
     total: int = 0
+
+    @property
+    def filtered_out(self) -> int:
+        return len(self.filtered)
 
 
 # ---------------------------------------------------------------- sources
@@ -65,7 +70,10 @@ def load_raw_records(settings: DataParams) -> Iterator[dict[str, Any] | BadLine]
     elif settings.source == EMBEDDED_TEXT_SOURCE:
         from vlmrl.synth.arithmetic import generate_arithmetic
 
-        yield from generate_arithmetic(settings.synthetic_size, seed=settings.seed)
+        for index, row in enumerate(generate_arithmetic(settings.synthetic_size,
+                                                        seed=settings.seed), 1):
+            yield {**row, ORIGIN: Origin(f"{settings.source} row {index}",
+                                         source=settings.source)}
     elif settings.source == LOCAL_SOURCE or Path(settings.source).exists():
         yield from local_rows(local_path(settings))
     elif "/" in settings.source:
@@ -122,14 +130,23 @@ def validate_record(raw: Mapping[str, Any], image_size: int) -> dict[str, Any]:
     if not record["question"]:
         raise DataError("missing question")
     _check_answer(record)
-    metadata = clean_optional(raw.get("metadata")) or {}
-    record["source"] = str(raw.get("source") or metadata.get("source") or "unknown")
-    record["category"] = str(raw.get("category") or metadata.get("context")
-                             or metadata.get("category") or "unknown")
-    record["tier"] = str((metadata.get("synth") or {}).get("tier") or "unknown")
+    record.update(labels(raw))
     image = clean_optional(raw.get("image"))
     record["image"] = None if image is None else load_image(image, image_size)
     return record
+
+
+def labels(raw: Mapping[str, Any]) -> dict[str, str | None]:
+    """What reports group records by, as far as the data says: the source (its column, the
+    metadata's, else the file or dataset the record came from), the category and the tier
+    (None where the data has none, so that reports leave them out)."""
+    metadata = clean_optional(raw.get("metadata")) or {}
+    category = raw.get("category") or metadata.get("context") or metadata.get("category")
+    tier = (metadata.get("synth") or {}).get("tier")
+    return {"source": str(raw.get("source") or metadata.get("source") or raw.get("origin")
+                          or "unknown"),
+            "category": None if category is None else str(category),
+            "tier": None if tier is None else str(tier)}
 
 
 def _choices(value: Any) -> list[str] | None:
@@ -199,9 +216,13 @@ def resize_longest(image: Image.Image, size: int) -> Image.Image:
 
 # ---------------------------------------------------------------- pipeline
 
-def passes_filters(raw: Mapping[str, Any], settings: DataParams) -> bool:
-    return (raw.get("question_type") in settings.question_types
-            and raw.get("answer_type") in settings.answer_types)
+def filter_reason(raw: Mapping[str, Any], settings: DataParams) -> str | None:
+    """Why data.question_types or data.answer_types leave the record out; None if they keep it."""
+    for key, allowed in (("question_type", settings.question_types),
+                         ("answer_type", settings.answer_types)):
+        if raw.get(key) not in allowed:
+            return f"{key} {raw.get(key)} is not in data.{key}s [{', '.join(allowed)}]"
+    return None
 
 
 def prepare(raw_records: Iterable[Mapping[str, Any] | BadLine],
@@ -224,8 +245,9 @@ def prepare(raw_records: Iterable[Mapping[str, Any] | BadLine],
         try:
             mapped = map_record(raw, settings)
             pid = mapped["pid"]
-            if not passes_filters(mapped, settings):
-                prepared.filtered_out += 1
+            reason = filter_reason(mapped, settings)
+            if reason is not None:
+                prepared.filtered.append(Skipped(pid, reason, where))
                 continue
             record = validate_record(mapped, settings.image_size)
             if pid in seen_pids:
@@ -265,7 +287,7 @@ def check_mapped_columns(settings: DataParams, seen_columns: set[str]) -> None:
 
 def to_row(record: Mapping[str, Any], system_prompt: str) -> dict[str, Any]:
     row = {key: record[key] for key in COLUMNS if key in record}
-    row.setdefault("tier", "unknown")  # records from outside validate_record carry none
+    row.setdefault("tier", None)  # records from outside validate_record carry none
     row.setdefault("image", None)
     prompt = build_prompt(record, system_prompt)
     row["prompt"] = prompt if row["image"] is not None else without_image_placeholder(prompt)
@@ -318,37 +340,73 @@ def to_dataset(rows: list[dict[str, Any]]):
     return Dataset.from_list(rows, features=features)
 
 
+def present_counts(rows: list[dict[str, Any]], key: str) -> dict[str, int]:
+    """How many rows have each value of `key`; rows without one are not counted."""
+    return dict(Counter(row[key] for row in rows if row.get(key) is not None))
+
+
 def data_summary(prepared: PreparedData) -> dict[str, Any]:
     def counts(rows: list[dict[str, Any]]) -> dict[str, Any]:
         return {
             "n": len(rows),
             "by_type": dict(Counter(f"{r['question_type']}/{r['answer_type']}" for r in rows)),
-            "by_source": dict(Counter(r["source"] for r in rows)),
-            "by_category": dict(Counter(r["category"] for r in rows)),
-            "by_tier": dict(Counter(r.get("tier", "unknown") for r in rows)),
+            "by_source": present_counts(rows, "source"),
+            "by_category": present_counts(rows, "category"),
+            "by_tier": present_counts(rows, "tier"),
             "text_only": sum(r.get("image") is None for r in rows),
         }
 
-    skip_reasons = Counter(s.reason.split(" (")[0].split(":")[0] for s in prepared.skipped)
     return {"total_records": prepared.total, "filtered_out": prepared.filtered_out,
-            "skipped": len(prepared.skipped), "skip_reasons": dict(skip_reasons),
+            "skipped": len(prepared.skipped),
+            "filter_reasons": {reason: n for reason, n, _ in reason_groups(prepared.filtered)},
+            "skip_reasons": {reason: n for reason, n, _ in reason_groups(prepared.skipped)},
             "train": counts(prepared.train), "eval": counts(prepared.eval)}
 
 
-def describe_source(settings: DataParams) -> str:
-    if settings.source == LOCAL_SOURCE:
-        return f"`{settings.path}` (local)"
-    if settings.source in (EMBEDDED_SOURCE, EMBEDDED_TEXT_SOURCE) or Path(settings.source).exists():
-        return f"`{settings.source}`"
-    config = f", config `{settings.config}`" if settings.config else ""
-    revision = f", revision `{settings.revision}`" if settings.revision else ""
-    return f"`{settings.source}` (hub{config}, split `{settings.split}`{revision})"
+def count_section(title: str, train: dict[str, int], eval_counts: dict[str, int]) -> list[str]:
+    """Train and eval counts per value; nothing where no record has a value (a text set has no
+    category or tier)."""
+    names = sorted(set(train) | set(eval_counts))
+    if not names:
+        return []
+    return [f"## By {title}", "", markdown_table(
+        (title, "train", "eval"), [(name, train.get(name, 0), eval_counts.get(name, 0))
+                                   for name in names], align=("left", "right", "right")), ""]
+
+
+EXAMPLES_PER_REASON = 3
+_QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
+
+
+def reason_groups(items: list[Skipped]) -> list[tuple[str, int, str]]:
+    """(reason, how many records, a few example ids) per reason, the most frequent first."""
+    groups: dict[str, list[Skipped]] = {}
+    for item in items:
+        groups.setdefault(reason_kind(item.reason), []).append(item)
+    return [(reason, len(members), ", ".join(
+        member.pid if member.pid != "-" else member.where
+        for member in members[:EXAMPLES_PER_REASON]))
+        for reason, members in sorted(groups.items(), key=lambda group: -len(group[1]))]
+
+
+def reason_kind(reason: str) -> str:
+    """The reason without the record's own values (quoted answers, parser details), so that
+    records with the same problem count together."""
+    return _QUOTED.sub("…", reason.split(" (")[0])
+
+
+def reasons_section(title: str, items: list[Skipped], what: str) -> list[str]:
+    if not items:
+        return [f"## {title}", "", "None.", ""]
+    return [f"## {title}", "", what, "", markdown_table(
+        ("reason", "records", "example ids"), reason_groups(items),
+        align=("left", "right", "left")), ""]
 
 
 def render_report(prepared: PreparedData, settings: DataParams) -> str:
     summary = data_summary(prepared)
     lines = ["# Data report", "",
-             (f"Source: {describe_source(settings)}; filters: question_types="
+             (f"Source: {settings.describe()}; filters: question_types="
               f"{list(settings.question_types)}, answer_types={list(settings.answer_types)}; "
               f"image size {settings.image_size}."), "",
              "| | count |", "| --- | ---: |",
@@ -358,21 +416,15 @@ def render_report(prepared: PreparedData, settings: DataParams) -> str:
              f"| train | {summary['train']['n']} |", f"| eval | {summary['eval']['n']} |",
              (f"| text-only (no image), train / eval | {summary['train']['text_only']} / "
               f"{summary['eval']['text_only']} |"), ""]
-    for title, key in (("type", "by_type"), ("source", "by_source"), ("category", "by_category")):
-        lines += [f"## By {title}", "", f"| {title} | train | eval |", "| --- | ---: | ---: |"]
-        names = sorted(set(summary["train"][key]) | set(summary["eval"][key]))
-        lines += [f"| {name} | {summary['train'][key].get(name, 0)} | "
-                  f"{summary['eval'][key].get(name, 0)} |" for name in names]
-        lines.append("")
-    tiers = sorted(set(summary["train"]["by_tier"]) | set(summary["eval"]["by_tier"]))
-    lines += ["## By tier", "", markdown_table(
-        ("tier", "train", "eval"),
-        [(tier, summary["train"]["by_tier"].get(tier, 0), summary["eval"]["by_tier"].get(tier, 0))
-         for tier in tiers], align=("left", "right", "right")), ""]
-    lines += ["## Skipped records", ""]
+    for title in ("type", "source", "category", "tier"):
+        lines += count_section(title, summary["train"][f"by_{title}"],
+                               summary["eval"][f"by_{title}"])
+    lines += reasons_section("Filtered out", prepared.filtered,
+                             "Good records that data.question_types and data.answer_types leave "
+                             "out, by reason:")
+    lines += reasons_section("Skipped records", prepared.skipped,
+                             "Bad records and lines, by reason (each one is listed below):")
     if prepared.skipped:
         lines.append(markdown_table(("pid", "where", "reason"), [
             (s.pid, s.where or "-", s.reason) for s in prepared.skipped]))
-    else:
-        lines.append("None.")
     return "\n".join(lines) + "\n"

@@ -23,6 +23,7 @@ from typing import Any, get_args
 
 from vlmrl.errors import UserError
 from vlmrl.params import DataParams, ParamsError, RecordField
+from vlmrl.scoring import parse_number
 
 # The record fields `data.columns` maps dataset columns onto (`id` becomes the record's pid).
 RECORD_FIELDS: tuple[str, ...] = get_args(RecordField)
@@ -33,6 +34,7 @@ ANSWER_RULES: dict[str, str] = {"after_hashes": r"####\s*(.+?)\s*$"}
 ORIGIN = "__origin__"
 _INTEGER = re.compile(r"[-+]?\d+")
 _FLOAT = re.compile(r"[-+]?(\d+\.(\d*)|\.(\d+))")
+_WRITTEN_DECIMALS = re.compile(r"\d*\.(\d+)")
 
 
 class DataError(UserError, ValueError):
@@ -72,7 +74,8 @@ def check_mapping(settings: DataParams) -> None:
 
 def map_record(raw: Mapping[str, Any], settings: DataParams) -> dict[str, Any]:
     """A dataset row as a MathVista-schema row (pid, question, answer, image, choices, types,
-    precision, unit, source, category, metadata), or DataError naming the field and column."""
+    precision, unit, source, category, metadata, and `origin`: the file or dataset it came
+    from), or DataError naming the field and column."""
     columns = {**DEFAULT_COLUMNS, **settings.columns}
     value = {field: _present(raw.get(column)) for field, column in columns.items()}
     for required in ("question", "answer"):
@@ -86,7 +89,7 @@ def map_record(raw: Mapping[str, Any], settings: DataParams) -> dict[str, Any]:
     if pid is None:
         pid = derive_id(question, written_answer, image)
     choices = _choices(value["choices"])
-    answer_type = value["answer_type"] or infer_answer_type(answer)
+    answer, answer_type = typed_gold(answer, value["answer_type"])
     precision = value["precision"]
     if precision is None and value["answer_type"] is None and answer_type == "float":
         precision = decimals(answer)
@@ -97,7 +100,7 @@ def map_record(raw: Mapping[str, Any], settings: DataParams) -> dict[str, Any]:
         "question_type": value["question_type"] or ("multi_choice" if choices else "free_form"),
         "answer_type": answer_type, "precision": precision, "unit": value["unit"],
         "source": value["source"], "category": value["category"],
-        "metadata": raw.get("metadata"),
+        "metadata": raw.get("metadata"), "origin": getattr(origin, "source", None),
     }
 
 
@@ -113,6 +116,30 @@ def extract_answer(written: str, settings: DataParams) -> str:
         raise DataError(f"answer {written[-60:]!r} does not match data.answer_pattern "
                         f"{settings.answer_pattern!r}")
     return found.strip()
+
+
+def typed_gold(answer: str, given_type: str | None) -> tuple[str, str]:
+    """(the gold, its answer type). A number the scorer reads from a written form ("64,216",
+    "$3.50", "45%", "12 cm", "\\boxed{7}") becomes the plain number ("64216"), so that its type is
+    integer or float, where the data gives no type or a numeric one; other golds stay as written.
+    The type is the one given, else derived from the gold."""
+    if given_type in (None, "integer", "float") and infer_answer_type(answer) == "text":
+        answer = plain_number(answer) or answer
+    return answer, given_type or infer_answer_type(answer)
+
+
+def plain_number(answer: str) -> str | None:
+    """The number the scorer reads in `answer` (vlmrl.scoring.parse_number), written with as many
+    decimals as the answer has; None where it reads none, or where the number is not the one
+    written (a fraction such as "1/3", whose decimals never end, stays text)."""
+    value = parse_number(answer)
+    if value is None:
+        return None
+    written = _WRITTEN_DECIMALS.search(answer)
+    places = len(written.group(1)) if written else 0
+    if not math.isclose(round(value, places), value, rel_tol=0, abs_tol=1e-9):
+        return None
+    return str(round(value)) if places == 0 else f"{value:.{places}f}"
 
 
 def infer_answer_type(answer: str) -> str:

@@ -31,6 +31,7 @@ METADATA_FILES = tuple(f"metadata{suffix}" for suffix in (".jsonl", ".csv", ".pa
 class Origin:
     where: str  # file:line, file row N, or hub-id[split] row N
     base: Path | None = None
+    source: str | None = None  # what a record without a source column is labelled: file, hub id
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,8 @@ def hub_rows(settings: DataParams) -> Iterator[Row]:
         row = dict(row)
         if row.get("decoded_image") is not None:  # MathVista: `image` is the path in its repo
             row["image"] = row.pop("decoded_image")
-        row[ORIGIN] = Origin(f"{settings.source}[{settings.split}] row {index}")
+        row[ORIGIN] = Origin(f"{settings.source}[{settings.split}] row {index}",
+                             source=settings.source)
         yield row
 
 
@@ -94,7 +96,8 @@ def read_record_file(path: Path) -> Iterator[Row | BadLine]:
     for row in readers[path.suffix](path):
         if isinstance(row, tuple):
             where, values = row
-            values[ORIGIN] = Origin(where, path.parent)
+            source = path.parent.name if path.name in METADATA_FILES else path.name
+            values[ORIGIN] = Origin(where, path.parent, source=source)
             yield values
         else:
             yield row

@@ -31,6 +31,10 @@ HEADLINE = (("accuracy", "Accuracy"), ("format_compliance", "Format compliance")
 PLOTTED_HEADLINE = ("accuracy", "format_compliance")
 PLOT_BEFORE_AFTER = "accuracy_before_after.png"
 PLOT_BY_CATEGORY = "accuracy_by_category.png"
+BASELINE_NOTE = ("Baseline: the model GSPO starts from (the base model with the cold-start SFT "
+                 "adapter, or the base model alone where SFT is off); post: with the GSPO "
+                 "adapter.")
+NO_CATEGORIES = "The eval set's records have no category."
 FLIP_KINDS = ("wrong_to_right", "right_to_wrong")
 MAX_RESPONSE_CHARS = 300
 THUMBNAIL_PIXELS = 160
@@ -110,8 +114,8 @@ def category_rows(baseline: Mapping[str, Record], post: Mapping[str, Record]) ->
     """Per category, over the pids both runs evaluated, so before and after are comparable."""
     groups: dict[str, list[str]] = defaultdict(list)
     for pid, record in baseline.items():
-        if pid in post:
-            groups[str(record.get("category"))].append(pid)
+        if pid in post and record.get("category") is not None:
+            groups[str(record["category"])].append(pid)
     return [CategoryRow(name, len(pids), accuracy([baseline[p] for p in pids]),
                         accuracy([post[p] for p in pids]))
             for name, pids in sorted(groups.items())]
@@ -154,6 +158,8 @@ def headline_markdown(report: Report) -> list[str]:
 
 
 def category_markdown(report: Report) -> list[str]:
+    if not report.categories:
+        return [NO_CATEGORIES]
     rows = [[r.category, str(r.n), number(r.before), number(r.after), signed(r.delta)]
             for r in report.categories]
     return markdown_table(["category", "n", "baseline", "post", "delta"], rows,
@@ -179,7 +185,8 @@ def unmatched_lines(report: Report) -> list[str]:
 
 
 def render_markdown(report: Report) -> str:
-    lines = ["# Evaluation: baseline vs post-training", "", *headline_markdown(report), "",
+    lines = ["# Evaluation: baseline vs post-training", "", BASELINE_NOTE, "",
+             *headline_markdown(report), "",
              f"![accuracy before and after]({PLOT_BEFORE_AFTER})", "", "## By category", "",
              *category_markdown(report), "", f"![accuracy by category]({PLOT_BY_CATEGORY})", ""]
     for kind, title in (("wrong_to_right", "Wrong → right"), ("right_to_wrong", "Right → wrong")):
@@ -225,6 +232,8 @@ def headline_html(report: Report) -> str:
 
 
 def category_html(report: Report) -> str:
+    if not report.categories:
+        return f"<p>{NO_CATEGORIES}</p>"
     rows = [[("", html.escape(r.category)), ("num", str(r.n)), ("num", number(r.before)),
              ("num", number(r.after)), ("num", signed(r.delta))] for r in report.categories]
     return html_table(["category", "n", "baseline", "post", "delta"], rows)
@@ -251,7 +260,8 @@ def render_html(report: Report, plots: Mapping[str, bytes], thumbnails: Mapping[
     parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
              "<title>Evaluation: baseline vs post-training</title>",
              f"<style>{HTML_STYLE}</style></head><body>",
-             "<h1>Evaluation: baseline vs post-training</h1>", headline_html(report),
+             "<h1>Evaluation: baseline vs post-training</h1>", f"<p>{BASELINE_NOTE}</p>",
+             headline_html(report),
              f"<p>{images}</p>", "<h2>By category</h2>", category_html(report)]
     for kind, title in (("wrong_to_right", "Wrong → right"), ("right_to_wrong", "Right → wrong")):
         parts += [f"<h2>{title} ({len(report.flips[kind])})</h2>",

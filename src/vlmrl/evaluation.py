@@ -220,9 +220,12 @@ def mean(values: Sequence[float | None]) -> float | None:
 
 
 def accuracy_by(records: Sequence[Mapping[str, Any]], column: str) -> dict[str, float]:
+    """Accuracy per value of `column`; records without a value (a text set's category) are in
+    no group."""
     groups: dict[str, list[bool]] = defaultdict(list)
     for record in records:
-        groups[str(record.get(column))].append(bool(record["correct"]))
+        if record.get(column) is not None:
+            groups[str(record[column])].append(bool(record["correct"]))
     return {name: sum(flags) / len(flags) for name, flags in sorted(groups.items())}
 
 

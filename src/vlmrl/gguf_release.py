@@ -1,7 +1,7 @@
 """Someone who gets only the GGUF folder must be able to tell which file to run, that the
-projector is needed for images, and how to run them: export writes a README and an Ollama
-`Modelfile` (Qwen's ChatML template, the stop token, the projector as a second FROM) beside the
-files. The upload stage puts the model-card metadata and the evaluation results on top of the
+projector is needed for images, how to run them and which system prompt the model was trained
+with: export writes a README and an Ollama `Modelfile` (Qwen's ChatML template, the stop token,
+the system prompt, the projector as a second FROM) beside the files. The upload stage puts the model-card metadata and the evaluation results on top of the
 same README, so the two never disagree."""
 
 from __future__ import annotations
@@ -41,8 +41,10 @@ def render_modelfile(names: Mapping[str, str], system: str) -> str:
 
 
 def render_gguf_readme(names: Mapping[str, str], sizes: Mapping[str, int], title: str,
-                       checks: Mapping[str, str]) -> str:
-    """The folder's README: files and their uses, how to run them, what export checked."""
+                       checks: Mapping[str, str], system: str = "") -> str:
+    """The folder's README: files and their uses, how to run them, the system prompt the model
+    was trained with (its answers follow that prompt's format only when it is sent), and what
+    export checked."""
     model = default_model_file(names)
     projector = names.get(PROJECTOR_KIND)
     rows = [f"| `{name}` | {_size(sizes[name])} | "
@@ -53,11 +55,20 @@ def render_gguf_readme(names: Mapping[str, str], sizes: Mapping[str, int], title
              "each model file." + (f" Images need the projector `{projector}` beside the model "
                                    "file." if projector else " A text model: no projector."),
              "", "| file | size | use |", "| --- | --- | --- |", *rows, "",
-             "## Run it", "", "```sh", *_commands(model, projector), "```", ""]
+             "## Run it", "", "```sh", *_commands(model, projector), "```", "",
+             *_system_section(system)]
     if checks:
         lines += ["## Checked at export", "", *(f"- {name}: {detail}"
                                                 for name, detail in checks.items()), ""]
     return "\n".join(lines)
+
+
+def _system_section(system: str) -> list[str]:
+    if not system:
+        return []
+    return ["## System prompt", "",
+            ("The model was trained with this system prompt: send it as the system message "
+             "(the `Modelfile` sets it for Ollama)."), "", "```text", system, "```", ""]
 
 
 def _commands(model: str, projector: str | None) -> list[str]:
@@ -79,7 +90,7 @@ def _size(num_bytes: int) -> str:
 def write_gguf_consumer_files(gguf_dir: Path, names: Mapping[str, str], title: str,
                               system: str, checks: Mapping[str, str]) -> None:
     sizes = {name: (gguf_dir / name).stat().st_size for name in names.values()}
-    (gguf_dir / README_NAME).write_text(render_gguf_readme(names, sizes, title, checks),
+    (gguf_dir / README_NAME).write_text(render_gguf_readme(names, sizes, title, checks, system),
                                         encoding="utf-8")
     (gguf_dir / MODELFILE_NAME).write_text(render_modelfile(names, system),
                                            encoding="utf-8")

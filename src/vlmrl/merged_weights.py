@@ -28,6 +28,23 @@ class MergeCheckError(UserError, RuntimeError):
     """A checkpoint or adapter could not be read or lined up with the other."""
 
 
+def check_adapter_weights(adapter: Path | str) -> None:
+    """The adapter's weights must open as safetensors (the header and the data it promises):
+    a file cut short by a failed copy or a full disk is named here in one line, where PEFT would
+    fail deep inside its loader."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(adapter) / ADAPTER_WEIGHTS
+    if not path.is_file():
+        return  # PEFT's other formats, or no adapter: the loader names what is missing
+    try:
+        with safe_open(str(path), "pt"):
+            pass
+    except SafetensorError as error:
+        raise MergeCheckError(f"{path}: not a readable safetensors file, truncated or corrupt "
+                              f"({error}); rerun the stage that wrote it") from None
+
+
 def canonical_name(key: str) -> str:
     """`base_model.model.model.language_model.layers.0.mlp.up_proj.weight` and
     `model.language_model.layers.0.mlp.up_proj.weight` -> `language_model.layers.0.mlp.up_proj.weight`."""

@@ -396,7 +396,7 @@ def _common_options(parser: argparse.ArgumentParser) -> None:
 
 
 def cli_run(argv: list[str]) -> int:
-    """`vlmrl run`: runs the pipeline flow once and prints what each stage did."""
+    """Runs the pipeline flow once and prints what each stage did (`vlmrl run`)."""
     set_offline_defaults()
     parser = argparse.ArgumentParser(prog="vlmrl run", description=cli_run.__doc__)
     _common_options(parser)
@@ -416,10 +416,10 @@ def cli_run(argv: list[str]) -> int:
 
 
 def cli_schedule(argv: list[str]) -> int:
-    """`vlmrl schedule --cron CRON`: registers a deployment on that schedule and serves it
-    (blocks; the scheduled runs execute in this process's children until it is stopped).
-    `--pool NAME`: registers it on that process work pool instead and returns; a worker on the
-    machine that holds the repo (`prefect worker start --pool NAME`) runs what is scheduled."""
+    """Registers a deployment on the schedule --cron gives and serves it (blocks; the scheduled
+    runs execute in this process's children until it is stopped). With --pool NAME it registers
+    the deployment on that process work pool instead and returns; a worker on the machine that
+    holds the repo (`prefect worker start --pool NAME`) runs what is scheduled."""
     set_offline_defaults()
     parser = argparse.ArgumentParser(prog="vlmrl schedule", description=cli_schedule.__doc__)
     parser.add_argument("--cron", default=None,

@@ -8,12 +8,12 @@ unsloth`. A section is validated when a stage first asks for it, so a stage chec
 sections dvc.yaml lists for it (a bad `rewards` section must fail train_gspo, not prepare_data).
 Checks that need a runtime stay with the code that has it: `train.grpo` against
 `trl.GRPOConfig` (vlmrl.training), `export.quantize` against llama.cpp (vlmrl.export), reward
-names and options against the registry (vlmrl.rewards)."""
+options against the registry (vlmrl.rewards). Reward names, which a typo breaks, are checked
+here, before a stage loads a model (vlmrl.params_checks)."""
 
 from __future__ import annotations
 
 import math
-import re
 import string
 from collections.abc import Mapping
 from functools import cached_property
@@ -25,6 +25,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from pydantic.dataclasses import dataclass as validated_dataclass
 
 from vlmrl.errors import ParamsError  # defined there, beside the other user errors
+from vlmrl.params_checks import check_group_size, check_reward_names, describe
 
 PARAMS_FILE = Path("params.yaml")
 
@@ -161,11 +162,29 @@ class DataParams(Section):
     image_size: Annotated[int, BeforeValidator(_integer), Field(ge=28)] = 512
     strict: Boolean = False
 
+    @property
+    def from_hub(self) -> bool:
+        """Whether `source` is a hub dataset id: the only source that config, split and
+        revision apply to."""
+        return (self.source not in (EMBEDDED_SOURCE, EMBEDDED_TEXT_SOURCE, LOCAL_SOURCE)
+                and not Path(self.source).exists())
+
+    def describe(self) -> str:
+        """The source as reports and the model card name it, with the split only for the hub."""
+        if self.source == LOCAL_SOURCE:
+            return f"`{self.path}` (local)"
+        if not self.from_hub:
+            return f"`{self.source}`"
+        config = f", config `{self.config}`" if self.config else ""
+        revision = f", revision `{self.revision}`" if self.revision else ""
+        return f"`{self.source}` (hub{config}, split `{self.split}`{revision})"
+
 
 class RewardsParams(Section):
     """`weights` (name -> weight; a list of names means weight 1 each) and, beside it in
     params.yaml, one mapping of keyword options per reward (`length_penalty: {min_chars: 50}`).
-    Names and options are checked against the registry by `vlmrl.rewards.build_rewards`."""
+    Names are checked here (a built-in name or an import path); options against the registry
+    by `vlmrl.rewards.build_rewards`."""
 
     SECTION = "rewards"
     weights: dict[str, Number]
@@ -181,6 +200,7 @@ class RewardsParams(Section):
     @classmethod
     def from_params(cls, values: Any) -> Self:
         if isinstance(values, Mapping):
+            check_reward_names(values)
             values = {"options": {key: value for key, value in values.items()
                                   if key != "weights"},
                       **({"weights": values["weights"]} if "weights" in values else {})}
@@ -273,6 +293,12 @@ class TrainParams(Section):
     def _empty_grpo(cls, value: Any) -> Any:
         return {} if value is None else value
 
+    @classmethod
+    def from_params(cls, values: Any) -> Self:
+        if isinstance(values, Mapping) and isinstance(values.get("grpo"), Mapping):
+            check_group_size(values["grpo"])
+        return super().from_params(values)
+
 
 class VerifyParams(Section):
     SECTION = "verify"
@@ -301,56 +327,6 @@ class ExportParams(Section):
         """16-bit rounding of the merged weights moves the logits more the deeper the model; a
         merge that lost the adapter moves them by the adapter's whole effect."""
         return max(self.logit_atol, self.logit_rtol * adapter_effect)
-
-
-# ------------------------------------------------------------------------ errors
-
-
-def describe(section: type[Section], error: ValidationError) -> str:
-    """One line: `params.yaml <key path>: <problem>` for every problem, unknown keys grouped."""
-    unknown: dict[tuple[Any, ...], list[str]] = {}
-    problems: list[str] = []
-    for item in error.errors():
-        loc = section.yaml_loc(tuple(item["loc"]))
-        if item["type"] == "extra_forbidden":
-            unknown.setdefault(loc[:-1], []).append(str(loc[-1]))
-        else:
-            problems.append(f"{key_path(section.SECTION, loc)}: {problem(item)}")
-    for parent, names in unknown.items():
-        known = ", ".join(known_keys(section, parent))
-        problems.insert(0, f"{key_path(section.SECTION, parent)} has unknown keys {names}; "
-                           f"known: {known}")
-    return "params.yaml " + "; ".join(problems)
-
-
-def key_path(section: str, loc: tuple[Any, ...]) -> str:
-    path = section
-    for part in loc:
-        path += f"[{part}]" if isinstance(part, int) else f".{part}"
-    return path
-
-
-def problem(item: Mapping[str, Any]) -> str:
-    kind, message = item["type"], item["msg"]
-    if kind == "missing":
-        return "missing"
-    if kind == "literal_error":
-        allowed = re.findall(r"'([^']*)'", item.get("ctx", {}).get("expected", ""))
-        return f"{item['input']!r} is not one of {', '.join(allowed)}"
-    if kind == "value_error":
-        return message.removeprefix("Value error, ")
-    return f"{message[:1].lower()}{message[1:]}, got {item['input']!r}"
-
-
-def known_keys(section: type[Section], parent: tuple[Any, ...]) -> list[str]:
-    """Field names of the section (or of the nested section at `parent`), in params order."""
-    model: Any = section
-    for part in parent:
-        field = model.model_fields.get(part) if isinstance(part, str) else None
-        model = field.annotation if field is not None else None
-        if not (isinstance(model, type) and issubclass(model, BaseModel)):
-            return []
-    return list(model.model_fields)
 
 
 # S3's smallest multipart part, 5 MiB: a lower threshold would make parts S3 refuses.

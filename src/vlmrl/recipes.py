@@ -18,6 +18,7 @@ checked-in recipe."""
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -54,11 +55,16 @@ def available(root: Path = Path(".")) -> list[str]:
 
 
 def summary(path: Path) -> str:
-    """The recipe's first comment line: what it is for."""
+    """The first sentence of the recipe's comment header (what it is for), however many lines
+    it spans."""
+    header = []
     for line in path.read_text(encoding="utf-8").splitlines():
-        if line.startswith("#"):
-            return line.lstrip("# ").strip()
-    return ""
+        if not line.startswith("#"):
+            break
+        header.append(line.lstrip("#").strip())
+    text = " ".join(part for part in header if part)
+    end = re.search(r"[.!?](?=\s|$)", text)
+    return text[:end.end()] if end else text
 
 
 def check_recipe(path: Path) -> Params:

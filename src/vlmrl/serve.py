@@ -1,22 +1,26 @@
 """`vlmrl serve`: a pulled GGUF folder behind an OpenAI-compatible chat API, so that a user can
-try a release without writing code: llama-cpp-python's server (`llama_cpp.server`, the `server`
-extra of llama-cpp-python) on the folder's default model file, with the vision projector and
-llama.cpp's multimodal handler when the folder has one. Listens on 127.0.0.1 unless told
-otherwise. The command is built apart from running it, so that it can be shown and tested."""
+try a release without writing code.
+
+It runs llama-cpp-python's server (`llama_cpp.server`, the `server` extra of llama-cpp-python,
+through vlmrl.serve_app, which lets a text model take content-part messages) on the folder's
+default model file, with the vision projector and llama.cpp's multimodal handler when the folder
+has one. It listens on 127.0.0.1 unless told otherwise. The server replaces the `vlmrl serve`
+process (exec), so that stopping that process by its id (Prefect, systemd, a test) stops the
+server, and no child is left holding the port. The command is built apart from running it, so
+that it can be shown and tested."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
 import os
-import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from vlmrl.gguf_release import PROJECTOR_KIND, default_model_file
 
-SERVER_MODULE = "llama_cpp.server"
+SERVER_MODULE = "vlmrl.serve_app"
 
 
 class ServeError(RuntimeError):
@@ -61,8 +65,12 @@ def check_server_installed() -> None:
                              "'llama-cpp-python[server]' (or pip install -e '.[gguf]')")
 
 
+DESCRIPTION = ("Serves a pulled GGUF folder (with its vision projector, where it has one) as an "
+               "OpenAI-compatible chat API on 127.0.0.1, through llama-cpp-python's server.")
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="vlmrl serve", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="vlmrl serve", description=DESCRIPTION)
     parser.add_argument("--gguf", type=Path, required=True, metavar="DIR",
                         help="a GGUF folder, as `vlmrl pull --what gguf` writes it (required)")
     parser.add_argument("--file", help="the model file to serve (default: model-Q4_K_M.gguf, "
@@ -88,7 +96,5 @@ def cli_serve(argv: Sequence[str] | None = None) -> int:
         return 1
     print(f"serving {command[4]} on http://{args.host}:{args.port}/v1 (OpenAI chat API); "
           "Ctrl-C stops it", flush=True)
-    try:
-        return subprocess.run(command, check=False).returncode
-    except KeyboardInterrupt:
-        return 0
+    sys.stderr.flush()
+    os.execv(command[0], command)  # returns only by raising OSError

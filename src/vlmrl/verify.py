@@ -18,6 +18,7 @@ import torch
 from peft.tuners.lora import LoraLayer
 
 from vlmrl.checks import Check
+from vlmrl.merged_weights import check_adapter_weights
 from vlmrl.models.forward import adapter_and_base_logits, first_eval_row, question_inputs
 from vlmrl.models.loading import load_model
 from vlmrl.models.processor import has_vision
@@ -250,6 +251,7 @@ def verify_adapter(model_settings: ModelParams, adapter: Path | str, eval_set: P
     cannot be loaded at all, failed checks are in the report."""
     adapter = Path(adapter)
     config = read_adapter_config(adapter)
+    check_adapter_weights(adapter)  # before the model: a corrupt file is one line, not a traceback
     row = first_eval_row(eval_set)
     model, processor, _backend = load_model(model_settings, adapter=adapter)
     adapted_logits, base_logits = adapter_and_base_logits(model,

@@ -31,7 +31,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from vlmrl.cache import cache_root
 from vlmrl.models.processor import chat_template, save_processor_files
 from vlmrl.outputs import atomic_dir
-from vlmrl.params import ModelParams
+from vlmrl.params import ModelParams, ParamsError
 
 EMBEDDED_PREFIX = "embedded:"
 IMAGE_MEAN_STD = [0.5, 0.5, 0.5]
@@ -118,8 +118,8 @@ def tokenizer_files_dir() -> Path:
 def shape_for(name: str) -> EmbeddedShape | EmbeddedTextShape:
     key = name.removeprefix(EMBEDDED_PREFIX)
     if key not in SHAPES and key not in TEXT_SHAPES:
-        raise ValueError(f"unknown embedded model {name!r}; known: "
-                         + ", ".join(EMBEDDED_PREFIX + k for k in [*SHAPES, *TEXT_SHAPES]))
+        raise ParamsError(f"params.yaml model.name: unknown embedded model {name!r}; known: "
+                          + ", ".join(EMBEDDED_PREFIX + k for k in [*SHAPES, *TEXT_SHAPES]))
     return SHAPES.get(key) or TEXT_SHAPES[key]
 
 

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, set_seed
 
+from vlmrl.merged_weights import check_adapter_weights
 from vlmrl.models.backend import (
     bnb_4bit_config,
     cuda_available,
@@ -193,6 +194,7 @@ def attach_adapter(model, adapter: Path | str) -> PeftModel:
     if not (adapter / "adapter_config.json").is_file():
         raise FileNotFoundError(f"{adapter}: no LoRA adapter (adapter_config.json) there; the "
                                 "train_gspo stage makes it")
+    check_adapter_weights(adapter)
     model = PeftModel.from_pretrained(model, str(adapter))
     model.eval()
     return model

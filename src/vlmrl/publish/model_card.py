@@ -19,6 +19,7 @@ import yaml
 
 from vlmrl.answer_format import answer_format
 from vlmrl.gguf_release import README_NAME
+from vlmrl.params import LOCAL_SOURCE, DataParams, SftParams
 from vlmrl.portable import EMBEDDED_PREFIX, release_base_name
 from vlmrl.publish.errors import MissingInputError, PublishError
 from vlmrl.tables import markdown_table
@@ -56,11 +57,12 @@ def build_release_cards(params: Mapping[str, Any], metrics_dir: Path,
                                 "export")
     baseline, post = (_read_json(metrics_dir / name) for name in EVAL_METRICS_NAMES)
     vision = any(path.name.startswith(PROJECTOR_PREFIX) for path in gguf_dir.glob("*.gguf"))
-    adapter = "\n".join([card_header(params, "adapter", post, vision), *_adapter_body(params),
-                         *_training_section(params), *_answer_format_section(params),
-                         *_results_section(baseline, post)])
+    adapter = "\n".join([card_header(params, "adapter", post, vision),
+                         *_adapter_body(params, vision), *_training_section(params, vision),
+                         *_answer_format_section(params),
+                         *_results_section(params, baseline, post)])
     gguf = "\n".join([card_header(params, "gguf", post, vision),
-                      readme.read_text(encoding="utf-8"), *_results_section(baseline, post)])
+                      readme.read_text(encoding="utf-8"), *_results_section(params, baseline, post)])
     return {"adapter": adapter, "merged": merged, "gguf": gguf}
 
 
@@ -72,7 +74,7 @@ RELATIONS = {"adapter": ("adapter", "peft"), "merged": ("finetune", "transformer
 def card_header(params: Mapping[str, Any], kind: str, post: Mapping | None,
                 vision: bool) -> str:
     """Hugging Face model-card metadata (YAML front matter) for one group of the release."""
-    model, data = params.get("model", {}), params.get("data", {})
+    model, data = params.get("model", {}), DataParams.from_params(params.get("data", {}))
     relation, library = RELATIONS[kind]
     name = str(model.get("name"))
     tags = ["qwen3-vl" if vision else "qwen3", "lora", "gspo", "grpo",
@@ -81,7 +83,7 @@ def card_header(params: Mapping[str, Any], kind: str, post: Mapping | None,
         "base_model": release_base_name(name), "base_model_relation": relation,
         "library_name": library,
         "pipeline_tag": "image-text-to-text" if vision else "text-generation",
-        "tags": tags, "datasets": [str(data.get("source"))]}
+        "tags": tags, "datasets": [dataset_name(data)]}
     if name.startswith(EMBEDDED_PREFIX):
         meta["base_model_seed"] = model.get("seed", 0)
     metrics = card_metrics(post)
@@ -89,32 +91,47 @@ def card_header(params: Mapping[str, Any], kind: str, post: Mapping | None,
         meta["metrics"] = [key for key in INDEX_METRICS if key in metrics]
         meta["model-index"] = [{"name": f"{release_base_name(name)}-gspo", "results": [{
             "task": {"type": meta["pipeline_tag"]},
-            "dataset": {"name": str(data.get("source")), "type": str(data.get("source")),
-                        "split": str(data.get("split"))},
+            "dataset": {"name": dataset_name(data), "type": dataset_name(data),
+                        **({"split": data.split} if data.from_hub else {})},
             "metrics": [{"type": key, "value": metrics[key], "name": f"{key} (held-out eval)"}
                         for key in meta["metrics"]]}]}]
     return "---\n" + yaml.safe_dump(meta, sort_keys=False) + "---\n"
 
 
-def _adapter_body(params: Mapping[str, Any]) -> list[str]:
+def dataset_name(data: DataParams) -> str:
+    """The hub id or built-in set's name; for local data, the file or folder's name."""
+    return Path(data.path).name if data.source == LOCAL_SOURCE else data.source
+
+
+def _adapter_body(params: Mapping[str, Any], vision: bool) -> list[str]:
     model = params.get("model", {})
-    name = str(model.get("name"))
+    base = release_base_name(str(model.get("name")))
+    what = ("on the language model (the vision tower is not adapted)" if vision
+            else "on the decoder layers of a text model")
+    return [f"# {base} + GSPO LoRA adapter", "",
+            (f"A PEFT LoRA adapter {what}, trained with GSPO. Load it on its base model; run "
+             "this in the adapter's folder:"), "", "```python",
+            *adapter_snippet(str(model.get("name")), int(model.get("seed", 0)), vision), "```",
+            ""]
+
+
+def adapter_snippet(name: str, seed: int, vision: bool) -> list[str]:
+    """Python that loads the adapter on its base model (a hub id, or the built-in model rebuilt
+    by vlmrl from its name and seed) with the auto classes for the model's kind."""
+    model_class = "AutoModelForImageTextToText" if vision else "AutoModelForCausalLM"
+    inputs = ("# the processor: transformers.AutoProcessor.from_pretrained(BASE) (needs torchvision)"
+              if vision else "tokenizer = AutoTokenizer.from_pretrained(BASE)")
+    imports = model_class if vision else "AutoModelForCausalLM, AutoTokenizer"
     base = release_base_name(name)
-    lines = [f"# {base} + GSPO LoRA adapter", "",
-             ("A PEFT LoRA adapter on the language model (the vision tower is not adapted), "
-             "trained with GSPO. Load it on its base model:"), "", "```python",
-             "from peft import PeftModel", "from transformers import AutoModelForImageTextToText",
-             "", "base = AutoModelForImageTextToText.from_pretrained(BASE)  # see below",
-             "model = PeftModel.from_pretrained(base, 'path/to/this/folder')", "```", ""]
     if name.startswith(EMBEDDED_PREFIX):
-        lines += [(f"`{base}` is the project's built-in model, random weights from seed "
-                  f"{model.get('seed', 0)}; rebuild it (BASE above) with vlmrl:"), "",
-                  "```python", "from vlmrl.models.embedded import ensure_embedded_model", "",
-                  f"BASE = ensure_embedded_model({base!r}, seed={model.get('seed', 0)})", "```",
-                  ""]
+        where = ["from vlmrl.models.embedded import ensure_embedded_model", "",
+                 f"# {base}: the project's built-in model, random weights from seed {seed}",
+                 f"BASE = ensure_embedded_model({base!r}, seed={seed})"]
     else:
-        lines += [f"BASE is `{base}`.", ""]
-    return lines
+        where = ["", f"BASE = {base!r}"]
+    return ["from peft import PeftModel", f"from transformers import {imports}", *where,
+            f"base = {model_class}.from_pretrained(BASE)",
+            "model = PeftModel.from_pretrained(base, '.')  # this folder", inputs]
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -186,9 +203,9 @@ def render_model_card(
     return "\n".join(
         [
             *header,
-            *_training_section(params),
+            *_training_section(params, vision),
             *_answer_format_section(params),
-            *_results_section(baseline, post),
+            *_results_section(params, baseline, post),
             *_files_section(gguf_sizes, export_metrics.get("logit_max_abs_diff") or {}),
             *(_usage_section(quant, projector) if vision else _text_usage_section(quant)),
         ]
@@ -210,8 +227,9 @@ def _answer_format_section(params: Mapping[str, Any]) -> list[str]:
     ]
 
 
-def _training_section(params: Mapping[str, Any]) -> list[str]:
+def _training_section(params: Mapping[str, Any], vision: bool) -> list[str]:
     model, data = params.get("model", {}), params.get("data", {})
+    source = DataParams.from_params(data).describe()
     train = params.get("train", {})
     lora, grpo = train.get("lora", {}), train.get("grpo", {})
     weights = params.get("rewards", {}).get("weights", {})
@@ -220,7 +238,7 @@ def _training_section(params: Mapping[str, Any]) -> list[str]:
         "",
         f"- Base model: `{model.get('name')}`",
         (
-            f"- Data: `{data.get('source')}` (split `{data.get('split')}`), question types "
+            f"- Data: {source}, question types "
             f"{data.get('question_types')}, answer types {data.get('answer_types')}, "
             f"{data.get('eval_size')} items held out for evaluation"
         ),
@@ -229,7 +247,8 @@ def _training_section(params: Mapping[str, Any]) -> list[str]:
         "",
         markdown_table(["reward", "weight"], list(weights.items())),
         "",
-        "LoRA (language model only; the vision tower is not adapted):",
+        ("LoRA (language model only; the vision tower is not adapted):" if vision
+         else "LoRA (decoder layers):"),
         "",
         markdown_table(
             ["r", "alpha", "dropout", "target modules"],
@@ -250,11 +269,18 @@ def _training_section(params: Mapping[str, Any]) -> list[str]:
     ]
 
 
-def _results_section(baseline: Mapping | None, post: Mapping | None) -> list[str]:
+def baseline_label(params: Mapping[str, Any]) -> str:
+    """What the baseline evaluation ran: the model GSPO started from."""
+    sft = SftParams.from_params(params.get("sft", {}))
+    return "before (base + SFT)" if sft.trains else "before (base)"
+
+
+def _results_section(params: Mapping[str, Any], baseline: Mapping | None,
+                     post: Mapping | None) -> list[str]:
     before, after = card_metrics(baseline), card_metrics(post)
     rows = [(key, before.get(key), after.get(key)) for key in dict.fromkeys([*before, *after])]
     table = (
-        markdown_table(["metric", "before (base)", "after (adapter)"], rows)
+        markdown_table(["metric", baseline_label(params), "after (GSPO adapter)"], rows)
         if rows
         else "No evaluation metrics were found (data/metrics/baseline_eval.json, post_eval.json)."
     )

@@ -371,7 +371,7 @@ function evalCard(row) {
   const meta = el("div", { class: "meta" },
     el("div", {}, el("strong", { text: row.pid }), " ",
       el("span", { class: `badge ${row.change}`, text: CHANGE_LABELS[row.change] || row.change })),
-    el("div", { class: "small", text: `${row.question_type ?? "?"} · ${row.answer_type ?? "?"} · ${row.category ?? "?"}` }),
+    el("div", { class: "small", text: [row.question_type ?? "?", row.answer_type ?? "?", row.category].filter((part) => part != null).join(" · ") }),
     el("div", { class: "small" }, "gold: ", el("span", { class: "mono", text: String(row.gold ?? "–") })),
     el("div", { class: "question small", text: row.question || "" }));
   return el("div", { class: "card", "data-pid": row.pid, "data-change": row.change },
