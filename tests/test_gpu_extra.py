@@ -73,3 +73,18 @@ def test_no_bitsandbytes_means_nothing_to_patch(quantizer) -> None:
         warnings.simplefilter("error")
         assert allow_compiling_bnb_4bit({"transformers": "5.17.0", "bitsandbytes": None}) is False
     assert quantizer.__dict__.get("is_compileable") is before
+
+
+def test_auto_backend_is_transformers_even_with_unsloth_and_cuda(monkeypatch) -> None:
+    """`model.backend: auto` never picks Unsloth: transformers was faster on every model measured
+    (vlmrl.models.backend.pick_backend)."""
+    import importlib.util
+
+    from vlmrl.models import backend
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(backend, "cuda_available", lambda: True)
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "unsloth" else real_find_spec(name, *a))
+    assert backend.pick_backend("auto") == "transformers"
+    assert backend.pick_backend("unsloth") == "unsloth"
