@@ -257,7 +257,15 @@ def main() -> None:
     parser.add_argument("--no-doc", action="store_true", help="write the JSON only")
     parser.add_argument("--without-dvc", action="store_true",
                         help="run the stage commands directly (a machine without DVC)")
+    parser.add_argument("--from-json", type=Path, metavar="RESULTS",
+                        help="run nothing: write the table of a results file this script wrote "
+                             "(e.g. on a GPU machine) into --doc")
     args = parser.parse_args()
+    if args.from_json is not None:
+        results = json.loads(args.from_json.read_text(encoding="utf-8"))
+        write_doc_block(args.doc, render_table(results), args.doc_block)
+        print(render_table(results))
+        return
     overrides = dict(parse_override(text) for text in args.overrides)
     claim = Claim(args.min_format_gain, args.min_mean_gain, args.min_standard_errors)
     with tempfile.TemporaryDirectory(prefix="vlmrl-learning-") as tmp, \

@@ -27,7 +27,7 @@ from transformers import TrainerCallback
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from learning import SEED_KEYS, parse_override, run_without_dvc
+from learning import SEED_KEYS, parse_override, run_without_dvc, write_doc_block
 from project_repo import copy_project
 
 MAX_EVENTS = 20
@@ -111,6 +111,28 @@ def probe_seed(seed: int, overrides: dict[str, Any], workdir: Path) -> dict[str,
             "backward_error": error, "steps": probe.steps}
 
 
+def render(results: dict[str, Any]) -> str:
+    """One row per probed seed: what went non-finite first, forward or backward, and where."""
+    lines = [f"Probed {results['date']} on {results['device']}; overrides: "
+             f"{results['overrides'] or 'none'}. Written by `benchmarks/nonfinite_probe.py`.", "",
+             "| seed | GSPO steps completed | first non-finite forward output | first backward "
+             "function returning NaN (autograd anomaly mode) | largest LoRA weight | seconds |",
+             "| --- | ---: | --- | --- | ---: | ---: |"]
+    for run in results["runs"]:
+        forward = run["first_nonfinite_forward"]
+        forward_text = (f"step {forward[0]['step']}: `{forward[0]['module']}`" if forward
+                        else "none")
+        error = run["backward_error"]
+        steps = run["steps"]
+        backward = (f"step {len(steps) + 1}: {error['message'].splitlines()[0]}" if error
+                    else "none")
+        largest = max((s["lora_max_abs"] for s in steps if s["lora_max_abs"] is not None),
+                      default=float("nan"))
+        lines.append(f"| {run['seed']} | {len(steps)} | {forward_text} | {backward} "
+                     f"| {largest:.4f} | {run['seconds']:.0f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -118,7 +140,13 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/nonfinite.json")
+    parser.add_argument("--doc", type=Path, default=ROOT / "docs/benchmarks.md")
+    parser.add_argument("--from-json", type=Path, metavar="RESULTS",
+                        help="probe nothing: write the table of a results file into --doc")
     args = parser.parse_args()
+    if args.from_json is not None:
+        write_doc_block(args.doc, render(json.loads(args.from_json.read_text())), ":nonfinite")
+        return
     overrides = dict(parse_override(text) for text in args.overrides)
     results = []
     with tempfile.TemporaryDirectory(prefix="vlmrl-probe-") as tmp:
