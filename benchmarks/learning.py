@@ -228,6 +228,20 @@ def device_name() -> str:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
 
 
+def range_line(results: dict[str, Any]) -> str:
+    """What a newcomer should expect, as the range over the seeds measured (for README.md)."""
+    runs = results["runs"]
+    gains = {key: [r[key]["delta"] for r in runs] for key in HEADLINE}
+    fmt, reward = gains["format_compliance"], gains["mean_reward"]
+    mean = statistics.fmean(fmt)
+    return (f"format compliance rose on {sum(g > 0 for g in fmt)} of {len(runs)} seeds, by "
+            f"{100 * min(fmt):+.1f} to {100 * max(fmt):+.1f} points (mean {100 * mean:+.1f}), "
+            f"and mean reward on {sum(g > 0 for g in reward)} of {len(runs)}, by "
+            f"{min(reward):+.2f} to {max(reward):+.2f}; accuracy rises a little "
+            f"({100 * statistics.fmean(gains['accuracy']):+.1f} points on average). Measured "
+            f"{results['date']} by `benchmarks/learning.py`.")
+
+
 def write_doc_block(doc: Path, table: str, suffix: str) -> None:
     begin, end = MARK_BEGIN.format(suffix=suffix), MARK_END.format(suffix=suffix)
     text = doc.read_text(encoding="utf-8")
@@ -255,6 +269,9 @@ def main() -> None:
     parser.add_argument("--doc-block", default="",
                         help="marker suffix of the table's block in --doc (e.g. ':gpu')")
     parser.add_argument("--no-doc", action="store_true", help="write the JSON only")
+    parser.add_argument("--readme", type=Path, default=None,
+                        help="also write the range over the seeds into this file's block "
+                             "(README.md, marker suffix ':readme')")
     parser.add_argument("--without-dvc", action="store_true",
                         help="run the stage commands directly (a machine without DVC)")
     parser.add_argument("--from-json", type=Path, metavar="RESULTS",
@@ -264,6 +281,8 @@ def main() -> None:
     if args.from_json is not None:
         results = json.loads(args.from_json.read_text(encoding="utf-8"))
         write_doc_block(args.doc, render_table(results), args.doc_block)
+        if args.readme is not None:
+            write_doc_block(args.readme, "  " + range_line(results), ":readme")
         print(render_table(results))
         return
     overrides = dict(parse_override(text) for text in args.overrides)
@@ -292,6 +311,8 @@ def main() -> None:
     table = render_table(results)
     if not args.no_doc:
         write_doc_block(args.doc, table, args.doc_block)
+        if args.readme is not None:
+            write_doc_block(args.readme, "  " + range_line(results), ":readme")
     print(table)
 
 

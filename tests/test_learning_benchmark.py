@@ -74,3 +74,16 @@ def test_override_needs_key_and_value(learning):
     assert learning.parse_override("model.load_in_4bit=true") == ("model.load_in_4bit", True)
     with pytest.raises(SystemExit, match="KEY=VALUE"):
         learning.parse_override("model.load_in_4bit")
+
+
+def test_readme_line_gives_the_range_over_seeds(learning, tmp_path: Path):
+    runs = [run(1, 0.2, 0.3), run(2, 0.35, 0.1), run(3, 0.25, 0.2)]
+    results = {"date": "2026-11-26", "runs": runs}
+    line = learning.range_line(results)
+    assert line.startswith("format compliance rose on 3 of 3 seeds, by +20.0 to +35.0 points "
+                           "(mean +26.7), and mean reward on 3 of 3, by +0.10 to +0.30")
+    readme = tmp_path / "README.md"
+    readme.write_text("a\n<!-- benchmarks/learning.py:begin:readme -->\nold\n"
+                      "<!-- benchmarks/learning.py:end:readme -->\nb\n")
+    learning.write_doc_block(readme, line, ":readme")
+    assert "old" not in readme.read_text() and line in readme.read_text()
