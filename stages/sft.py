@@ -9,22 +9,19 @@ pass-through SFT (nothing to train) always runs in this process."""
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from vlmrl.errors import run_stage
 from vlmrl.launch import (
-    DistributedParams,
     die_with_launcher,
     is_main_process,
+    launch_stage_workers,
     launched_worker,
-    run_launched,
-    training_launch,
     training_plan,
 )
 from vlmrl.metric_files import write_stage_metrics
 from vlmrl.outputs import remove_outputs, write_json_atomic
-from vlmrl.params import Params, load_params
+from vlmrl.params import load_params
 
 
 def main() -> int:
@@ -49,7 +46,10 @@ def main() -> int:
     if params.sft.trains:
         plan = training_plan(params.train, params.model, "sft_cold_start")
         if plan.strategy != "none" and not launched_worker():
-            return launch_workers(plan, params, outputs)
+            from vlmrl.models.backend import mixed_precision  # torch, without initialising CUDA
+
+            return launch_stage_workers(plan, mixed_precision(params.sft.args, params.model),
+                                        __file__, outputs)
     die_with_launcher()
     from vlmrl.sft import run_sft  # torch: once the GPUs are chosen
 
@@ -68,17 +68,6 @@ def main() -> int:
         print(f"SFT: {summary['steps']} steps on {processes} process(es); starting adapter: "
               f"{summary['adapter']} ({args.out})")
     return 0
-
-
-def launch_workers(plan: DistributedParams, params: Params, outputs: tuple[Path, ...]) -> int:
-    """Runs this script's workers under `accelerate launch` and returns their exit code."""
-    from vlmrl.models.backend import mixed_precision  # torch, without initialising CUDA
-
-    launch = training_launch(plan, mixed_precision(params.sft.args, params.model))
-    code = run_launched(launch, __file__, sys.argv[1:])
-    if code:  # a worker that was killed cleaned nothing up
-        remove_outputs(*outputs)
-    return code
 
 
 if __name__ == "__main__":

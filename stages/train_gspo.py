@@ -9,22 +9,19 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import sys
 from pathlib import Path
 
 from vlmrl.errors import run_stage
 from vlmrl.launch import (
-    DistributedParams,
     die_with_launcher,
     is_main_process,
+    launch_stage_workers,
     launched_worker,
-    run_launched,
-    training_launch,
     training_plan,
 )
 from vlmrl.metric_files import write_stage_metrics
 from vlmrl.outputs import atomic_dir, remove_outputs, write_json_atomic
-from vlmrl.params import Params, load_params
+from vlmrl.params import load_params
 
 
 def main() -> int:
@@ -58,7 +55,10 @@ def main() -> int:
     params = load_params(args.params)
     plan = training_plan(params.train, params.model, "train_gspo")
     if plan.strategy != "none" and not launched_worker():
-        return launch_workers(plan, params, outputs)
+        from vlmrl.models.backend import mixed_precision  # torch, without initialising CUDA
+
+        return launch_stage_workers(plan, mixed_precision(params.train.grpo, params.model),
+                                    __file__, outputs)
     die_with_launcher()
     from vlmrl.training import LiveOutputs, train  # torch: once the GPUs are chosen
 
@@ -79,17 +79,6 @@ def main() -> int:
               f"({batch['num_processes']} x {batch['per_device_train_batch_size']} x "
               f"{batch['gradient_accumulation_steps']} accumulation); adapter in {args.out}")
     return 0
-
-
-def launch_workers(plan: DistributedParams, params: Params, outputs: tuple[Path, ...]) -> int:
-    """Runs this script's workers under `accelerate launch` and returns their exit code."""
-    from vlmrl.models.backend import mixed_precision  # torch, without initialising CUDA
-
-    launch = training_launch(plan, mixed_precision(params.train.grpo, params.model))
-    code = run_launched(launch, __file__, sys.argv[1:])
-    if code:  # a worker that was killed cleaned nothing up
-        remove_outputs(*outputs)
-    return code
 
 
 def write_outputs(args: argparse.Namespace, result) -> None:

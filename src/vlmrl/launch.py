@@ -307,6 +307,19 @@ def worker_env() -> dict[str, str]:
     return {**os.environ, **NO_MULTICAST_ENV, WORKER_ENV: "1"}
 
 
+def launch_stage_workers(plan: DistributedParams, mixed_precision: str, script: Path | str,
+                         outputs: Sequence[Path]) -> int:
+    """Runs a stage script's workers under `accelerate launch` with this process's arguments and
+    returns their exit code; on failure the stage's outputs are removed (a killed worker cleaned
+    nothing up)."""
+    from vlmrl.outputs import remove_outputs
+
+    code = run_launched(training_launch(plan, mixed_precision), script, sys.argv[1:])
+    if code:
+        remove_outputs(*outputs)
+    return code
+
+
 def run_launched(launch: Launch, script: Path | str, argv: Sequence[str]) -> int:
     """Runs the script's workers and returns their exit code (non-zero if any failed)."""
     command = launch_command(launch, script, argv)
