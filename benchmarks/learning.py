@@ -237,8 +237,8 @@ def range_line(results: dict[str, Any]) -> str:
     return (f"format compliance rose on {sum(g > 0 for g in fmt)} of {len(runs)} seeds, by "
             f"{100 * min(fmt):+.1f} to {100 * max(fmt):+.1f} points (mean {100 * mean:+.1f}), "
             f"and mean reward on {sum(g > 0 for g in reward)} of {len(runs)}, by "
-            f"{min(reward):+.2f} to {max(reward):+.2f}; accuracy rises a little "
-            f"({100 * statistics.fmean(gains['accuracy']):+.1f} points on average). Measured "
+            f"{min(reward):+.2f} to {max(reward):+.2f}; accuracy moved by "
+            f"{100 * statistics.fmean(gains['accuracy']):+.1f} points on average. Measured "
             f"{results['date']} by `benchmarks/learning.py`.")
 
 

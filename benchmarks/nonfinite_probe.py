@@ -7,7 +7,7 @@ LoRA weight. Nothing is fixed here; the JSON says what was
 seen first.
 
     python benchmarks/nonfinite_probe.py --seed 7 --set model.dtype=bfloat16 --out probe.json
-    tests/gpu/run_on_device.sh probe-nonfinite --seed 7        # on the GPU machine
+    tests/gpu/run_on_device.sh nonfinite --seed 7        # on the GPU machine
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, nargs="+", default=[7])
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/nonfinite.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/nonfinite_probe.json")
     parser.add_argument("--doc", type=Path, default=ROOT / "docs/benchmarks.md")
     parser.add_argument("--from-json", type=Path, metavar="RESULTS",
                         help="probe nothing: write the table of a results file into --doc")

@@ -262,9 +262,10 @@ def worker(args: argparse.Namespace) -> None:
     """One process of run `args.worker`: trains through vlmrl.training.train with the recorder
     attached and writes its record to `<result-dir>/rank<RANK>.json`."""
     from vlmrl import training
-    from vlmrl.launch import process_index
+    from vlmrl.launch import die_with_launcher, process_index
     from vlmrl.params import Params
 
+    die_with_launcher()  # a run stopped at its time limit takes its workers with it
     rank = process_index()
     out = args.result_dir / f"rank{rank}.json"
     raw = json.loads(args.params_json.read_text())

@@ -405,3 +405,29 @@ def test_strategy_none_on_two_gpus_trains_in_one_process(tmp_path: Path) -> None
     assert "launching" not in output
     batch = json.loads((repo / "data/reports/details/train_gspo.json").read_text())["batch"]
     assert (batch["num_processes"], batch["strategy"]) == (1, "none")
+
+
+def test_auto_backend_trains_on_every_gpu_with_unsloth_installed(
+        tmp_path: Path, monkeypatch, capsys, no_launch_env) -> None:
+    """`model.backend: auto` is transformers whether Unsloth is installed or not, so the
+    multi-GPU default applies (a `pip install -e ".[gpu]"` installs Unsloth)."""
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "unsloth" else real_find_spec(name, *a))
+    monkeypatch.setenv("PATH", fake_nvidia_smi(tmp_path / "bin", 2)["PATH"])
+    auto = ModelParams(name="embedded:tiny-qwen3-vl", backend="auto")
+    plan = training_plan(train_params(), auto, "train_gspo")
+    assert (plan.strategy, plan.num_processes) == ("ddp", 2)
+    assert evaluation_plan("auto", auto, "baseline_eval") == 2
+
+
+def test_one_process_keeps_the_first_gpu_the_user_chose(tmp_path: Path, monkeypatch, capsys,
+                                                        no_launch_env) -> None:
+    monkeypatch.setenv("PATH", fake_nvidia_smi(tmp_path / "bin", 4)["PATH"])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    model = ModelParams(name="embedded:tiny-qwen3-vl", backend="transformers")
+    assert evaluation_plan(1, model, "post_eval") == 1
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "2"
+    assert "one process on GPU 2 of the 2 visible" in capsys.readouterr().out

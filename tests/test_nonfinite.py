@@ -223,23 +223,26 @@ def _check_shards(rank: int, init_file: str, results) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from vlmrl.nonfinite import all_finite, first_nonfinite
+    from vlmrl.nonfinite import agree, all_finite, first_nonfinite
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         mesh = init_device_mesh("cpu", (2,))
         weight = distribute_tensor(torch.tensor([1.0, 2.0, 3.0, math.nan]), mesh, [Shard(0)])
         flag = all_finite([weight])
-        results[rank] = (type(flag) is torch.Tensor, bool(flag), first_nonfinite([("w", weight)]))
+        results[rank] = (type(flag) is torch.Tensor, bool(flag), first_nonfinite([("w", weight)]),
+                         agree(flag))
     finally:
         dist.destroy_process_group()
 
 
 def test_sharded_tensors_are_checked_shard_by_shard(tmp_path) -> None:
     """FSDP2 keeps parameters and gradients as DTensors: each process checks its own shard (a
-    reduction over the DTensor failed on two GPUs: Replicate to Partial(product))."""
+    reduction over the DTensor failed on two GPUs: Replicate to Partial(product)), and both
+    processes agree that the step is not finite when one shard is not."""
     import torch.multiprocessing as mp
 
-    results = mp.Manager().dict()
-    mp.spawn(_check_shards, args=(str(tmp_path / "init"), results), nprocs=2)
-    assert dict(results) == {0: (True, True, None), 1: (True, False, "w")}
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_check_shards, args=(str(tmp_path / "init"), results), nprocs=2)
+        assert dict(results) == {0: (True, True, None, False), 1: (True, False, "w", False)}

@@ -19,7 +19,6 @@ No torch here: the launcher process only decides and waits."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -137,18 +136,17 @@ def keep_one_gpu(gpus: int, why: str) -> None:
     trainers refuse."""
     if gpus <= 1:
         return
-    chosen = os.environ.get("CUDA_VISIBLE_DEVICES")
-    first = listed_devices(chosen, gpus)[0] if chosen else "0"
+    chosen = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    first = chosen.split(",")[0].strip() if chosen else "0"
     os.environ["CUDA_VISIBLE_DEVICES"] = first
     print(f"{why}: one process on GPU {first} of the {gpus} visible "
           f"(CUDA_VISIBLE_DEVICES={first})", flush=True)
 
 
-def unsloth_chosen(requested: str, cuda: bool) -> bool:
-    """Whether `model.backend` resolves to Unsloth: asked for, or `auto` where CUDA and the
-    package exist (vlmrl.models.backend.pick_backend decides the same way)."""
-    return requested == "unsloth" or (
-        requested == "auto" and cuda and importlib.util.find_spec("unsloth") is not None)
+def unsloth_chosen(requested: str) -> bool:
+    """Whether `model.backend` resolves to Unsloth: only where it names it (`auto` is
+    transformers, as vlmrl.models.backend.pick_backend decides)."""
+    return requested == "unsloth"
 
 
 def training_plan(train: TrainParams, model: ModelParams, stage: str) -> DistributedParams:
@@ -162,7 +160,7 @@ def training_plan(train: TrainParams, model: ModelParams, stage: str) -> Distrib
     gpus = visible_gpus()
     settings = DistributedParams.from_params(train.distributed)
     resolved = resolve(settings, gpus)
-    unsloth = unsloth_chosen(model.backend, gpus > 0)
+    unsloth = unsloth_chosen(model.backend)
     if unsloth and resolved.strategy != "none" and settings.strategy == "auto" == (
             settings.num_processes):
         keep_one_gpu(gpus, f"{stage}: Unsloth trains on one GPU (model.backend: transformers "
@@ -214,7 +212,7 @@ def evaluation_plan(setting: int | str, model: ModelParams, stage: str) -> int:
     if launched_worker():
         return evaluation_processes(setting)
     gpus = visible_gpus()
-    if setting == "auto" and gpus > 1 and unsloth_chosen(model.backend, True):
+    if setting == "auto" and gpus > 1 and unsloth_chosen(model.backend):
         keep_one_gpu(gpus, f"{stage}: Unsloth runs on one GPU (model.backend: transformers "
                            "evaluates on all)")
         return 1

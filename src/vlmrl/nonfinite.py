@@ -8,7 +8,9 @@ before a checkpoint of it is written.
 
 `NonFiniteGuard` is a mixin for a transformers `Trainer` subclass (vlmrl.trainers): it hooks in
 through `training_step`, `create_scheduler`, `log` and a callback, the Trainer's public
-extension points."""
+extension points. It reads the gradients where the Trainer leaves them, in the parameters (one
+process, DDP, FSDP); DeepSpeed (`zero2`, `zero3`) keeps them in its engine and steps inside the
+backward, so there the guard sees only the loss and the weights it can read, not the gradients."""
 
 from __future__ import annotations
 
@@ -64,11 +66,15 @@ def first_nonfinite(named: list[tuple[str, torch.Tensor]]) -> str | None:
                  if not bool(torch.isfinite(local(tensor)).all())), None)
 
 
-def agree(flag: torch.Tensor, accelerator) -> bool:
-    """A finiteness flag every process agrees on (min over processes): with sharded gradients
-    (FSDP, ZeRO) each process sees only its shard, and all must skip the same steps."""
-    if accelerator is not None and accelerator.num_processes > 1:
-        flag = accelerator.reduce(flag.to(accelerator.device, torch.float32), reduction="min")
+def agree(flag: torch.Tensor, device: torch.device | None = None) -> bool:
+    """A finiteness flag every process agrees on, the minimum over processes: with sharded
+    gradients (FSDP) each process sees only its shard and its own loss, and all must skip the
+    same steps. `device`: where the collective runs (the process's GPU under NCCL)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        flag = flag.to(device or flag.device, torch.float32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 
 
@@ -77,9 +83,9 @@ class GuardCallback(TrainerCallback):
     the step's end: stops the run when the weights are not finite or too many steps in a row
     were skipped; both happen before the step's checkpoint is saved."""
 
-    def __init__(self, state: NonFiniteState, accelerator_of) -> None:
+    def __init__(self, state: NonFiniteState, device_of) -> None:
         self.state = state
-        self.accelerator_of = accelerator_of
+        self.device_of = device_of
 
     def on_train_begin(self, args, state, control, **kwargs):
         counts = [row["nonfinite_steps"] for row in state.log_history if "nonfinite_steps" in row]
@@ -92,7 +98,7 @@ class GuardCallback(TrainerCallback):
         loss_ok = guard.loss_finite if guard.loss_finite is not None else torch.tensor(True)
         flag = torch.stack([all_finite([g for _, g in grads]).cpu(), loss_ok.cpu()]).all()
         guard.loss_finite = None
-        if agree(flag, self.accelerator_of()):
+        if agree(flag, self.device_of()):
             guard.in_a_row, guard.skipping = 0, False
             return
         guard.last_cause = "the loss" if not bool(loss_ok) else "the gradient norm"
@@ -109,7 +115,7 @@ class GuardCallback(TrainerCallback):
         guard = self.state
         guard.skipping = False
         params = trainable(model)
-        if not agree(all_finite([p.detach() for _, p in params]), self.accelerator_of()):
+        if not agree(all_finite([p.detach() for _, p in params]), self.device_of()):
             bad = first_nonfinite([(name, p.detach()) for name, p in params])
             raise NonFiniteTrainingError(
                 f"step {state.global_step}: the weight {bad or 'of another process'} is not "
@@ -147,7 +153,7 @@ class NonFiniteGuard:
                  **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.nonfinite = NonFiniteState(max_nonfinite_steps, limit_key)
-        self.add_callback(GuardCallback(self.nonfinite, lambda: getattr(self, "accelerator", None)))
+        self.add_callback(GuardCallback(self.nonfinite, lambda: self.args.device))
 
     def train(self, *args: Any, **kwargs: Any):
         try:
@@ -166,7 +172,8 @@ class NonFiniteGuard:
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         scheduler = super().create_scheduler(num_training_steps, optimizer)
-        if not isinstance(scheduler, SkippableScheduler):
+        # ReduceLROnPlateau steps on metrics, not per step, and the Trainer tells it by its type
+        if not isinstance(scheduler, (SkippableScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)):
             self.lr_scheduler = SkippableScheduler(scheduler, self.nonfinite)
         return self.lr_scheduler
 

@@ -43,7 +43,8 @@ def gguf_names(folder: Path) -> dict[str, str]:
 
 def serve_command(folder: Path, *, file: str | None = None, host: str = "127.0.0.1",
                   port: int = 8080, n_ctx: int = 4096, projector: bool = True) -> list[str]:
-    """The `python -m llama_cpp.server` command line for the folder."""
+    """The server's command line for the folder (`python -m` SERVER_MODULE, llama_cpp.server's
+    app behind vlmrl.serve_app's request filter)."""
     names = gguf_names(folder)
     model = file or default_model_file(names)
     if not (Path(folder) / model).is_file():
