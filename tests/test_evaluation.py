@@ -91,9 +91,13 @@ def test_sampling_settings_reach_generate_and_greedy_ignores_them():
 
     sampled = generation_kwargs(Processor, EvalParams(do_sample=True, temperature=0.7, top_p=0.8,
                                                       top_k=20))
-    assert (sampled["temperature"], sampled["top_p"], sampled["top_k"]) == (0.7, 0.8, 20)
-    # 0 switches the cut off; None would let generate fall back to its default of 50
-    assert generation_kwargs(Processor, EvalParams(do_sample=True))["top_k"] == 0
+    [sampler] = sampled["logits_processor"]  # drawn with common random numbers (on any device)
+    settings = sampler.settings
+    assert (settings.temperature, settings.top_p, settings.top_k) == (0.7, 0.8, 20)
+    # without a top-k cut transformers samples: 0 switches the cut off; None would let generate
+    # fall back to its default of 50
+    no_cut = generation_kwargs(Processor, EvalParams(do_sample=True, temperature=0.7))
+    assert (no_cut["temperature"], no_cut["top_k"]) == (0.7, 0)
     greedy = generation_kwargs(Processor, EvalParams(do_sample=False, top_k=20))
     assert "top_k" not in greedy and greedy["do_sample"] is False
 
