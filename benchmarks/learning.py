@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from project_repo import copy_project, make_project_repo, run, stage_command
 
-SEEDS = (42, 7, 13)
+SEEDS = tuple(range(10))  # not the seeds the defaults were tuned on (42, 7, 13)
 STAGES = ("prepare_data", "sft_cold_start", "baseline_eval", "train_gspo", "post_eval")
 SEED_KEYS = ("data.seed", "sft.args.seed", "train.grpo.seed")
 HEADLINE = ("format_compliance", "accuracy", "mean_reward")
