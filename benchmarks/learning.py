@@ -249,7 +249,9 @@ def write_doc_block(doc: Path, table: str, suffix: str) -> None:
         raise SystemExit(f"{doc}: add the markers {begin} and {end} where the table goes")
     head, rest = text.split(begin, 1)
     _, tail = rest.split(end, 1)
-    doc.write_text(f"{head}{begin}\n{table}\n{end}{tail}", encoding="utf-8")
+    indent = head[head.rfind("\n") + 1:]  # the begin marker's, kept for the end marker too
+    indent = indent if not indent.strip() else ""
+    doc.write_text(f"{head}{begin}\n{table}\n{indent}{end}{tail}", encoding="utf-8")
 
 
 def main() -> None:

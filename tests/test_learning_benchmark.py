@@ -87,3 +87,13 @@ def test_readme_line_gives_the_range_over_seeds(learning, tmp_path: Path):
                       "<!-- benchmarks/learning.py:end:readme -->\nb\n")
     learning.write_doc_block(readme, line, ":readme")
     assert "old" not in readme.read_text() and line in readme.read_text()
+
+
+def test_indented_block_keeps_its_indentation(learning, tmp_path: Path):
+    """A block inside a list item (README.md) stays inside it."""
+    readme = tmp_path / "README.md"
+    readme.write_text("- item\n  <!-- benchmarks/learning.py:begin:readme -->\n  old\n"
+                      "  <!-- benchmarks/learning.py:end:readme -->\n  more\n")
+    learning.write_doc_block(readme, "  new", ":readme")
+    assert readme.read_text() == ("- item\n  <!-- benchmarks/learning.py:begin:readme -->\n  new\n"
+                                  "  <!-- benchmarks/learning.py:end:readme -->\n  more\n")
