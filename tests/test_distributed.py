@@ -133,9 +133,12 @@ def fake_nvidia_smi(folder: Path, gpus: int, path: str | None = None) -> dict[st
 
 @pytest.fixture
 def no_launch_env(monkeypatch) -> None:
-    """This process as a stage's own (no torchrun variables), with no GPU narrowing set."""
+    """This process as a stage's own (no torchrun variables), with no GPU narrowing set. Each
+    variable is set before it is removed, so that monkeypatch restores its absence even where
+    the code under test sets it (keep_one_gpu sets CUDA_VISIBLE_DEVICES in this process)."""
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "VLMRL_LAUNCHED", "CUDA_VISIBLE_DEVICES"):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
 
 
 def test_auto_is_one_process_per_gpu_where_there_are_several() -> None:
