@@ -113,10 +113,11 @@ def probe_seed(seed: int, overrides: dict[str, Any], workdir: Path) -> dict[str,
 
 def render(results: dict[str, Any]) -> str:
     """One row per probed seed: what went non-finite first, forward or backward, and where."""
-    lines = [f"Probed {results['date']} on {results['device']}; overrides: "
-             f"{results['overrides'] or 'none'}. Written by `benchmarks/nonfinite_probe.py`.", "",
-             "| seed | GSPO steps completed | first non-finite forward output | first backward "
-             "function returning NaN (autograd anomaly mode) | largest LoRA weight | seconds |",
+    lines = [(f"Probed {results['date']} on {results['device']}; overrides: "
+              f"{results['overrides'] or 'none'}. Written by `benchmarks/nonfinite_probe.py`."),
+             "",
+             ("| seed | GSPO steps completed | first non-finite forward output | first backward "
+              "function returning NaN (autograd anomaly mode) | largest LoRA weight | seconds |"),
              "| --- | ---: | --- | --- | ---: | ---: |"]
     for run in results["runs"]:
         forward = run["first_nonfinite_forward"]
