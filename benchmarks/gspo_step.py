@@ -282,6 +282,23 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def synced_timer(original, phase_of, record):
+    """`original`, timed with the device synchronised around it: `record(phase, seconds)` for
+    each call whose `phase_of()` is not None (benchmarks/scaling.py times its phases the same)."""
+    def call(*args, **kwargs):
+        phase = phase_of()
+        if phase is None:
+            return original(*args, **kwargs)
+        _sync()
+        started = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _sync()
+            record(phase, time.perf_counter() - started)
+    return call
+
+
 def _peak_gib(kind: str) -> float | None:
     import torch
 
@@ -378,18 +395,7 @@ def time_phases(trainer) -> dict[str, list[tuple[int, float]]]:
         calls.setdefault(phase, []).append((trainer.state.global_step, seconds))
 
     def timed(original, phase_of):
-        def call(*args, **kwargs):
-            phase = phase_of()
-            if phase is None:
-                return original(*args, **kwargs)
-            _sync()
-            started = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                _sync()
-                record(phase, time.perf_counter() - started)
-        return call
+        return synced_timer(original, phase_of, record)
 
     for method, phase in PHASES.items():
         setattr(trainer, method, timed(getattr(trainer, method), lambda phase=phase: phase))

@@ -55,6 +55,7 @@ from typing import Any
 
 import yaml
 from doc_blocks import write_doc_block
+from gspo_step import _sync, synced_timer
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE_2B = ROOT / "recipes" / "mathvista-qwen3-vl-2b.yaml"
@@ -127,13 +128,6 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def _sync() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def barrier_seconds() -> float:
     """Seconds until every rank reached this point (a one-element all-reduce), 0 alone."""
     import torch
@@ -163,18 +157,7 @@ class PhaseRecorder:
         self.calls.append([phase, self.trainer.state.global_step, round(seconds, 5)])
 
     def timed(self, original, phase_of):
-        def call(*args, **kwargs):
-            phase = phase_of()
-            if phase is None:
-                return original(*args, **kwargs)
-            _sync()
-            started = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                _sync()
-                self.record(phase, time.perf_counter() - started)
-        return call
+        return synced_timer(original, phase_of, self.record)
 
     def attach(self, trainer) -> None:
         """Wraps the trainer's generation, log-probability, loss and backward calls."""

@@ -207,6 +207,14 @@ def port_is_free(port: int) -> bool:
     return True
 
 
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 @pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
 def test_stopping_serve_by_its_pid_leaves_no_server(text_gguf: Path, tmp_path: Path,
                                                     stop_signal: signal.Signals) -> None:
@@ -221,7 +229,7 @@ def test_stopping_serve_by_its_pid_leaves_no_server(text_gguf: Path, tmp_path: P
         process.wait(timeout=30)
     finally:
         stop_process(process, 5)
-    still_running = [pid for pid in below if Path(f"/proc/{pid}").exists()]
+    still_running = [pid for pid in below if alive(pid)]
     for pid in still_running:
         os.kill(pid, signal.SIGKILL)  # stopped here, so the failure below is the only trace
     assert still_running == [], "processes of vlmrl serve outlived it"
