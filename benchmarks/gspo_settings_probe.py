@@ -161,10 +161,21 @@ def parse_value(text: str) -> Any:
         return yaml.safe_load(text)
 
 
+def sft_overrides(item: str) -> dict[str, Any]:
+    """`lr:steps[:scheduler]` as sft.args overrides."""
+    lr, steps, *scheduler = item.split(":")
+    overrides: dict[str, Any] = {"sft.args.learning_rate": float(lr),
+                                 "sft.args.max_steps": int(steps)}
+    if scheduler:
+        overrides["sft.args.lr_scheduler_type"] = scheduler[0]
+    return overrides
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="transformers-bf16")
-    parser.add_argument("--sft", default="5e-3:12", help="lr:steps candidates, comma-separated")
+    parser.add_argument("--sft", default="5e-3:12", help="lr:steps[:scheduler] candidates (scheduler: sft.args.lr_scheduler_type, "
+                             "default the tests'), comma-separated")
     parser.add_argument("--gspo", default="", help="extra train.grpo overrides, key=value,...")
     parser.add_argument("--gspo-lrs", default="",
                         help="GSPO learning rates to try from the first candidate's SFT adapter")
@@ -199,18 +210,15 @@ def main() -> int:
     report: dict[str, Any] = {"device": device, "config": args.config,
                               "gspo_overrides": gspo, "candidates": []}
     for item in args.sft.split(","):
-        lr, steps = item.split(":")
-        name = f"lr{lr}-steps{steps}"
-        candidate = with_overrides(raw, {"sft.args.learning_rate": float(lr),
-                                         "sft.args.max_steps": int(steps)})
+        candidate = with_overrides(raw, sft_overrides(item))
+        name = "lr{}-steps{}{}".format(*item.split(":")[:2],
+                                      "".join(f"-{x}" for x in item.split(":")[2:]))
         result = run_candidate(candidate, train_set, args.work, name)
         print_candidate(result)
         report["candidates"].append(result)
         args.out.write_text(json.dumps(report, indent=1) + "\n")
     first = report["candidates"][0]
-    lr, steps = args.sft.split(",")[0].split(":")
-    candidate = with_overrides(raw, {"sft.args.learning_rate": float(lr),
-                                     "sft.args.max_steps": int(steps)})
+    candidate = with_overrides(raw, sft_overrides(args.sft.split(",")[0]))
     for gspo_lr in [float(x) for x in args.gspo_lrs.split(",") if x]:
         result = run_candidate(with_overrides(candidate, {"train.grpo.learning_rate": gspo_lr}),
                                train_set, args.work, f"{first['name']}-gspo-lr{gspo_lr:g}",

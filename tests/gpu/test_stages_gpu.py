@@ -39,39 +39,35 @@ ROOT = Path(__file__).resolve().parents[2]
 MODEL = os.environ.get("VLMRL_GPU_TEST_MODEL", "embedded:qwen3-vl-2b-shape")
 STAGE_TIMEOUT_S = int(os.environ.get("VLMRL_GPU_STAGE_TIMEOUT", "900"))
 
-# On NF4 weights the cold start needs twice the steps: with 12 steps at 2e-3 no completion of the
-# first generation scored and every group had reward std 0 (eager decoding, and graph decoding the
-# same); with 24 steps every group had reward std > 0. Measured on an H100 with
-# `tests/gpu/run_on_device.sh probe --config transformers-4bit --sft 2e-3:12,2e-3:24,1e-3:24`
-# (benchmarks/results/gspo_settings_probe_4bit.json).
-NF4_SFT = {"sft.args.max_steps": 24}
 CONFIGS = {
-    "unsloth-4bit": {"model.backend": "unsloth", "model.load_in_4bit": True, **NF4_SFT},
+    "unsloth-4bit": {"model.backend": "unsloth", "model.load_in_4bit": True},
     "transformers-bf16": {"model.backend": "transformers", "model.load_in_4bit": False},
-    "transformers-4bit": {"model.backend": "transformers", "model.load_in_4bit": True, **NF4_SFT},
+    "transformers-4bit": {"model.backend": "transformers", "model.load_in_4bit": True},
     # issue 23: rollouts with the decode step in one CUDA graph; training only (test_downstream
     # does not depend on how the rollouts were generated)
     "transformers-bf16-graph": {"model.backend": "transformers", "model.load_in_4bit": False,
                                 "train.graph_decoding": "merged"},
     "transformers-4bit-graph": {"model.backend": "transformers", "model.load_in_4bit": True,
-                                "train.graph_decoding": "graph", **NF4_SFT,
+                                "train.graph_decoding": "graph",
                                 "train.grpo.generation_kwargs.disable_compile": False},
 }
 # the fastest profile: the graph profile over a float8 cache (vlmrl.models.decode_attention)
 CONFIGS["transformers-4bit-graph-fp8"] = {**CONFIGS["transformers-4bit-graph"],
                                           "train.kv_cache_dtype": "fp8"}
 DOWNSTREAM_CONFIGS = [name for name in CONFIGS if "-graph" not in name]
-# The cold start and GSPO of the tests, measured on an H100 (transformers bf16) with
-# benchmarks/gspo_settings_probe.py; tests/gpu/README.md has the figures. Without the SFT the
-# random model never samples EOS, every reward of a group is equal and no gradient flows. After
-# 12 steps at 2e-3 (loss 12.3 -> about 1.0) about half the sampled completions score format
-# points and no group of the first generation has reward std 0; 8 steps at 1e-3 or 2e-3 did too;
-# 5e-3 diverged (loss 7.4 -> 14.7 at step 3) and no completion scored.
+# The cold start is the shipped one (params.yaml sft.args: 40 steps, cosine decay from 2e-3) at
+# batch 8. Measured on an H100 (transformers bf16) with `tests/gpu/run_on_device.sh probe --sft
+# 2e-3:40:cosine,2e-3:24:cosine,2e-3:6` (benchmarks/results/gspo_settings_probe_cosine.json): SFT
+# loss 12.2 -> 0.18, first generation format reward 1.59, no group with reward std 0, grad norm
+# 0.38 and 0.50. The earlier 12 steps at a constant 2e-3 became a knife edge once the reasoning
+# block turned into one fixed sentence (sft.reasoning): on the two-GPU host, with one process and
+# with two, every completion repeated "I read the image.</REASONING>" to the 32-token limit, and
+# every reward was 0 (the diagnosis run of 2026-11-26 in tests/gpu/README.md).
 SFT = {
     "sft.enabled": True,
-    "sft.args.max_steps": 12,
+    "sft.args.max_steps": 40,
     "sft.args.learning_rate": 2.0e-3,
-    "sft.args.lr_scheduler_type": "constant",
+    "sft.args.lr_scheduler_type": "cosine",
     "sft.args.per_device_train_batch_size": 8,
     "sft.args.seed": 42,
 }
