@@ -269,9 +269,11 @@ def gain_cell(run: dict[str, Any]) -> str:
 def summary_column(results: dict[str, Any]) -> dict[str, Any]:
     """One results file as a column of the summary table: its cell per seed, the mean row and
     the claim's verdict."""
+    if results["summary"] is None:
+        raise KeyError("summary")  # a run with a failed seed stores none: nothing to summarise
     summary, claim = results["summary"], results["summary"]["claim"]
     fmt, reward = summary["format_compliance"]["delta"], summary["mean_reward"]["delta"]
-    return {"label": run_label(results), "date": results["date"], "jobs": results["jobs"],
+    return {"label": run_label(results), "date": results["date"],
             "seeds": {run["seed"]: gain_cell(run) for run in results["runs"]},
             "mean": (f"{_points(fmt['mean'])} ± {100 * fmt['std']:.1f} / "
                      f"{reward['mean']:+.3f} ± {reward['std']:.3f}"),
