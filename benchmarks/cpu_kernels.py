@@ -11,6 +11,7 @@ costs more than the model.
   backward.
 
     python benchmarks/cpu_kernels.py        # JSON: benchmarks/results/cpu_kernels.json
+    python benchmarks/cpu_kernels.py --from-json benchmarks/results/cpu_kernels.json   # table only
 
 The table replaces the block between this script's markers in docs/benchmarks.md.
 """
@@ -27,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from doc_blocks import write_doc_block
+from doc_blocks import render_results, write_doc_block
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     SuppressTokensLogitsProcessor,
@@ -136,7 +137,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/cpu_kernels.json")
     parser.add_argument("--doc", type=Path, default=ROOT / "docs/benchmarks.md")
     parser.add_argument("--no-doc", action="store_true")
+    parser.add_argument("--from-json", type=Path, metavar="RESULTS",
+                        help="measure nothing: write the table of a stored results file into --doc")
     args = parser.parse_args()
+    if args.from_json is not None:
+        write_doc_block(args.doc, render_results(args.from_json, render), Path(__file__).name)
+        return
     results = {"date": time.strftime("%Y-%m-%d"),
                "machine": f"{platform.machine()}, {os.cpu_count()} cores",
                "torch": torch.__version__, "threads": torch.get_num_threads(),

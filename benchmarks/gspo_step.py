@@ -56,6 +56,11 @@ recorded as such.
 Usage (on a GPU machine; tests/gpu/run_on_device.sh installs what is missing):
   PYTHONPATH=src python benchmarks/gspo_step.py --configs unsloth_4bit,gpu_profile \\
       --lengths 256 --warmup 2 --steps 4 --out benchmarks/results/gspo_step.json
+
+Tables from stored results, anywhere (nothing measured, no GPU needed):
+  python benchmarks/gspo_step.py --from-json RESULTS --doc-block NAME   # one file's full table
+  python benchmarks/gspo_step.py --from-json A.json B.json ... --doc-block speed --readme README.md
+      # the speed summary: each (model, tokens, configuration) from the first file that has it
 """
 
 from __future__ import annotations
@@ -71,6 +76,8 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any
+
+from doc_blocks import render_results, replace_between
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "embedded:qwen3-vl-2b-shape"
@@ -780,12 +787,109 @@ def write_doc_table(results: dict[str, Any], doc: Path, block: str = "roofline")
     """Replaces the text between the block's start and end markers in `doc` with
     `roofline_table`."""
     start, end = doc_markers(block)
-    text = doc.read_text()
-    if start not in text or end not in text:
+    if start not in doc.read_text() or end not in doc.read_text():
         raise SystemExit(f"{doc}: no {start} ... {end} block to write the table into")
-    head, rest = text.split(start, 1)
-    tail = rest.split(end, 1)[1]
-    doc.write_text(f"{head}{start}\n{roofline_table(results)}\n{end}{tail}")
+    replace_between(doc, start, end, roofline_table(results))
+
+
+SPEED_BLOCK = "speed"
+
+
+def measured_runs(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The runs of one results file that finished, each with the fields the speed summary
+    reads (a missing one raises KeyError, which `render_results` names)."""
+    runs = []
+    for run in results["runs"].values():
+        if run.get("error"):
+            continue
+        runs.append({key: run[key] for key in (
+            "config", "completion_length", "seconds_per_step", "generated_tokens_per_second",
+            "peak_allocated_gib", "peak_reserved_gib")} | {"model": run.get("model", MODEL)})
+    return runs
+
+
+def speed_rows(files: list[Path]) -> list[dict[str, Any]]:
+    """Each (model, tokens, configuration) from the first file that measured it, tagged with
+    that file; sorted by model, tokens and `CONFIGS` order."""
+    chosen: dict[tuple[str, int, str], dict[str, Any]] = {}
+    for path in files:
+        for run in render_results(path, measured_runs):
+            key = (run["model"], run["completion_length"], run["config"])
+            chosen.setdefault(key, {**run, "file": path.name})
+    order = {name: index for index, name in enumerate(CONFIGS)}
+    return sorted(chosen.values(), key=lambda r: (r["model"], r["completion_length"],
+                                                  order.get(r["config"], 99)))
+
+
+def speed_ratio(run: dict[str, Any], rows: list[dict[str, Any]], config: str) -> str:
+    """Generated tokens/s over `config`'s at the same model and tokens; a dagger where that run
+    is from another results file, i.e. another machine."""
+    base = next((r for r in rows if r["config"] == config and r["model"] == run["model"]
+                 and r["completion_length"] == run["completion_length"]), None)
+    if base is None:
+        return "-"
+    ratio = run["generated_tokens_per_second"] / base["generated_tokens_per_second"]
+    return f"{ratio:.2f}x" + ("" if base["file"] == run["file"] else " †")
+
+
+def speed_table(files: list[Path]) -> str:
+    """The current speed summary: per model shape and completion length, seconds per GSPO step,
+    generated tokens per second and peak memory of the Unsloth reference, today's profile and
+    the profiles beside them, with the speed against the first two."""
+    rows = speed_rows(files)
+    machines = sorted({render_results(path, machine_line) for path in files})
+    lines = [(f"{'; '.join(machines)}; 16 completions per optimizer step, LoRA r16. Written by "
+              "`benchmarks/gspo_step.py --from-json ... --doc-block speed`; † against a run of "
+              "another results file, i.e. another machine of the same kind."), "",
+             ("| model | tokens | configuration | s / step | generated tok/s | peak GiB "
+              "(reserved) | vs unsloth_4bit | vs today's profile | results file |"),
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for run in rows:
+        lines.append(
+            f"| {model_name(run)} | {run['completion_length']} | `{run['config']}` | "
+            f"{run['seconds_per_step']:.2f} | {run['generated_tokens_per_second']:.0f} | "
+            f"{run['peak_allocated_gib']:.2f} ({run['peak_reserved_gib']:.2f}) | "
+            f"{speed_ratio(run, rows, REFERENCE)} | {speed_ratio(run, rows, TODAY)} | "
+            f"`{run['file']}` |")
+    return "\n".join(lines)
+
+
+def machine_line(results: dict[str, Any]) -> str:
+    """The device and the library versions a results file was measured with."""
+    versions = results["versions"]
+    return results["device"] + ", " + ", ".join(
+        f"{name} {versions[name]}" for name in ("torch", "transformers", "trl", "peft",
+                                                "bitsandbytes", "unsloth"))
+
+
+def speed_line(files: list[Path]) -> str:
+    """The speed summary's longest-completion rows as one sentence per model shape, for the
+    README."""
+    rows = speed_rows(files)
+    sentences = []
+    for model in sorted({r["model"] for r in rows}):
+        longest = max(r["completion_length"] for r in rows if r["model"] == model)
+        parts = [f"`{r['config']}` {r['seconds_per_step']:.2f} s per step, peak "
+                 f"{r['peak_allocated_gib']:.2f} GiB"
+                 for r in rows if r["model"] == model and r["completion_length"] == longest]
+        sentences.append(f"{model.removeprefix('embedded:')}, {longest} tokens: "
+                         + "; ".join(parts) + ".")
+    return " ".join(sentences) + " Measured by `benchmarks/gspo_step.py`."
+
+
+def write_from_json(files: list[Path], doc: Path, block: str, readme: Path | None) -> None:
+    """The block's table from stored results: the speed summary of several files, or one
+    file's full table."""
+    if block == SPEED_BLOCK:
+        replace_between(doc, *doc_markers(block), speed_table(files))
+        if readme is not None:
+            replace_between(readme, *doc_markers("speed-readme"), speed_line(files))
+        return
+    if len(files) != 1:
+        raise SystemExit(f"--doc-block {block}: one results file, got {len(files)} (only the "
+                         f"{SPEED_BLOCK!r} block merges several)")
+    start, end = doc_markers(block)
+    replace_between(doc, start, end, render_results(files[0], roofline_table))
 
 
 def print_steps(key: str, rows: list[dict[str, Any]]) -> None:
@@ -814,9 +918,17 @@ def main() -> int:
     parser.add_argument("--run-timeout-s", type=float, default=540)
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "gspo-bench")
     parser.add_argument("--doc", type=Path,
-                        help="write the roofline table of --out into this Markdown file and exit")
+                        help="write the roofline table of --out (or of --from-json) into this "
+                             "Markdown file and exit")
     parser.add_argument("--doc-block", default="roofline",
-                        help="which marked block of --doc the table replaces")
+                        help="which marked block of --doc the table replaces (speed: the "
+                             "summary of every --from-json file)")
+    parser.add_argument("--from-json", type=Path, nargs="+", metavar="RESULTS",
+                        help="measure nothing: write the table of these stored results into "
+                             "--doc (default docs/benchmarks.md)")
+    parser.add_argument("--readme", type=Path,
+                        help="with --doc-block speed: also the summary's sentence into this "
+                             "file's speed-readme block")
     parser.add_argument("--worker", nargs=2, metavar=("CONFIG", "LENGTH"), help=argparse.SUPPRESS)
     parser.add_argument("--train-set", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -841,6 +953,10 @@ def main() -> int:
         args.result.write_text(json.dumps(result))
         return 0
 
+    if args.from_json:
+        write_from_json(args.from_json, args.doc or ROOT / "docs" / "benchmarks.md",
+                        args.doc_block, args.readme)
+        return 0
     if args.doc:
         write_doc_table(load_results(args.out), args.doc, args.doc_block)
         return 0

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from doc_blocks import write_doc_block
+from doc_blocks import render_results, write_doc_block
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -96,7 +96,7 @@ def table(result: dict[str, Any]) -> str:
 
 
 def render(result_file: Path, doc: Path) -> None:
-    write_doc_block(doc, table(json.loads(result_file.read_text())), Path(__file__).name)
+    write_doc_block(doc, render_results(result_file, table), Path(__file__).name)
 
 
 def device_name() -> str:

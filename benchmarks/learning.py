@@ -8,11 +8,14 @@ A seed sets every source of randomness of a run: the synthetic set and its train
 base model's weights (`model.seed`) stay fixed: it is the model being taught, not run noise.
 
 The claim (`Claim`) holds when, on every seed, format compliance and mean reward rise, and the
-mean format gain is at least 15 points and at least 3 standard errors of the mean. The JSON goes to `--out`; the table replaces the block between this script's
-markers in `--doc` (docs/benchmarks.md), so the figures there are never typed by hand.
+mean format gain is at least 15 points and at least 3 standard errors of the mean. The JSON goes to
+`--out`; the table replaces the block between this script's markers in `--doc`
+(docs/benchmarks.md), so the figures there are never typed by hand.
 
     python benchmarks/learning.py --seeds 0 1 2 3 4 5 6 7 8 9   # the CPU default
     python benchmarks/learning.py --seeds 42 --set model.load_in_4bit=true ...   # e.g. a GPU run
+    python benchmarks/learning.py --from-json RESULTS --doc-block :gpu-bf16   # a stored run's table
+    python benchmarks/learning.py --summary CPU.json GPU1.json ...   # seeds x runs, block :summary
 
 `--without-dvc` runs the same stage commands (dvc.yaml's `cmd`, paths filled in) one after the
 other in a plain copy, for a GPU machine where DVC is not installed (tests/gpu/run_on_device.sh
@@ -38,6 +41,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from doc_blocks import render_results
+from doc_blocks import write_doc_block as write_block
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -47,8 +52,6 @@ SEEDS = tuple(range(10))  # not the seeds the defaults were tuned on (42, 7, 13)
 STAGES = ("prepare_data", "sft_cold_start", "baseline_eval", "train_gspo", "post_eval")
 SEED_KEYS = ("data.seed", "sft.args.seed", "train.grpo.seed")
 HEADLINE = ("format_compliance", "accuracy", "mean_reward")
-MARK_BEGIN = "<!-- benchmarks/learning.py:begin{suffix} -->"
-MARK_END = "<!-- benchmarks/learning.py:end{suffix} -->"
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -243,15 +246,60 @@ def range_line(results: dict[str, Any]) -> str:
 
 
 def write_doc_block(doc: Path, table: str, suffix: str) -> None:
-    begin, end = MARK_BEGIN.format(suffix=suffix), MARK_END.format(suffix=suffix)
-    text = doc.read_text(encoding="utf-8")
-    if begin not in text or end not in text:
-        raise SystemExit(f"{doc}: add the markers {begin} and {end} where the table goes")
-    head, rest = text.split(begin, 1)
-    _, tail = rest.split(end, 1)
-    indent = head[head.rfind("\n") + 1:]  # the begin marker's, kept for the end marker too
-    indent = indent if not indent.strip() else ""
-    doc.write_text(f"{head}{begin}\n{table}\n{indent}{end}{tail}", encoding="utf-8")
+    """The table between this script's markers with `suffix` (":gpu-bf16", ":readme") in `doc`."""
+    write_block(doc, table, Path(__file__).name, suffix)
+
+
+def run_label(results: dict[str, Any]) -> str:
+    """A column title for one results file: where it ran and what it overrode."""
+    device = results["device"].removeprefix("NVIDIA ")
+    overrides = results["overrides"]
+    if not overrides:
+        return f"{device}, the defaults"
+    return device + ", " + ", ".join(
+        f"`{key}={str(value).lower() if isinstance(value, bool) else value}`"
+        for key, value in overrides.items())
+
+
+def gain_cell(run: dict[str, Any]) -> str:
+    return (f"{_points(run['format_compliance']['delta'])} / "
+            f"{run['mean_reward']['delta']:+.3f}")
+
+
+def summary_column(results: dict[str, Any]) -> dict[str, Any]:
+    """One results file as a column of the summary table: its cell per seed, the mean row and
+    the claim's verdict."""
+    if results["summary"] is None:
+        raise KeyError("summary")  # a run with a failed seed stores none: nothing to summarise
+    summary, claim = results["summary"], results["summary"]["claim"]
+    fmt, reward = summary["format_compliance"]["delta"], summary["mean_reward"]["delta"]
+    return {"label": run_label(results), "date": results["date"],
+            "seeds": {run["seed"]: gain_cell(run) for run in results["runs"]},
+            "mean": (f"{_points(fmt['mean'])} ± {100 * fmt['std']:.1f} / "
+                     f"{reward['mean']:+.3f} ± {reward['std']:.3f}"),
+            "claim": (f"**{'holds' if claim['holds'] else 'does not hold'}** (standard error "
+                      f"{100 * claim['standard_error']:.1f} points)")}
+
+
+def summary_table(files: list[Path]) -> str:
+    """Seeds down, runs across (the CPU default and each GPU backend): each seed's format
+    compliance gain in points and mean reward gain, the mean over seeds and the claim's verdict,
+    from the results files this script wrote."""
+    columns = [render_results(path, summary_column) for path in files]
+    seeds = sorted({seed for column in columns for seed in column["seeds"]})
+    header = "| seed | " + " | ".join(column["label"] for column in columns) + " |"
+    lines = [("Each cell: format compliance gain in points / mean reward gain, baseline → post "
+              "on the held-out items (`benchmarks/learning.py --summary`; the seed's whole row "
+              "in the tables below). Measured "
+              + ", ".join(sorted({column["date"] for column in columns})) + "; GPU runs: "
+              "the seeds of one column ran at once on one GPU."), "", header,
+             "| --- |" + " --- |" * len(columns)]
+    for seed in seeds:
+        lines.append(f"| {seed} | " + " | ".join(column["seeds"].get(seed, "not run")
+                                                  for column in columns) + " |")
+    lines.append("| mean ± std | " + " | ".join(column["mean"] for column in columns) + " |")
+    lines.append("| claim | " + " | ".join(column["claim"] for column in columns) + " |")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -279,13 +327,22 @@ def main() -> None:
     parser.add_argument("--from-json", type=Path, metavar="RESULTS",
                         help="run nothing: write the table of a results file this script wrote "
                              "(e.g. on a GPU machine) into --doc")
+    parser.add_argument("--summary", type=Path, nargs="+", metavar="RESULTS",
+                        help="run nothing: write the seeds x runs table of these results files "
+                             "into --doc's block ':summary'")
     args = parser.parse_args()
+    if args.summary:
+        table = summary_table(args.summary)
+        write_doc_block(args.doc, table, ":summary")
+        print(table)
+        return
     if args.from_json is not None:
-        results = json.loads(args.from_json.read_text(encoding="utf-8"))
-        write_doc_block(args.doc, render_table(results), args.doc_block)
+        table = render_results(args.from_json, render_table)
+        write_doc_block(args.doc, table, args.doc_block)
         if args.readme is not None:
-            write_doc_block(args.readme, "  " + range_line(results), ":readme")
-        print(render_table(results))
+            write_doc_block(args.readme, "  " + render_results(args.from_json, range_line),
+                            ":readme")
+        print(table)
         return
     overrides = dict(parse_override(text) for text in args.overrides)
     claim = Claim(args.min_format_gain, args.min_mean_gain, args.min_standard_errors)

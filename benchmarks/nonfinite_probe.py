@@ -27,6 +27,7 @@ from transformers import TrainerCallback
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from doc_blocks import render_results
 from learning import SEED_KEYS, parse_override, run_without_dvc, write_doc_block
 from project_repo import copy_project
 
@@ -146,7 +147,7 @@ def main() -> None:
                         help="probe nothing: write the table of a results file into --doc")
     args = parser.parse_args()
     if args.from_json is not None:
-        write_doc_block(args.doc, render(json.loads(args.from_json.read_text())), ":nonfinite")
+        write_doc_block(args.doc, render_results(args.from_json, render), ":nonfinite")
         return
     overrides = dict(parse_override(text) for text in args.overrides)
     results = []

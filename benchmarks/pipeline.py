@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from doc_blocks import write_doc_block
+from doc_blocks import render_results, write_doc_block
 
 from vlmrl.dvc_env import dvc_env
 
@@ -88,8 +88,7 @@ def main() -> None:
                         help="write the table of an earlier run's JSON into --doc; measure nothing")
     args = parser.parse_args()
     if args.render:
-        write_doc_block(args.doc, render_table(json.loads(args.render.read_text())),
-                        Path(__file__).name)
+        write_doc_block(args.doc, render_results(args.render, render_table), Path(__file__).name)
         return
     with tempfile.TemporaryDirectory(prefix="vlmrl-bench-") as tmp:
         repo = make_project_repo(Path(tmp) / "repo")

@@ -27,7 +27,9 @@ training as a check. The random-init models never sample EOS, so every completio
 `--length` tokens.
 
 Results merge into `--out` (`runs`: run -> its summary and per-rank records), so runs of separate
-device calls accumulate; `--render` writes the tables into `--doc` between this script's markers.
+device calls accumulate; `--render` writes the tables into `--doc` between this script's markers:
+the tokens per second and the verdicts in the block `:summary`, the phases per rank and the
+8B shape's memory in the unnamed block.
 
 Usage (on a host with 2 GPUs; tests/gpu/run_on_device.sh scaling installs what is missing):
   PYTHONPATH=src python benchmarks/scaling.py --runs one,strong,weak --length 1024 \\
@@ -54,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from doc_blocks import write_doc_block
+from doc_blocks import fields_of, read_results, write_doc_block
 from gspo_step import _sync, synced_timer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -403,9 +405,11 @@ def where_time_goes(runs: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
-def scaling_table(results: dict[str, Any]) -> str:
-    runs = results.get("runs", {})
-    lines = [(f"{results.get('device', '-')}; the ranks' seconds and tokens over the timed "
+def scaling_summary(results: dict[str, Any]) -> str:
+    """Tokens per second on 1 and 2 GPUs and the verdicts against the goals: the table that
+    answers whether a second GPU pays (block `:summary`)."""
+    runs = results["runs"]
+    lines = [(f"{results['device']}; the ranks' seconds and tokens over the timed "
              "optimizer steps after the warm-up ones. Written by `benchmarks/scaling.py "
              "--render`."), "",
              ("| run | processes | completion tokens | warm-up + timed steps | completions / step "
@@ -427,12 +431,19 @@ def scaling_table(results: dict[str, Any]) -> str:
                      f"{_fmt(run['generated_tokens_per_second'], '.0f')} | "
                      f"{ratio_cell(1.0 if name == 'one' else gains.get(name))} |")
     lines += ["", *(f"- {verdict(name, gains[name])}" for name in GOALS)]
-    lines += ["", ("Seconds per optimizer step by phase and rank (mean over the timed steps; "
+    return "\n".join(lines)
+
+
+def scaling_table(results: dict[str, Any]) -> str:
+    """Where the time goes, per phase and rank, and the 8B shape's memory one GPU against two
+    sharded: the details under the summary (this script's unnamed block)."""
+    runs = results["runs"]
+    lines = [("Seconds per optimizer step by phase and rank (mean over the timed steps; "
               "all-reduce: the synced backward beyond the unsynced one; waiting: at a barrier "
               "after each generation and before each synced backward):"), "",
-              "| run | rank | " + " | ".join(PHASE_TITLES[p] for p in PHASES) + " | step | "
-              "all-reduce of the LoRA gradients alone, ms |",
-              "| --- | ---: |" + " ---: |" * (len(PHASES) + 2)]
+             "| run | rank | " + " | ".join(PHASE_TITLES[p] for p in PHASES) + " | step | "
+             "all-reduce of the LoRA gradients alone, ms |",
+             "| --- | ---: |" + " ---: |" * (len(PHASES) + 2)]
     for name in ("one", "strong", "weak"):
         for rank in runs.get(name, {}).get("ranks", []):
             phases = rank["phases"]
@@ -482,8 +493,9 @@ def merged(parts: list[dict[str, Any]]) -> dict[str, Any]:
     the same name; the device line of the last (each call names its own in its runs' order)."""
     result: dict[str, Any] = {"runs": {}}
     for part in parts:
-        result["runs"].update(part.get("runs", {}))
-        result["device"] = part.get("device", result.get("device"))
+        result["runs"].update(part["runs"])
+        if "device" in part:
+            result["device"] = part["device"]
     return result
 
 
@@ -604,10 +616,13 @@ def main() -> int:
         worker(args)
         return 0
     if args.render:
-        results = merged([json.loads(path.read_text()) for path in args.render])
+        with fields_of(", ".join(map(str, args.render)), "scaling.py --render"):
+            results = merged([read_results(path) for path in args.render])
+            summary, details = scaling_summary(results), scaling_table(results)
         if [path.resolve() for path in args.render] != [args.out.resolve()]:
             save_results(args.out, results)  # the device calls' files, kept as one
-        write_doc_block(args.doc, scaling_table(results), Path(__file__).name)
+        write_doc_block(args.doc, summary, Path(__file__).name, ":summary")
+        write_doc_block(args.doc, details, Path(__file__).name)
         return 0
     names = [n.strip() for n in args.runs.split(",") if n.strip()]
     unknown = sorted(set(names) - set(RUNS))

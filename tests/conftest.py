@@ -87,7 +87,10 @@ def stage_command(name: str, root: Path = ROOT) -> list[str]:
 
 
 def load_benchmark(name: str) -> ModuleType:
-    """benchmarks/<name>.py as a module: the benchmarks are scripts, not a package."""
+    """benchmarks/<name>.py as a module: the benchmarks are scripts, not a package, and import
+    their siblings (doc_blocks, gspo_step) as a script run from benchmarks/ would."""
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
     spec = importlib.util.spec_from_file_location(f"{name}_benchmark", ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there

@@ -101,8 +101,12 @@ def results_files(scaling, tmp_path: Path) -> list[Path]:
 
 
 def test_render_writes_the_tables_between_the_markers(scaling, tmp_path: Path) -> None:
+    """The tokens per second and verdicts into the block `:summary`, the phases and the 8B
+    memory into the unnamed block."""
     doc = tmp_path / "benchmarks.md"
-    doc.write_text("before\n<!-- benchmarks/scaling.py:begin -->\nOLD\n"
+    doc.write_text("before\n<!-- benchmarks/scaling.py:begin:summary -->\nOLD\n"
+                   "<!-- benchmarks/scaling.py:end:summary -->\nbetween\n"
+                   "<!-- benchmarks/scaling.py:begin -->\nOLD\n"
                    "<!-- benchmarks/scaling.py:end -->\nafter\n")
     merged = tmp_path / "scaling.json"
     run([sys.executable, "benchmarks/scaling.py", "--render",
@@ -122,6 +126,9 @@ def test_render_writes_the_tables_between_the_markers(scaling, tmp_path: Path) -
             "2.00 |") in lines
     assert "| 8b_sharded | fsdp | 2 | 256 | 3.00 | 10.00, 11.00 | 12.00, 13.00 | 13.00, 14.00 |" in (
         lines)
+    summary, details = text.split("between\n")
+    assert "- weak scaling: not measured" in summary and "| 8b_sharded |" not in summary
+    assert "| one | 1 | 1024 |" not in details and "| 8b_sharded |" in details
 
 
 @pytest.mark.parametrize("name", ["one", "strong", "weak", "8b_one", "8b_sharded"])

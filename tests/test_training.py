@@ -255,10 +255,9 @@ def test_train_gspo_generates_in_chunks(fresh_repo: Path) -> None:
 
 
 def readme_gpu_overrides() -> dict[str, object]:
-    """The `-S key=value` overrides of the README's GPU command, parsed as DVC/Hydra would."""
+    """The params of the recipe the README's GPU command applies (`vlmrl recipe NAME`), as
+    dotted keys (`train.grpo.steps_per_generation`), the form `dvc exp run -S` takes."""
     import re
-    import shlex
-    from itertools import pairwise
 
     import yaml
     from conftest import ROOT
@@ -266,18 +265,19 @@ def readme_gpu_overrides() -> dict[str, object]:
     readme = (ROOT / "README.md").read_text()
     section = readme[readme.index("## Real model and MathVista on a GPU"):]
     command = section[section.index("```bash"):section.index("```", section.index("```bash") + 3)]
-    words = shlex.split(command.replace("\\\n", " "))
-    overrides: dict[str, object] = {}
-    for flag, assignment in pairwise(words):
-        if flag != "-S":
-            continue
-        key, value = assignment.split("=", 1)
-        if value.startswith("{"):
-            parsed = dict(re.findall(r"(\w+):([^,}]+)", value))
-            overrides[key.lstrip("+")] = {k: yaml.safe_load(v) for k, v in parsed.items()}
-        else:
-            overrides[key.lstrip("+")] = yaml.safe_load(value)
-    return overrides
+    name = re.search(r"^vlmrl recipe (\S+)", command, re.MULTILINE).group(1)
+    recipe = yaml.safe_load((ROOT / "recipes" / f"{name}.yaml").read_text())
+
+    def dotted(node: dict, prefix: str = "") -> dict[str, object]:
+        flat: dict[str, object] = {}
+        for key, value in node.items():
+            if isinstance(value, dict) and value and key != "generation_kwargs":
+                flat.update(dotted(value, f"{prefix}{key}."))
+            else:
+                flat[f"{prefix}{key}"] = value
+        return flat
+
+    return dotted(recipe)
 
 
 @pytest.fixture(scope="module")
@@ -294,8 +294,9 @@ def gspo_step():
 
 
 def test_readme_gpu_profile_is_the_benchmarked_one_and_valid(gspo_step) -> None:
-    """The GPU command in the README must be the configuration benchmarks/gspo_step.py measured
-    as the GPU profile, and must pass the stage's own params checks."""
+    """The recipe the README's GPU command applies must be the configuration
+    benchmarks/gspo_step.py measured as the GPU profile, and must pass the stage's own params
+    checks."""
     import yaml
     from conftest import ROOT
 

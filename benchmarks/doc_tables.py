@@ -1,0 +1,121 @@
+"""Every measured table of the docs, rewritten by the script that measured it from the results
+JSON it stored under benchmarks/results/: nothing runs on a GPU, nothing is measured.
+
+    python benchmarks/doc_tables.py           # rewrite every block of docs/benchmarks.md,
+                                              # docs/benchmarks-history.md and README.md
+    python benchmarks/doc_tables.py --check   # rewrite copies; list the blocks that differ
+
+`--check` (run by tests/test_benchmark_docs.py) fails where a figure was typed into a block by
+hand or a results file changed without its table. A new block goes into `TABLES`, with the
+command that writes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = "benchmarks/results"
+DOCS = {"{doc}": "docs/benchmarks.md", "{history}": "docs/benchmarks-history.md",
+        "{readme}": "README.md"}
+
+
+def gspo_step_block(block: str, *files: str, doc: str = "{history}") -> list[str]:
+    return ["gspo_step.py", "--from-json", *(f"{RESULTS}/{name}.json" for name in files),
+            "--doc-block", block, "--doc", doc]
+
+
+# Each entry: a script in benchmarks/ and its arguments; "{doc}", "{history}" and "{readme}"
+# stand for the files in DOCS (or their copies under --check).
+TABLES: tuple[list[str], ...] = (
+    # docs/benchmarks.md: the current tables
+    [*gspo_step_block("speed", "gspo_step_fp8_cache_256", "gspo_step_fp8_cache",
+                      "gspo_step_8b_today", doc="{doc}"), "--readme", "{readme}"],
+    ["learning.py", "--summary", f"{RESULTS}/learning.json", f"{RESULTS}/learning_gpu_bf16.json",
+     f"{RESULTS}/learning_gpu_nf4.json", f"{RESULTS}/learning_gpu_unsloth.json", "--doc", "{doc}"],
+    ["scaling.py", "--render", f"{RESULTS}/scaling.json", "--out", f"{RESULTS}/scaling.json",
+     "--doc", "{doc}"],
+    ["pipeline.py", "--render", f"{RESULTS}/pipeline.json", "--doc", "{doc}"],
+    gspo_step_block("fp8-cache-256", "gspo_step_fp8_cache_256", doc="{doc}"),
+    gspo_step_block("fp8-cache", "gspo_step_fp8_cache", doc="{doc}"),
+    gspo_step_block("8b-today", "gspo_step_8b_today", doc="{doc}"),
+    ["learning.py", "--from-json", f"{RESULTS}/learning.json", "--doc", "{doc}",
+     "--readme", "{readme}"],
+    *(["learning.py", "--from-json", f"{RESULTS}/learning_gpu_{name}.json", "--doc-block",
+       f":gpu-{name}", "--doc", "{doc}"] for name in ("bf16", "nf4", "unsloth")),
+    ["launch_one_process.py", "--render", f"{RESULTS}/launch_one_process.json", "--doc", "{doc}"],
+    ["cpu_kernels.py", "--from-json", f"{RESULTS}/cpu_kernels.json", "--doc", "{doc}"],
+    # docs/benchmarks-history.md: superseded runs and the probes behind today's defaults
+    ["nonfinite_probe.py", "--from-json", f"{RESULTS}/nonfinite_probe.json", "--doc",
+     "{history}"],
+    gspo_step_block("roofline", "gspo_step_roofline"),
+    gspo_step_block("nf4-kernel", "gspo_step_nf4_kernel"),
+    gspo_step_block("compiled-spans", "gspo_step_compiled_spans"),
+    gspo_step_block("compiled", "gspo_step_compiled"),
+    gspo_step_block("expandable", "gspo_step_expandable"),
+    gspo_step_block("decode-kernel", "gspo_step_decode_kernel"),
+    gspo_step_block("rows32", "gspo_step_rows32"),
+    gspo_step_block("fp8-cache-other-machine", "gspo_step_fp8_cache_other_machine"),
+    gspo_step_block("fp8-cache-warmup1", "gspo_step_fp8_cache_warmup1"),
+)
+
+
+def command(entry: list[str], docs: dict[str, Path]) -> list[str]:
+    """The entry's command line, its doc placeholders filled with `docs`' paths."""
+    script, *args = entry
+    return [sys.executable, str(ROOT / "benchmarks" / script),
+            *(str(docs[arg]) if arg in docs else arg for arg in args)]
+
+
+def rewrite(docs: dict[str, Path]) -> None:
+    """Runs every entry of `TABLES` against `docs`; stops at the first that fails, naming it."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
+    for entry in TABLES:
+        result = subprocess.run(command(entry, docs), cwd=ROOT, env=env, text=True,
+                                capture_output=True, check=False)
+        if result.returncode != 0:
+            raise SystemExit(f"benchmarks/{' '.join(entry)} failed: "
+                             f"{(result.stderr or result.stdout).strip().splitlines()[-1:]}")
+
+
+def check() -> list[str]:
+    """The diff of each doc against its rewritten copy (empty where every block is as its
+    script writes it)."""
+    with tempfile.TemporaryDirectory(prefix="doc-tables-") as tmp:
+        copies = {key: Path(tmp) / Path(path).name for key, path in DOCS.items()}
+        for key, path in DOCS.items():
+            shutil.copyfile(ROOT / path, copies[key])
+        rewrite(copies)
+        diffs = []
+        for key, path in DOCS.items():
+            diffs += difflib.unified_diff(
+                (ROOT / path).read_text(encoding="utf-8").splitlines(),
+                copies[key].read_text(encoding="utf-8").splitlines(),
+                f"{path} (as committed)", f"{path} (as the scripts write it)", lineterm="")
+        return diffs
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true",
+                        help="change nothing: show where the docs differ from what the scripts "
+                             "write, exit 1 if they do")
+    args = parser.parse_args()
+    if args.check:
+        diffs = check()
+        print("\n".join(diffs) or "every table is as its script writes it")
+        return 1 if diffs else 0
+    rewrite({key: ROOT / path for key, path in DOCS.items()})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
