@@ -1,4 +1,4 @@
-"""The decode loop of `vlmrl.models.graph_decode` (the GPU rollout path, issue 23) run eagerly on a
+"""The decode loop of `vlmrl.rollout.graph_decode` (the GPU rollout path, issue 23) run eagerly on a
 CPU: under greedy decoding it must produce exactly transformers' `generate` tokens, with left
 padding, images (multimodal RoPE) and text-only models; its draw must carry the warpers'
 distribution; what it does not serve must fall back to transformers."""
@@ -10,10 +10,10 @@ import torch
 from PIL import Image
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig
 
-from vlmrl.models import graph_decode
-from vlmrl.models.decode_attention import grouped_decode_attention
+from vlmrl.rollout import graph_decode
+from vlmrl.rollout.decode_attention import grouped_decode_attention
 from vlmrl.models.embedded import ensure_embedded_model
-from vlmrl.models.graph_decode import (
+from vlmrl.rollout.graph_decode import (
     GraphDecoder,
     GraphDecoding,
     install_graph_decoding,
@@ -22,7 +22,7 @@ from vlmrl.models.graph_decode import (
 )
 from vlmrl.models.processor import load_processor
 from vlmrl.models.sampling import SamplingSettings, candidate_probs
-from vlmrl.models.shared_prompts import distinct_rows
+from vlmrl.rollout.shared_prompts import distinct_rows
 
 
 def vl_inputs(processor, questions: list[str]) -> dict:
@@ -246,7 +246,7 @@ def test_grouped_attention_equals_sdpa_with_padding_mask() -> None:
 def test_merged_copies_fold_the_adapter_in_and_follow_it() -> None:
     from peft import LoraConfig, get_peft_model
 
-    from vlmrl.models.graph_decode import MergedLoRA
+    from vlmrl.rollout.graph_decode import MergedLoRA
 
     path = ensure_embedded_model("embedded:tiny-qwen3", seed=0)
     base = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
@@ -276,7 +276,7 @@ def test_merged_copies_fold_the_adapter_in_and_follow_it() -> None:
 
 
 def test_merged_copies_refuse_quantized_or_adapterless_models() -> None:
-    from vlmrl.models.graph_decode import MergedLoRA
+    from vlmrl.rollout.graph_decode import MergedLoRA
 
     path = ensure_embedded_model("embedded:tiny-qwen3", seed=0)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16)
@@ -289,7 +289,7 @@ def test_fp8_cache_keeps_the_prefill_in_float8_and_decodes(vl_model) -> None:
     """`kv_cache_dtype: fp8`: the static cache's layers are float8; the prompt's slots hold the
     model-dtype prefill's keys and values clamped and rounded (`stored`), the first token is the
     prefill's own, and decode steps run over the float8 cache (converted on a CPU)."""
-    from vlmrl.models.decode_attention import FP8, FP8_MAX, stored
+    from vlmrl.rollout.decode_attention import FP8, FP8_MAX, stored
 
     model, processor = vl_model
     inputs = vl_inputs(processor, ["What is 2 + 2?", "Name the largest value in the chart now."] * 2)
@@ -336,7 +336,7 @@ def test_compiled_step_over_a_float8_cache_decodes_as_the_eager_step(vl_model) -
 
 
 def test_fp8_cache_needs_the_grouped_attention_and_graph_decoding(vl_model) -> None:
-    from vlmrl.models.decode_attention import static_cache
+    from vlmrl.rollout.decode_attention import static_cache
     from vlmrl.params import ParamsError
     from vlmrl.training import make_trainer
 

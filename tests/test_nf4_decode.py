@@ -1,4 +1,4 @@
-"""The CPU-side parts of `vlmrl.models.nf4_decode` (the kernel itself runs only on a GPU: its tests
+"""The CPU-side parts of `vlmrl.rollout.nf4_decode` (the kernel itself runs only on a GPU: its tests
 are in tests/gpu/test_graph_decode_gpu.py): how K is split over the SMs, when the kernel is taken."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vlmrl.models.nf4_decode import TILES, Tiles, k_splits, kernel_available, servable
+from vlmrl.rollout.nf4_decode import TILES, Tiles, k_splits, kernel_available, servable
 
 
 @pytest.mark.parametrize(("out_features", "in_features"),

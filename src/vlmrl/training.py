@@ -39,7 +39,7 @@ from vlmrl.data_parallel import (
 )
 from vlmrl.launch import DistributedParams, check_strategy, check_world, distributed_settings
 from vlmrl.models.backend import precision_flags
-from vlmrl.models.graph_decode import install_graph_decoding
+from vlmrl.rollout.graph_decode import install_graph_decoding
 from vlmrl.models.loading import backend_for, load_policy, starting_adapter
 from vlmrl.models.processor import (
     chat_messages,
@@ -239,8 +239,8 @@ def make_trainer(model, processor, config, dataset, reward_funcs, *,
     """TRL's GRPOTrainer with the project's generation switches: the processor's suppressed
     tokens, compiled decoding when `generation_kwargs.disable_compile` is false (TRL itself
     always disables it), generation in chunks of `generation_rows`, on a GPU with
-    `graph_decoding` the decode step in one CUDA graph (`vlmrl.models.graph_decode`) over a cache
-    of `kv_cache_dtype` (`vlmrl.models.decode_attention`), on a CPU top-k sampling among k tokens
+    `graph_decoding` the decode step in one CUDA graph (`vlmrl.rollout.graph_decode`) over a cache
+    of `kv_cache_dtype` (`vlmrl.rollout.decode_attention`), on a CPU top-k sampling among k tokens
     (`vlmrl.models.sampling`), and steps with a non-finite loss or gradient skipped
     (`vlmrl.nonfinite`, at most `max_nonfinite_steps` in a row)."""
     if kv_cache_dtype != "auto" and graph_decoding == "eager":

@@ -35,7 +35,7 @@ def stored(states: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class Fp8Layer(StaticLayer):
     """A StaticLayer whose keys and values are float8. A prefill (more than one token) attends in
     its own dtype, over the slots it wrote unrounded, as it does where rows share a prompt
-    (`vlmrl.models.shared_prompts` prefills into a cache of the model's dtype)."""
+    (`vlmrl.rollout.shared_prompts` prefills into a cache of the model's dtype)."""
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states[..., :0, :].to(FP8),

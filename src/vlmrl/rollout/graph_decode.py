@@ -10,7 +10,7 @@ and advances the position, with no host synchronisation but one check for finish
 `CHECK_EVERY` steps (the early exit: the call returns once every row has sampled EOS). Where
 `disable_compile` is false the step's forward runs under torch.compile inside the graph, which
 fuses the small elementwise kernels between the projections; rows that repeat a prompt share its
-prefill (`vlmrl.models.shared_prompts`).
+prefill (`vlmrl.rollout.shared_prompts`).
 
 The draw samples exactly transformers' distribution for TRL's settings (suppressed tokens
 removed, temperature, top-k, then top-p over what top-k kept: `vlmrl.models.sampling`'s
@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
-from vlmrl.models.decode_attention import decode_attention, static_cache
+from vlmrl.rollout.decode_attention import decode_attention, static_cache
 from vlmrl.models.sampling import SamplingSettings, candidate_probs
-from vlmrl.models.shared_prompts import copy_into_static, distinct_rows, select_rows
+from vlmrl.rollout.shared_prompts import copy_into_static, distinct_rows, select_rows
 
 CHECK_EVERY = 64  # decode steps between host checks for "every row has finished"
 CACHE_ROUND = 256  # cache lengths are rounded up to this, so prompts of other lengths reuse one
@@ -223,7 +223,7 @@ class GraphDecoder:
 
     def prefill(self, input_ids, attention_mask, model_kwargs: dict[str, Any]) -> torch.Tensor:
         """Runs the prompt through the model into the cache, each distinct prompt once where the
-        rows repeat (`vlmrl.models.shared_prompts`), with the position ids `generate` gives it
+        rows repeat (`vlmrl.rollout.shared_prompts`), with the position ids `generate` gives it
         (multimodal RoPE for Qwen-VL); returns the first drawn tokens."""
         from transformers import DynamicCache
 
@@ -321,10 +321,10 @@ class GraphDecoding:
     attention: str = "grouped"  # or "model": the model's own (SDPA) attention in decode steps
     merged: bool = False  # decode with bf16 copies of the weights with the adapter folded in
     keep: bool = True  # keep each batch shape's cache and graph between calls (else freed)
-    share_prompts: bool = True  # prefill each distinct prompt once (vlmrl.models.shared_prompts)
+    share_prompts: bool = True  # prefill each distinct prompt once (vlmrl.rollout.shared_prompts)
     spans: bool = False  # attention over the filled span of the cache (GraphDecoder.span)
-    kv_cache_dtype: str = "auto"  # or "fp8": vlmrl.models.decode_attention
-    # NF4 projections by `vlmrl.models.nf4_decode` in decode steps; VLMRL_NF4_DECODE=0: off
+    kv_cache_dtype: str = "auto"  # or "fp8": vlmrl.rollout.decode_attention
+    # NF4 projections by `vlmrl.rollout.nf4_decode` in decode steps; VLMRL_NF4_DECODE=0: off
     nf4_kernel: bool = field(default_factory=lambda: os.environ.get("VLMRL_NF4_DECODE") != "0")
     decoders: dict | None = None
     calls: int = 0
@@ -361,7 +361,7 @@ class GraphDecoding:
     @functools.cached_property
     def nf4(self):
         """The model's NF4Decode, made once (it keeps the block scales), or None."""
-        from vlmrl.models.nf4_decode import NF4Decode, kernel_available
+        from vlmrl.rollout.nf4_decode import NF4Decode, kernel_available
 
         if not self.nf4_kernel or self.merged or not kernel_available():
             return None
@@ -407,7 +407,7 @@ def install_graph_decoding(model, mode: str = "graph", attention: str = "grouped
     kept and attention over the filled span of the cache (speed, at one more copy of the adapted
     weights). Both compile the decode step's forward where `disable_compile` is false;
     `kv_cache_dtype` (train.kv_cache_dtype) "fp8" keeps the cache in 8 bits
-    (`vlmrl.models.decode_attention`)."""
+    (`vlmrl.rollout.decode_attention`)."""
     if mode not in MODES[1:]:
         raise ValueError(f"params.yaml train.graph_decoding must be one of {MODES}, not {mode!r}")
     wrapper = GraphDecoding(model=model, original=model.generate, attention=attention,
