@@ -352,3 +352,49 @@ def test_fp8_cache_needs_the_grouped_attention_and_graph_decoding(vl_model) -> N
     with pytest.raises(ParamsError, match="kv_cache_dtype: fp8 needs train.graph_decoding"):
         make_trainer(model, processor, None, None, [], generation_rows=None, callbacks=[],
                      graph_decoding="eager", kv_cache_dtype="fp8")
+
+
+def test_grouped_attention_is_the_language_models_registered_implementation(vl_model,
+                                                                            monkeypatch) -> None:
+    """Decode steps with `attention="grouped"` run the attention registered with transformers'
+    `AttentionInterface`, chosen through the language model's attention implementation alone (the
+    vision tower and transformers' "sdpa" entry untouched) and set back afterwards; greedy tokens
+    equal `generate`'s."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from vlmrl.rollout.decode_attention import GROUPED, attention_implementation
+
+    model, processor = vl_model
+    inputs = vl_inputs(processor, ["What is 2 + 2?", "Name the largest value in the chart now."])
+    config = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=-5, pad_token_id=0)
+    with torch.no_grad():
+        expected = model.generate(**inputs, generation_config=config)
+    decoding = GraphDecoding(model=model, original=model.generate, use_graph=False)
+    decoding._decode(GenerationConfig(max_new_tokens=2, do_sample=False, eos_token_id=-5,
+                                      pad_token_id=0), dict(inputs))  # registers the name
+    registered = AttentionInterface._global_mapping[GROUPED]
+    decode_steps, during = [], []
+
+    def counting(module, query, *args, **kwargs):
+        decode_steps.append(query.shape[2] == 1)
+        return registered(module, query, *args, **kwargs)
+
+    def recording(logits, *args):
+        during.append((attention_implementation(model), model.config.vision_config._attn_implementation,
+                       ALL_ATTENTION_FUNCTIONS["sdpa"]))
+        return original(logits, *args)
+
+    original = graph_decode.sample_next
+    monkeypatch.setitem(AttentionInterface._global_mapping, GROUPED, counting)
+    monkeypatch.setattr(graph_decode, "sample_next", recording)
+    with torch.no_grad():
+        got = GraphDecoding(model=model, original=model.generate, use_graph=False)._decode(
+            config, dict(inputs))
+    assert torch.equal(got, expected)
+    assert during[0] == ("sdpa", "sdpa", sdpa_attention_forward)  # the prefill's first token
+    assert set(during[1:]) == {(GROUPED, "sdpa", sdpa_attention_forward)}
+    text_layers = model.config.text_config.num_hidden_layers
+    assert decode_steps == [True] * (text_layers * (len(during) - 1))
+    assert attention_implementation(model) == "sdpa"

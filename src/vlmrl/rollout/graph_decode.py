@@ -32,7 +32,12 @@ from typing import Any
 
 import torch
 
-from vlmrl.rollout.decode_attention import decode_attention, static_cache
+from vlmrl.rollout.decode_attention import (
+    attention_implementation,
+    decode_attention,
+    generative_model,
+    static_cache,
+)
 from vlmrl.models.sampling import SamplingSettings, candidate_probs
 from vlmrl.rollout.shared_prompts import copy_into_static, distinct_rows, select_rows
 
@@ -157,7 +162,7 @@ class GraphDecoder:
         rows, length = plan.rows, plan.cache_len
         self.cache = static_cache(model.config, length, kv_cache_dtype)
         self.token = torch.zeros(rows, 1, dtype=torch.long, device=device)
-        multimodal_rope = _rope_deltas_holder(_generative_model(model)) is not None
+        multimodal_rope = _rope_deltas_holder(generative_model(model)) is not None
         self.positions = torch.zeros(*((4,) if multimodal_rope else ()), rows, 1,
                                      dtype=torch.long, device=device)
         self.valid = torch.ones(rows, length, dtype=torch.bool, device=device)
@@ -200,10 +205,9 @@ class GraphDecoder:
     def _run_step(self, span: int) -> None:
         graph = self.graphs.get(span)
         capturing = graph is None
-        with decode_attention(self.attention), (
-                self.merged.swapped() if self.merged and capturing
-                else contextlib.nullcontext()), (
-                self.nf4.active() if self.nf4 and capturing else contextlib.nullcontext()):
+        swapped = self.merged.swapped() if self.merged and capturing else contextlib.nullcontext()
+        kernel = self.nf4.active() if self.nf4 and capturing else contextlib.nullcontext()
+        with swapped, kernel:
             if not self.use_graph:
                 self.step(span)
             elif graph is None:
@@ -229,7 +233,7 @@ class GraphDecoder:
 
         self.cache.reset()
         prompt_len = input_ids.shape[1]
-        hf_model = _generative_model(self.model)
+        hf_model = generative_model(self.model)
         vision_start = getattr(hf_model.config, "vision_start_token_id", None)
         shared = distinct_rows(input_ids, model_kwargs, vision_start) if self.share_prompts \
             else None
@@ -262,7 +266,7 @@ class GraphDecoder:
 
     def _prefill(self, input_ids, attention_mask, model_kwargs, cache) -> torch.Tensor:
         """The last position's float32 logits of a prefill of these rows into `cache`."""
-        positions = _generative_model(self.model)._prepare_position_ids_for_generation(
+        positions = generative_model(self.model)._prepare_position_ids_for_generation(
             input_ids, {"attention_mask": attention_mask, "input_ids": input_ids, **model_kwargs})
         out = self.model(input_ids=input_ids, attention_mask=attention_mask,
                          position_ids=positions, past_key_values=cache, use_cache=True,
@@ -278,26 +282,14 @@ class GraphDecoder:
         if self.merged is not None:
             self.merged.refresh()  # the adapter as trained so far, folded into the copies
         made = 1
-        while made < max_new_tokens:
-            if made % CHECK_EVERY == 0 and bool(self.finished.all()):
-                break
-            self._run_step(self.span(prompt_len + made - 1))
-            tokens[:, made] = self.token[:, 0]
-            made += 1
+        with decode_attention(self.model, self.attention):
+            while made < max_new_tokens:
+                if made % CHECK_EVERY == 0 and bool(self.finished.all()):
+                    break
+                self._run_step(self.span(prompt_len + made - 1))
+                tokens[:, made] = self.token[:, 0]
+                made += 1
         return torch.cat([input_ids, tokens[:, :made]], dim=1)
-
-
-def attention_implementation(model) -> str | None:
-    """The text model's attention ("sdpa", "eager", "flash_attention_2", ...)."""
-    config = _generative_model(model).config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return getattr(text, "_attn_implementation", None) or getattr(config, "_attn_implementation",
-                                                                   None)
-
-
-def _generative_model(model):
-    """The transformers model under a PEFT wrapper (the one with generate's helpers)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def _rope_deltas_holder(model):
