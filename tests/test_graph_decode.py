@@ -10,9 +10,11 @@ import torch
 from PIL import Image
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig
 
+from vlmrl.models.embedded import ensure_embedded_model
+from vlmrl.models.processor import load_processor
+from vlmrl.models.sampling import SamplingSettings, candidate_probs
 from vlmrl.rollout import graph_decode
 from vlmrl.rollout.decode_attention import grouped_decode_attention
-from vlmrl.models.embedded import ensure_embedded_model
 from vlmrl.rollout.graph_decode import (
     GraphDecoder,
     GraphDecoding,
@@ -20,8 +22,6 @@ from vlmrl.rollout.graph_decode import (
     sample_next,
     served,
 )
-from vlmrl.models.processor import load_processor
-from vlmrl.models.sampling import SamplingSettings, candidate_probs
 from vlmrl.rollout.shared_prompts import distinct_rows
 
 
@@ -336,8 +336,8 @@ def test_compiled_step_over_a_float8_cache_decodes_as_the_eager_step(vl_model) -
 
 
 def test_fp8_cache_needs_the_grouped_attention_and_graph_decoding(vl_model) -> None:
-    from vlmrl.rollout.decode_attention import static_cache
     from vlmrl.params import ParamsError
+    from vlmrl.rollout.decode_attention import static_cache
     from vlmrl.training import make_trainer
 
     model, processor = vl_model

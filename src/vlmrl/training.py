@@ -39,7 +39,6 @@ from vlmrl.data_parallel import (
 )
 from vlmrl.launch import DistributedParams, check_strategy, check_world, distributed_settings
 from vlmrl.models.backend import precision_flags
-from vlmrl.rollout.graph_decode import install_graph_decoding
 from vlmrl.models.loading import backend_for, load_policy, starting_adapter
 from vlmrl.models.processor import (
     chat_messages,
@@ -52,6 +51,7 @@ from vlmrl.outputs import atomic_dir
 from vlmrl.params import ModelParams, Params, ParamsError
 from vlmrl.portable import make_adapter_portable
 from vlmrl.rewards import build_rewards
+from vlmrl.rollout.graph_decode import install_graph_decoding
 from vlmrl.trainers import grpo_trainer
 from vlmrl.trl_compat import (
     check_report_to,

@@ -299,7 +299,7 @@ def test_nf4_kernel_is_as_exact_as_bitsandbytes_and_peft(rows):
     LoRA here covers q, v and down; k and the MLP's gate are bare), for the shipped tiles
     (scale after) and the variant that scales the weights first: against a float32 product of the NF4 values times their block scales
     (unrounded) and the adapter, its error is no larger than bitsandbytes + PEFT's; and the
-    layers' forward under `active()` is `nf4_matmul` with the shipped tiles."""
+    layer's place in the model under `active()` computes `nf4_matmul` with the shipped tiles."""
     from vlmrl.rollout.nf4_decode import TILES, NF4Decode, PackedNF4, Tiles, _adapter, nf4_matmul
 
     model, _ = load(four_bit=True)
@@ -327,7 +327,7 @@ def test_nf4_kernel_is_as_exact_as_bitsandbytes_and_peft(rows):
         with torch.no_grad():
             theirs = module(x).float()
             with nf4.active():
-                wired = module(x)
+                wired = model.get_submodule(names[id(module)])(x)  # the layer's place
             assert torch.equal(wired, nf4_matmul(x, weight, lora or None, TILES)), kind
             their_error = (theirs - exact).abs().max().item()
             for tiles in (TILES, Tiles(block_n=64, block_k=128, scale_after=False)):

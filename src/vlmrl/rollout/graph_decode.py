@@ -32,13 +32,13 @@ from typing import Any
 
 import torch
 
+from vlmrl.models.sampling import SamplingSettings, candidate_probs
 from vlmrl.rollout.decode_attention import (
     attention_implementation,
     decode_attention,
     generative_model,
     static_cache,
 )
-from vlmrl.models.sampling import SamplingSettings, candidate_probs
 from vlmrl.rollout.shared_prompts import copy_into_static, distinct_rows, select_rows
 
 CHECK_EVERY = 64  # decode steps between host checks for "every row has finished"
