@@ -461,6 +461,7 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
     from vlmrl.models.loading import load_policy
     from vlmrl.params import LoraParams, ModelParams, load_params
     from vlmrl.rewards import build_rewards
+    from vlmrl.rollout.generation import rollout_class
     from vlmrl.training import build_grpo_config, make_trainer, use_expandable_segments
     from vlmrl.trl_compat import install_cpu_fallback
 
@@ -489,7 +490,8 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
     use_expandable_segments(knobs.get("expandable_segments", False))
     _reset_peak()
     load_started = time.perf_counter()
-    model, processor, backend = load_policy(settings, LoraParams(**LORA), config.seed)
+    model, processor, backend = load_policy(settings, LoraParams(**LORA), config.seed,
+                                            model_class=rollout_class)
     load_seconds = time.perf_counter() - load_started
     prompt_tokens = max_prompt_tokens(dataset, processor)
     # The train_gspo stage's own switches: train.grpo.cache_implementation and generation_kwargs

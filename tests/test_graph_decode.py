@@ -15,6 +15,7 @@ from vlmrl.models.processor import load_processor
 from vlmrl.models.sampling import SamplingSettings, candidate_probs
 from vlmrl.rollout import graph_decode
 from vlmrl.rollout.decode_attention import grouped_decode_attention
+from vlmrl.rollout.generation import rollout_class
 from vlmrl.rollout.graph_decode import (
     GraphDecoder,
     GraphDecoding,
@@ -214,13 +215,14 @@ def test_unserved_settings_and_cpu_models_use_transformers(vl_model) -> None:
     assert not served(GenerationConfig(repetition_penalty=1.1), {})
     assert served(GenerationConfig(do_sample=True, top_k=20, top_p=0.8), {})
     inputs = vl_inputs(processor, ["x"])
+    with pytest.raises(TypeError, match="not loaded for rollouts"):
+        install_graph_decoding(model)
+    path = ensure_embedded_model("embedded:tiny-qwen3-vl", seed=0)
+    model = rollout_class(type(model)).from_pretrained(str(path), dtype=torch.float32).eval()
     wrapper = install_graph_decoding(model)
-    try:
-        with torch.no_grad():
-            model.generate(**inputs, generation_config=greedy_config(model, 3))
-        assert wrapper.calls == 0  # a CPU model: transformers' generate
-    finally:
-        del model.generate
+    with torch.no_grad():
+        model.generate(**inputs, generation_config=greedy_config(model, 3))
+    assert wrapper.calls == 0  # a CPU model: transformers' generate
 
 
 def test_grouped_attention_equals_sdpa_with_padding_mask() -> None:

@@ -46,11 +46,12 @@ from vlmrl.models.processor import (
     save_processing,
     suppressed_generation_kwargs,
 )
-from vlmrl.models.sampling import on_cpu, sample_top_k_on_cpu, top_k_settings
+from vlmrl.models.sampling import on_cpu, top_k_settings
 from vlmrl.outputs import atomic_dir
 from vlmrl.params import ModelParams, Params, ParamsError
 from vlmrl.portable import make_adapter_portable
 from vlmrl.rewards import build_rewards
+from vlmrl.rollout.generation import rollout_class, sample_top_k_on_cpu
 from vlmrl.rollout.graph_decode import install_graph_decoding
 from vlmrl.trainers import grpo_trainer
 from vlmrl.trl_compat import (
@@ -316,7 +317,7 @@ def train(*, train_set: Path, params: Params, adapter_out: Path, checkpoints: Pa
     install_cpu_fallback()
     use_expandable_segments(train_params.expandable_segments)
     model, processor, _backend = load_policy(model_params, train_params.lora, config.seed,
-                                             init_adapter)
+                                             init_adapter, model_class=rollout_class)
     dataset = policy_dataset(load_from_disk(str(train_set)), processor)
     trainer = make_trainer(model, processor, config, dataset, reward_funcs,
                            generation_rows=rows, callbacks=list(callbacks or []),

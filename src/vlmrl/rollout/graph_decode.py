@@ -39,6 +39,7 @@ from vlmrl.rollout.decode_attention import (
     generative_model,
     static_cache,
 )
+from vlmrl.rollout.generation import rollout_model
 from vlmrl.rollout.shared_prompts import copy_into_static, distinct_rows, select_rows
 
 CHECK_EVERY = 64  # decode steps between host checks for "every row has finished"
@@ -305,7 +306,8 @@ def _rope_deltas(model) -> torch.Tensor | None:
 
 @dataclass
 class GraphDecoding:
-    """`model.generate`, replaced: graph decoding where served, transformers' otherwise."""
+    """The policy's `generate` during training (`install_graph_decoding`): graph decoding where
+    served, transformers' (`original`) otherwise."""
 
     model: Any
     original: Any
@@ -393,17 +395,19 @@ MODES = ("eager", "graph", "merged")
 
 def install_graph_decoding(model, mode: str = "graph", attention: str = "grouped",
                            kv_cache_dtype: str = "auto") -> GraphDecoding:
-    """Replaces `model.generate` (the object TRL calls: the PEFT model) with graph decoding.
-    `mode` (train.graph_decoding): "graph", the adapter as it is, cache and graph freed after each
-    call (memory as transformers' generate); "merged", `MergedLoRA` copies, cache and graphs
-    kept and attention over the filled span of the cache (speed, at one more copy of the adapted
-    weights). Both compile the decode step's forward where `disable_compile` is false;
+    """Routes the policy's `generate` (the call TRL makes on the PEFT model reaches the
+    transformers model under it, loaded with `vlmrl.rollout.generation.rollout_class`) to graph
+    decoding. `mode` (train.graph_decoding): "graph", the adapter as it is, cache and graph freed
+    after each call (memory as transformers' generate); "merged", `MergedLoRA` copies, cache and
+    graphs kept and attention over the filled span of the cache (speed, at one more copy of the
+    adapted weights). Both compile the decode step's forward where `disable_compile` is false;
     `kv_cache_dtype` (train.kv_cache_dtype) "fp8" keeps the cache in 8 bits
     (`vlmrl.rollout.decode_attention`)."""
     if mode not in MODES[1:]:
         raise ValueError(f"params.yaml train.graph_decoding must be one of {MODES}, not {mode!r}")
-    wrapper = GraphDecoding(model=model, original=model.generate, attention=attention,
-                            merged=mode == "merged", keep=mode == "merged",
+    inner = rollout_model(model)
+    wrapper = GraphDecoding(model=model, original=inner.transformers_generate,
+                            attention=attention, merged=mode == "merged", keep=mode == "merged",
                             spans=mode == "merged", kv_cache_dtype=kv_cache_dtype)
-    model.generate = functools.update_wrapper(wrapper, model.generate)
+    inner.set_rollout_generate(wrapper)
     return wrapper
