@@ -11,6 +11,7 @@ from PIL import Image
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig
 
 from vlmrl.models.embedded import ensure_embedded_model
+from vlmrl.models.loading import checkpoint_class
 from vlmrl.models.processor import load_processor
 from vlmrl.models.sampling import SamplingSettings, candidate_probs
 from vlmrl.rollout import graph_decode
@@ -218,7 +219,8 @@ def test_unserved_settings_and_cpu_models_use_transformers(vl_model) -> None:
     with pytest.raises(TypeError, match="not loaded for rollouts"):
         install_graph_decoding(model)
     path = ensure_embedded_model("embedded:tiny-qwen3-vl", seed=0)
-    model = rollout_class(type(model)).from_pretrained(str(path), dtype=torch.float32).eval()
+    model = rollout_class(checkpoint_class(str(path))).from_pretrained(
+        str(path), dtype=torch.float32).eval()
     wrapper = install_graph_decoding(model)
     with torch.no_grad():
         model.generate(**inputs, generation_config=greedy_config(model, 3))

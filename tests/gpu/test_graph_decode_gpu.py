@@ -26,14 +26,15 @@ CACHE_LEN = 512
 
 def load(four_bit: bool, attention: str = "sdpa"):
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForImageTextToText
 
     from vlmrl.models.backend import bnb_4bit_config
     from vlmrl.models.embedded import ensure_embedded_model
+    from vlmrl.models.loading import checkpoint_class
     from vlmrl.models.processor import load_processor
+    from vlmrl.rollout.generation import rollout_class
 
     path = str(ensure_embedded_model(MODEL, seed=0, device="cuda"))
-    model = AutoModelForImageTextToText.from_pretrained(
+    model = rollout_class(checkpoint_class(path)).from_pretrained(  # as train_gspo loads the policy
         path, dtype=torch.bfloat16, device_map="cuda", attn_implementation=attention,
         quantization_config=bnb_4bit_config(torch.bfloat16) if four_bit else None)
     config = LoraConfig(r=16, lora_alpha=16, target_modules=r".*language_model.*\.(q|v|down)_proj")

@@ -200,16 +200,21 @@ def load_transformers_model(path: str, settings: ModelParams, device: str | None
     placement = device or process_device()
     if placement is not None:
         kwargs["device_map"] = {"": placement}
-    text = is_text_checkpoint(path)
     if model_class is None:
-        auto = AutoModelForCausalLM if text else AutoModelForImageTextToText
+        auto = AutoModelForCausalLM if is_text_checkpoint(path) else AutoModelForImageTextToText
         model = auto.from_pretrained(path, **kwargs)
     else:
-        classes = MODEL_FOR_CAUSAL_LM_MAPPING if text else MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
-        model = model_class(classes[type(AutoConfig.from_pretrained(path))]).from_pretrained(
-            path, **kwargs)
+        model = model_class(checkpoint_class(path)).from_pretrained(path, **kwargs)
     model.eval()
     return model
+
+
+def checkpoint_class(path: str) -> type:
+    """The transformers class that `load_transformers_model` loads the checkpoint as (what
+    `AutoModelForCausalLM` or `AutoModelForImageTextToText` picks for its config)."""
+    classes = (MODEL_FOR_CAUSAL_LM_MAPPING if is_text_checkpoint(path)
+               else MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING)
+    return classes[type(AutoConfig.from_pretrained(path))]
 
 
 def attach_adapter(model, adapter: Path | str) -> PeftModel:
