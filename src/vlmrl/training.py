@@ -242,8 +242,9 @@ def make_trainer(model, processor, config, dataset, reward_funcs, *,
     always disables it), generation in chunks of `generation_rows`, on a GPU with
     `graph_decoding` the decode step in one CUDA graph (`vlmrl.rollout.graph_decode`) over a cache
     of `kv_cache_dtype` (`vlmrl.rollout.decode_attention`), on a CPU top-k sampling among k tokens
-    (`vlmrl.models.sampling`), and steps with a non-finite loss or gradient skipped
-    (`vlmrl.nonfinite`, at most `max_nonfinite_steps` in a row)."""
+    (`vlmrl.rollout.generation`; both need the policy loaded with `rollout_class`), and steps
+    with a non-finite loss or gradient skipped (`vlmrl.nonfinite`, at most
+    `max_nonfinite_steps` in a row)."""
     if kv_cache_dtype != "auto" and graph_decoding == "eager":
         raise ParamsError(f"params.yaml train.kv_cache_dtype: {kv_cache_dtype} needs "
                           "train.graph_decoding graph or merged (the cache it sets), not eager")

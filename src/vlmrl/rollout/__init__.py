@@ -2,6 +2,8 @@
 `vlmrl.models` so that editing it reruns training alone, never the evaluations, verify or export
 (which depend on `vlmrl.models`).
 
+- `generation`: the policy's class for training (`rollout_class`), whose `generate` goes to the
+  rollout decoding set on it; the top-k sampler on a CPU.
 - `graph_decode`: the decode step as one CUDA graph, behind a `generate` of its own.
 - `decode_attention`: grouped attention over the static cache, and the cache in float8.
 - `nf4_decode`: the Triton kernel for NF4 projections (with their LoRA adapter) in decode steps.
