@@ -1,5 +1,5 @@
 """Where a decode step's time goes (issue 23): milliseconds per decode step of graph decoding
-(`vlmrl.models.graph_decode`) on the model with Qwen3-VL-2B's shapes, bf16 or NF4, LoRA r16 on the
+(`vlmrl.rollout.graph_decode`) on the model with Qwen3-VL-2B's shapes, bf16 or NF4, LoRA r16 on the
 7 projections (as `gspo_step.py`), for several row counts and both decode attentions ("model":
 transformers' SDPA with its `repeat_kv` copies; "grouped"), with the benchmark's prompts (the
 project's synthetic 512 px images, each prompt repeated 4 times as TRL does) and TRL's sampling
@@ -65,7 +65,7 @@ def config(model, new_tokens: int, cache_len: int, compiled: bool = False):
 def ms_per_step(model, batch, attention: str, new_tokens: int, cache_len: int,
                 nf4_kernel: bool, compiled: bool) -> tuple[float, float]:
     """Milliseconds per decode step, and the peak GiB allocated while decoding."""
-    from vlmrl.models.graph_decode import GraphDecoding
+    from vlmrl.rollout.graph_decode import GraphDecoding
 
     decoding = GraphDecoding(model=model, original=model.generate, attention=attention,
                              nf4_kernel=nf4_kernel)
@@ -86,7 +86,7 @@ def kernels(model, batch, attention: str, cache_len: int, nf4_kernel: bool, comp
     and subtracted)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from vlmrl.models.graph_decode import GraphDecoding
+    from vlmrl.rollout.graph_decode import GraphDecoding
 
     decoding = GraphDecoding(model=model, original=model.generate, attention=attention,
                              nf4_kernel=nf4_kernel)
@@ -131,7 +131,7 @@ def kernel_times(call, calls: int = 20) -> dict:
 def kernel_sweep(model, rows_list: list[int], bandwidth: float) -> list[dict]:
     """Microseconds per `nf4_matmul` call (replayed in a CUDA graph of 20 calls) for each
     distinct projection shape, adapter on, per tile shape in SWEEP."""
-    from vlmrl.models.nf4_decode import NF4Decode, PackedNF4, Tiles, _adapter, nf4_matmul
+    from vlmrl.rollout.nf4_decode import NF4Decode, PackedNF4, Tiles, _adapter, nf4_matmul
 
     nf4 = NF4Decode(model)
     shapes = {}
@@ -178,7 +178,7 @@ def main() -> int:
     parser.add_argument("--sweep", action="store_true",
                         help="first time the NF4 kernel's tile shapes (SWEEP) per projection shape")
     parser.add_argument("--nf4-kernels", default="off,on",
-                        help="NF4 projections by bitsandbytes + PEFT (off) or vlmrl.models.nf4_decode (on)")
+                        help="NF4 projections by bitsandbytes + PEFT (off) or vlmrl.rollout.nf4_decode (on)")
     parser.add_argument("--kernels", action="store_true",
                         help="profile the kernels of the graph's decode steps at the most rows")
     parser.add_argument("--compiles", default="off",

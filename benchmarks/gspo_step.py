@@ -134,7 +134,7 @@ CONFIGS["gpu_profile_vllm"] = {"backend": "transformers", "load_in_4bit": False,
                                "compile": False, "vllm": True}
 VLLM_SETTINGS = {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3,
                  "vllm_enable_sleep_mode": True}
-# Issue 23: the decode step in one CUDA graph (train.graph_decoding, vlmrl.models.graph_decode):
+# Issue 23: the decode step in one CUDA graph (train.graph_decoding, vlmrl.rollout.graph_decode):
 # "graph" on the profile's batch shape (NF4, 16 rows per generate call: the memory profile) and in
 # bf16 with all 32 rows of a generation in one call; "merged" (the adapter folded into bf16
 # copies of the weights for decoding) with 32 rows: the speed profile. "compile": the decode
@@ -149,7 +149,7 @@ CONFIGS["gpu_profile_graph_bf16"] = {**profile_candidate(8, 4), "load_in_4bit": 
                                      "compile": True, "graph": "graph"}
 CONFIGS["gpu_profile_graph_merged"] = {**CONFIGS["gpu_profile_graph_bf16"], "graph": "merged"}
 # All 32 rows of a generation in one call: the static cache twice as large in bf16 ("rows32"), or
-# the same size in float8 (train.kv_cache_dtype fp8, vlmrl.models.decode_attention).
+# the same size in float8 (train.kv_cache_dtype fp8, vlmrl.rollout.decode_attention).
 CONFIGS["gpu_profile_graph_rows32"] = {**CONFIGS["gpu_profile_graph"], "max_generation_rows": 32}
 CONFIGS["gpu_profile_graph_fp8"] = {**CONFIGS["gpu_profile_graph_rows32"],
                                     "kv_cache_dtype": "fp8"}
@@ -468,6 +468,7 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
     from vlmrl.models.loading import load_policy
     from vlmrl.params import LoraParams, ModelParams, load_params
     from vlmrl.rewards import build_rewards
+    from vlmrl.rollout.generation import rollout_class
     from vlmrl.training import build_grpo_config, make_trainer, use_expandable_segments
     from vlmrl.trl_compat import install_cpu_fallback
 
@@ -496,7 +497,8 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
     use_expandable_segments(knobs.get("expandable_segments", False))
     _reset_peak()
     load_started = time.perf_counter()
-    model, processor, backend = load_policy(settings, LoraParams(**LORA), config.seed)
+    model, processor, backend = load_policy(settings, LoraParams(**LORA), config.seed,
+                                            model_class=rollout_class)
     load_seconds = time.perf_counter() - load_started
     prompt_tokens = max_prompt_tokens(dataset, processor)
     # The train_gspo stage's own switches: train.grpo.cache_implementation and generation_kwargs

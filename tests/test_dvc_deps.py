@@ -106,3 +106,26 @@ def test_used_files_follow_imports_inside_functions(tmp_path: Path) -> None:
     script = tmp_path / "stage.py"
     script.write_text("def main():\n    from vlmrl.scoring import score\n")
     assert PACKAGE / "scoring.py" in used_files(script)
+
+
+ROLLOUT = PACKAGE / "rollout"
+TRAINING_STAGES = {"train_gspo"}  # the stages whose scripts run `vlmrl.rollout`
+
+
+@pytest.mark.parametrize("name", sorted(stages()))
+def test_rollout_package_is_a_dep_of_training_alone(name: str) -> None:
+    """Editing a file of `vlmrl.rollout` (training's decoding speed-ups) puts train_gspo out of
+    date and no other stage: evaluations, verify and export declare no dep that covers it."""
+    files = sorted(ROLLOUT.glob("*.py"))
+    assert {path.name for path in files} >= {"graph_decode.py", "decode_attention.py",
+                                             "nf4_decode.py", "shared_prompts.py"}
+    declared = declared_paths(stages()[name])
+    covering = {str(f.relative_to(ROOT)) for f in files
+                if any(covers(dep, f) for dep in declared)}
+    if name in TRAINING_STAGES:
+        assert covering == {str(f.relative_to(ROOT)) for f in files}, \
+            f"{name} must list src/vlmrl/rollout as a dep"
+        assert ROLLOUT in {f.parent for f in used_files(script_of(stages()[name]))}
+    else:
+        assert not covering, f"{name} lists {sorted(covering)} although only training runs them"
+        assert not any(covers(ROLLOUT, f) for f in used_files(script_of(stages()[name])))

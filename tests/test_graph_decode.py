@@ -1,4 +1,4 @@
-"""The decode loop of `vlmrl.models.graph_decode` (the GPU rollout path, issue 23) run eagerly on a
+"""The decode loop of `vlmrl.rollout.graph_decode` (the GPU rollout path, issue 23) run eagerly on a
 CPU: under greedy decoding it must produce exactly transformers' `generate` tokens, with left
 padding, images (multimodal RoPE) and text-only models; its draw must carry the warpers'
 distribution; what it does not serve must fall back to transformers."""
@@ -10,19 +10,21 @@ import torch
 from PIL import Image
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig
 
-from vlmrl.models import graph_decode
-from vlmrl.models.decode_attention import grouped_decode_attention
 from vlmrl.models.embedded import ensure_embedded_model
-from vlmrl.models.graph_decode import (
+from vlmrl.models.loading import checkpoint_class
+from vlmrl.models.processor import load_processor
+from vlmrl.models.sampling import SamplingSettings, candidate_probs
+from vlmrl.rollout import graph_decode
+from vlmrl.rollout.decode_attention import grouped_decode_attention
+from vlmrl.rollout.generation import rollout_class
+from vlmrl.rollout.graph_decode import (
     GraphDecoder,
     GraphDecoding,
     install_graph_decoding,
     sample_next,
     served,
 )
-from vlmrl.models.processor import load_processor
-from vlmrl.models.sampling import SamplingSettings, candidate_probs
-from vlmrl.models.shared_prompts import distinct_rows
+from vlmrl.rollout.shared_prompts import distinct_rows
 
 
 def vl_inputs(processor, questions: list[str]) -> dict:
@@ -214,13 +216,15 @@ def test_unserved_settings_and_cpu_models_use_transformers(vl_model) -> None:
     assert not served(GenerationConfig(repetition_penalty=1.1), {})
     assert served(GenerationConfig(do_sample=True, top_k=20, top_p=0.8), {})
     inputs = vl_inputs(processor, ["x"])
+    with pytest.raises(TypeError, match="not loaded for rollouts"):
+        install_graph_decoding(model)
+    path = ensure_embedded_model("embedded:tiny-qwen3-vl", seed=0)
+    model = rollout_class(checkpoint_class(str(path))).from_pretrained(
+        str(path), dtype=torch.float32).eval()
     wrapper = install_graph_decoding(model)
-    try:
-        with torch.no_grad():
-            model.generate(**inputs, generation_config=greedy_config(model, 3))
-        assert wrapper.calls == 0  # a CPU model: transformers' generate
-    finally:
-        del model.generate
+    with torch.no_grad():
+        model.generate(**inputs, generation_config=greedy_config(model, 3))
+    assert wrapper.calls == 0  # a CPU model: transformers' generate
 
 
 def test_grouped_attention_equals_sdpa_with_padding_mask() -> None:
@@ -246,7 +250,7 @@ def test_grouped_attention_equals_sdpa_with_padding_mask() -> None:
 def test_merged_copies_fold_the_adapter_in_and_follow_it() -> None:
     from peft import LoraConfig, get_peft_model
 
-    from vlmrl.models.graph_decode import MergedLoRA
+    from vlmrl.rollout.graph_decode import MergedLoRA
 
     path = ensure_embedded_model("embedded:tiny-qwen3", seed=0)
     base = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
@@ -276,7 +280,7 @@ def test_merged_copies_fold_the_adapter_in_and_follow_it() -> None:
 
 
 def test_merged_copies_refuse_quantized_or_adapterless_models() -> None:
-    from vlmrl.models.graph_decode import MergedLoRA
+    from vlmrl.rollout.graph_decode import MergedLoRA
 
     path = ensure_embedded_model("embedded:tiny-qwen3", seed=0)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16)
@@ -289,7 +293,7 @@ def test_fp8_cache_keeps_the_prefill_in_float8_and_decodes(vl_model) -> None:
     """`kv_cache_dtype: fp8`: the static cache's layers are float8; the prompt's slots hold the
     model-dtype prefill's keys and values clamped and rounded (`stored`), the first token is the
     prefill's own, and decode steps run over the float8 cache (converted on a CPU)."""
-    from vlmrl.models.decode_attention import FP8, FP8_MAX, stored
+    from vlmrl.rollout.decode_attention import FP8, FP8_MAX, stored
 
     model, processor = vl_model
     inputs = vl_inputs(processor, ["What is 2 + 2?", "Name the largest value in the chart now."] * 2)
@@ -336,8 +340,8 @@ def test_compiled_step_over_a_float8_cache_decodes_as_the_eager_step(vl_model) -
 
 
 def test_fp8_cache_needs_the_grouped_attention_and_graph_decoding(vl_model) -> None:
-    from vlmrl.models.decode_attention import static_cache
     from vlmrl.params import ParamsError
+    from vlmrl.rollout.decode_attention import static_cache
     from vlmrl.training import make_trainer
 
     model, processor = vl_model
@@ -352,3 +356,49 @@ def test_fp8_cache_needs_the_grouped_attention_and_graph_decoding(vl_model) -> N
     with pytest.raises(ParamsError, match="kv_cache_dtype: fp8 needs train.graph_decoding"):
         make_trainer(model, processor, None, None, [], generation_rows=None, callbacks=[],
                      graph_decoding="eager", kv_cache_dtype="fp8")
+
+
+def test_grouped_attention_is_the_language_models_registered_implementation(vl_model,
+                                                                            monkeypatch) -> None:
+    """Decode steps with `attention="grouped"` run the attention registered with transformers'
+    `AttentionInterface`, chosen through the language model's attention implementation alone (the
+    vision tower and transformers' "sdpa" entry untouched) and set back afterwards; greedy tokens
+    equal `generate`'s."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from vlmrl.rollout.decode_attention import GROUPED, attention_implementation
+
+    model, processor = vl_model
+    inputs = vl_inputs(processor, ["What is 2 + 2?", "Name the largest value in the chart now."])
+    config = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=-5, pad_token_id=0)
+    with torch.no_grad():
+        expected = model.generate(**inputs, generation_config=config)
+    decoding = GraphDecoding(model=model, original=model.generate, use_graph=False)
+    decoding._decode(GenerationConfig(max_new_tokens=2, do_sample=False, eos_token_id=-5,
+                                      pad_token_id=0), dict(inputs))  # registers the name
+    registered = AttentionInterface._global_mapping[GROUPED]
+    decode_steps, during = [], []
+
+    def counting(module, query, *args, **kwargs):
+        decode_steps.append(query.shape[2] == 1)
+        return registered(module, query, *args, **kwargs)
+
+    def recording(logits, *args):
+        during.append((attention_implementation(model), model.config.vision_config._attn_implementation,
+                       ALL_ATTENTION_FUNCTIONS["sdpa"]))
+        return original(logits, *args)
+
+    original = graph_decode.sample_next
+    monkeypatch.setitem(AttentionInterface._global_mapping, GROUPED, counting)
+    monkeypatch.setattr(graph_decode, "sample_next", recording)
+    with torch.no_grad():
+        got = GraphDecoding(model=model, original=model.generate, use_graph=False)._decode(
+            config, dict(inputs))
+    assert torch.equal(got, expected)
+    assert during[0] == ("sdpa", "sdpa", sdpa_attention_forward)  # the prefill's first token
+    assert set(during[1:]) == {(GROUPED, "sdpa", sdpa_attention_forward)}
+    text_layers = model.config.text_config.num_hidden_layers
+    assert decode_steps == [True] * (text_layers * (len(during) - 1))
+    assert attention_implementation(model) == "sdpa"

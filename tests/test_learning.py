@@ -23,6 +23,7 @@ from datasets import load_from_disk
 from vlmrl.data import load_raw_records, prepare, to_dataset
 from vlmrl.models.loading import load_policy, starting_adapter
 from vlmrl.params import DataParams, Params
+from vlmrl.rollout.generation import rollout_class
 from vlmrl.sft import run_sft
 from vlmrl.training import build_grpo_config, make_trainer
 from vlmrl.trl_compat import install_cpu_fallback
@@ -98,7 +99,7 @@ def trained_share(primed, reward, tmp_path: Path) -> tuple[float, float]:
     train_set, adapter = primed
     install_cpu_fallback()
     model, processor, _ = load_policy(PARAMS.model, PARAMS.train.lora, GRPO["seed"],
-                                      init_adapter=adapter)
+                                      init_adapter=adapter, model_class=rollout_class)
     rows = [train_set[i] for i in range(4)]
     before = measured_high_digit_share(model.eval(), processor, rows)
     config = build_grpo_config(GRPO, output_dir=tmp_path / "run", save_steps=100,

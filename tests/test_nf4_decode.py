@@ -1,12 +1,14 @@
-"""The CPU-side parts of `vlmrl.models.nf4_decode` (the kernel itself runs only on a GPU: its tests
+"""The CPU-side parts of `vlmrl.rollout.nf4_decode` (the kernel itself runs only on a GPU: its tests
 are in tests/gpu/test_graph_decode_gpu.py): how K is split over the SMs, when the kernel is taken."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from vlmrl.models.nf4_decode import TILES, Tiles, k_splits, kernel_available, servable
+from vlmrl.rollout.nf4_decode import TILES, Tiles, k_splits, kernel_available, servable
 
 
 @pytest.mark.parametrize(("out_features", "in_features"),
@@ -31,3 +33,104 @@ def test_no_kernel_without_cuda_or_for_a_plain_linear():
     if not torch.cuda.is_available():
         assert not kernel_available()
     assert not servable(torch.nn.Linear(256, 256, bias=False))  # no quant_state
+
+
+class TwoProjections(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(64, 32, bias=False)
+        self.down = torch.nn.Linear(32, 64, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+def with_quant_state(layer: torch.nn.Linear) -> torch.nn.Linear:
+    """A plain Linear posing as a Linear4bit to `PackedNF4.of`: its weight carries the quant state
+    (shape, block size, block scales) that the kernel's operator receives."""
+    out_features, in_features = layer.weight.shape
+    layer.weight.quant_state = SimpleNamespace(
+        shape=(out_features, in_features), blocksize=64, nested=False,
+        absmax=torch.rand(out_features * in_features // 64))
+    return layer
+
+
+@pytest.fixture
+def lora_model(monkeypatch):
+    """`up` under a real PEFT LoRA layer, `down` bare; the kernel (CUDA only) replaced by a fake
+    that records what the operator passes it and returns zeros."""
+    from peft import LoraConfig, get_peft_model
+
+    from vlmrl.rollout import nf4_decode
+
+    torch.manual_seed(0)
+    model = get_peft_model(TwoProjections(), LoraConfig(r=4, lora_alpha=8, target_modules=["up"]))
+    model = model.to(torch.bfloat16).eval()
+    lora_up = model.get_submodule("base_model.model.up")
+    down = model.get_submodule("base_model.model.down")
+    layers = [(lora_up, with_quant_state(lora_up.base_layer)), (down, with_quant_state(down))]
+    calls = []
+
+    def fake_kernel(x, weight, lora=None, tiles=None):
+        calls.append((weight.out_features, lora))
+        return torch.zeros(*x.shape[:-1], weight.out_features, dtype=torch.bfloat16)
+
+    monkeypatch.setattr(nf4_decode, "nf4_matmul", fake_kernel)
+    return model, nf4_decode.NF4Decode(model, layers), calls
+
+
+def test_active_puts_wrappers_in_the_layers_places_and_restores_them(lora_model):
+    from vlmrl.rollout.nf4_decode import NF4DecodeLinear
+
+    model, nf4, calls = lora_model
+    paths = ("base_model.model.up", "base_model.model.down")
+    originals = [model.get_submodule(path) for path in paths]
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = model(x)
+        for _ in range(2):
+            with nf4.active():
+                wrappers = [model.get_submodule(path) for path in paths]
+                assert all(isinstance(w, NF4DecodeLinear) for w in wrappers)
+                assert [w.layer for w in wrappers] == originals
+                assert torch.equal(model(x), torch.zeros_like(expected))  # both by the kernel
+            assert [model.get_submodule(path) for path in paths] == originals
+            assert torch.equal(model(x), expected)
+    assert nf4.swaps is not None and [w for _, _, w in nf4.swaps] == wrappers  # kept, reused
+    lora_up = originals[0]
+    a, b, s = lora_up.lora_A["default"].weight, lora_up.lora_B["default"].weight, \
+        lora_up.scaling["default"]
+    assert len(calls) == 4
+    for out_features, lora in calls[0::2]:
+        assert out_features == 32 and torch.equal(lora[0], a) and torch.equal(lora[1], b)
+        assert lora[2] == s
+    assert [(o, lora) for o, lora in calls[1::2]] == [(64, None)] * 2
+
+
+def test_what_the_kernel_does_not_serve_goes_to_the_layer(lora_model):
+    model, nf4, calls = lora_model
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        many_rows = torch.randn(65, 64, dtype=torch.bfloat16)  # more than MAX_ROWS: a prefill
+        expected = model(many_rows)
+        with nf4.active():
+            got = model(many_rows)
+        assert torch.equal(got, expected) and calls == []
+        model.get_submodule("base_model.model.up").lora_dropout["default"] = torch.nn.Dropout(0.5)
+        model.eval()
+        with nf4.active():
+            model(x)
+        assert [lora is None for _, lora in calls] == [False, True]
+        model.train()
+        calls.clear()
+        with nf4.active():
+            model.get_submodule("base_model.model.up")(x)  # dropout in training: PEFT's forward
+        assert calls == []
+
+
+def test_active_restores_the_layers_when_the_step_fails(lora_model):
+    model, nf4, _ = lora_model
+    up = model.get_submodule("base_model.model.up")
+    with pytest.raises(RuntimeError, match="step failed"), nf4.active():
+        raise RuntimeError("step failed")
+    assert model.get_submodule("base_model.model.up") is up

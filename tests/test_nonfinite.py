@@ -18,6 +18,7 @@ from vlmrl.data import load_raw_records, prepare, to_dataset
 from vlmrl.models.loading import load_policy
 from vlmrl.nonfinite import NonFiniteTrainingError
 from vlmrl.params import DataParams, Params
+from vlmrl.rollout.generation import rollout_class
 from vlmrl.training import build_grpo_config, make_trainer
 from vlmrl.trl_compat import install_cpu_fallback
 
@@ -62,7 +63,8 @@ def lora_weights(model) -> dict[str, torch.Tensor]:
 
 def run_poisoned(train_set, tmp_path: Path, steps: set[int], limit: int = 3):
     install_cpu_fallback()
-    model, processor, _ = load_policy(PARAMS.model, PARAMS.train.lora, GRPO["seed"])
+    model, processor, _ = load_policy(PARAMS.model, PARAMS.train.lora, GRPO["seed"],
+                                      model_class=rollout_class)
     poison_gradient_at(model, steps, [0])
     config = build_grpo_config(GRPO, output_dir=tmp_path / "run", save_steps=100,
                                reward_weights=[1.0], model_settings=PARAMS.model)
@@ -186,7 +188,8 @@ def test_a_nonfinite_weight_stops_training(train_set, tmp_path) -> None:
     """An update too large for float32 (learning rate 1e39) makes a weight infinite: the run
     stops at that step's end, before anything is saved from it."""
     install_cpu_fallback()
-    model, processor, _ = load_policy(PARAMS.model, PARAMS.train.lora, GRPO["seed"])
+    model, processor, _ = load_policy(PARAMS.model, PARAMS.train.lora, GRPO["seed"],
+                                      model_class=rollout_class)
     config = build_grpo_config({**GRPO, "learning_rate": 1e39, "max_grad_norm": 0.0},
                                output_dir=tmp_path / "run", save_steps=1,
                                reward_weights=[1.0], model_settings=PARAMS.model)

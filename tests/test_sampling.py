@@ -18,9 +18,9 @@ from vlmrl.models.sampling import (
     TopKSampler,
     candidate_probs,
     draw,
-    sample_top_k_on_cpu,
     top_k_settings,
 )
+from vlmrl.rollout.generation import rollout_class, sample_top_k_on_cpu
 from vlmrl.params import EvalParams
 
 
@@ -107,7 +107,7 @@ def test_generate_is_wrapped_on_cpu_and_keeps_other_processors() -> None:
         def generate(self, **kwargs):
             calls.append(kwargs)
 
-    model = Model()
+    model = rollout_class(Model)()
     assert sample_top_k_on_cpu(model, None) is False
     assert sample_top_k_on_cpu(model, SamplingSettings(1.0, 20, 0.8)) is True
     suppress = TopKSampler(SamplingSettings(1.0, 1))

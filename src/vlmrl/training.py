@@ -39,7 +39,6 @@ from vlmrl.data_parallel import (
 )
 from vlmrl.launch import DistributedParams, check_strategy, check_world, distributed_settings
 from vlmrl.models.backend import precision_flags
-from vlmrl.models.graph_decode import install_graph_decoding
 from vlmrl.models.loading import backend_for, load_policy, starting_adapter
 from vlmrl.models.processor import (
     chat_messages,
@@ -47,11 +46,13 @@ from vlmrl.models.processor import (
     save_processing,
     suppressed_generation_kwargs,
 )
-from vlmrl.models.sampling import on_cpu, sample_top_k_on_cpu, top_k_settings
+from vlmrl.models.sampling import on_cpu, top_k_settings
 from vlmrl.outputs import atomic_dir
 from vlmrl.params import ModelParams, Params, ParamsError
 from vlmrl.portable import make_adapter_portable
 from vlmrl.rewards import build_rewards
+from vlmrl.rollout.generation import rollout_class, sample_top_k_on_cpu
+from vlmrl.rollout.graph_decode import install_graph_decoding
 from vlmrl.trainers import grpo_trainer
 from vlmrl.trl_compat import (
     check_report_to,
@@ -239,10 +240,11 @@ def make_trainer(model, processor, config, dataset, reward_funcs, *,
     """TRL's GRPOTrainer with the project's generation switches: the processor's suppressed
     tokens, compiled decoding when `generation_kwargs.disable_compile` is false (TRL itself
     always disables it), generation in chunks of `generation_rows`, on a GPU with
-    `graph_decoding` the decode step in one CUDA graph (`vlmrl.models.graph_decode`) over a cache
-    of `kv_cache_dtype` (`vlmrl.models.decode_attention`), on a CPU top-k sampling among k tokens
-    (`vlmrl.models.sampling`), and steps with a non-finite loss or gradient skipped
-    (`vlmrl.nonfinite`, at most `max_nonfinite_steps` in a row)."""
+    `graph_decoding` the decode step in one CUDA graph (`vlmrl.rollout.graph_decode`) over a cache
+    of `kv_cache_dtype` (`vlmrl.rollout.decode_attention`), on a CPU top-k sampling among k tokens
+    (`vlmrl.rollout.generation`; both need the policy loaded with `rollout_class`), and steps
+    with a non-finite loss or gradient skipped (`vlmrl.nonfinite`, at most
+    `max_nonfinite_steps` in a row)."""
     if kv_cache_dtype != "auto" and graph_decoding == "eager":
         raise ParamsError(f"params.yaml train.kv_cache_dtype: {kv_cache_dtype} needs "
                           "train.graph_decoding graph or merged (the cache it sets), not eager")
@@ -316,7 +318,7 @@ def train(*, train_set: Path, params: Params, adapter_out: Path, checkpoints: Pa
     install_cpu_fallback()
     use_expandable_segments(train_params.expandable_segments)
     model, processor, _backend = load_policy(model_params, train_params.lora, config.seed,
-                                             init_adapter)
+                                             init_adapter, model_class=rollout_class)
     dataset = policy_dataset(load_from_disk(str(train_set)), processor)
     trainer = make_trainer(model, processor, config, dataset, reward_funcs,
                            generation_rows=rows, callbacks=list(callbacks or []),

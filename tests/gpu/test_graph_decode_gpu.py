@@ -1,4 +1,4 @@
-"""Graph decoding (`train.graph_decoding`, vlmrl.models.graph_decode) on the GPU, on the model with
+"""Graph decoding (`train.graph_decoding`, vlmrl.rollout.graph_decode) on the GPU, on the model with
 Qwen3-VL-2B's shapes and a LoRA adapter whose B matrices are random (so the adapter changes every
 logit, as after training): under greedy decoding and deterministic kernels the tokens must equal
 transformers' `model.generate` on the same inputs with the same static cache (bf16); in NF4 the
@@ -26,14 +26,15 @@ CACHE_LEN = 512
 
 def load(four_bit: bool, attention: str = "sdpa"):
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForImageTextToText
 
     from vlmrl.models.backend import bnb_4bit_config
     from vlmrl.models.embedded import ensure_embedded_model
+    from vlmrl.models.loading import checkpoint_class
     from vlmrl.models.processor import load_processor
+    from vlmrl.rollout.generation import rollout_class
 
     path = str(ensure_embedded_model(MODEL, seed=0, device="cuda"))
-    model = AutoModelForImageTextToText.from_pretrained(
+    model = rollout_class(checkpoint_class(path)).from_pretrained(  # as train_gspo loads the policy
         path, dtype=torch.bfloat16, device_map="cuda", attn_implementation=attention,
         quantization_config=bnb_4bit_config(torch.bfloat16) if four_bit else None)
     config = LoraConfig(r=16, lora_alpha=16, target_modules=r".*language_model.*\.(q|v|down)_proj")
@@ -73,8 +74,8 @@ def greedy(model, compiled: bool = False):
 def decode_and_record(model, batch: dict, runs: dict[str, tuple[dict, bool]]):
     """Each run's greedy tokens (a GraphDecoding with these fields, its step compiled or not, a
     new cache and graph per call) and the float32 logits of its every draw (the prefill's first)."""
-    from vlmrl.models import graph_decode
-    from vlmrl.models.graph_decode import GraphDecoding
+    from vlmrl.rollout import graph_decode
+    from vlmrl.rollout.graph_decode import GraphDecoding
 
     tokens, logits = {}, {}
     original = graph_decode.sample_next
@@ -112,7 +113,7 @@ def test_bf16_greedy_tokens_equal_generate(deterministic):
     equal tokens are expected to the last one. The prefill of each distinct prompt once is off
     here: it runs the prefill on fewer rows, for which cuBLAS picks other kernels (0.86 of the
     tokens equal on the H100; its equality with `generate` is tested on the CPU)."""
-    from vlmrl.models.graph_decode import install_graph_decoding
+    from vlmrl.rollout.graph_decode import install_graph_decoding
 
     model, processor = load(four_bit=False, attention="eager")
     batch = inputs(processor)
@@ -154,7 +155,7 @@ def test_compiled_nf4_step_is_traced_once_and_close_to_the_eager_step():
 
 
 def test_nf4_graph_replays_equal_the_eager_loop():
-    from vlmrl.models.graph_decode import GraphDecoding
+    from vlmrl.rollout.graph_decode import GraphDecoding
 
     model, processor = load(four_bit=True)
     batch = inputs(processor)
@@ -185,7 +186,7 @@ def test_grouped_attention_matches_sdpa_in_bf16(heads, span, mask_kind):
     never written), over the whole cache or a shorter span of it (mode "merged")."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from vlmrl.models.decode_attention import grouped_decode_attention
+    from vlmrl.rollout.decode_attention import grouped_decode_attention
 
     class Module:
         num_key_value_groups = heads // 8
@@ -209,12 +210,12 @@ def test_grouped_attention_matches_sdpa_in_bf16(heads, span, mask_kind):
 
 @pytest.mark.parametrize("heads", [16, 32])
 def test_fp8_cache_attention_matches_sdpa_over_its_values(heads):
-    """The float8 cache's kernel (vlmrl.models.decode_attention) on 32 rows with a step's mask,
+    """The float8 cache's kernel (vlmrl.rollout.decode_attention) on 32 rows with a step's mask,
     against SDPA in float32 over the same float8 values: the error of a bf16 output. Beside it,
     how far the float8 cache moves the attention from the bf16 cache's (printed)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from vlmrl.models.decode_attention import FP8, grouped_decode_attention, stored
+    from vlmrl.rollout.decode_attention import FP8, grouped_decode_attention, stored
 
     class Module:
         num_key_value_groups = heads // 8
@@ -261,7 +262,7 @@ def test_fp8_cache_graph_replays_equal_the_eager_loop_and_stay_near_bf16():
 
 
 def test_merged_copies_decode_like_the_adapter():
-    from vlmrl.models.graph_decode import GraphDecoding
+    from vlmrl.rollout.graph_decode import GraphDecoding
 
     model, processor = load(four_bit=False)
     batch = inputs(processor)
@@ -295,12 +296,12 @@ def test_merged_copies_decode_like_the_adapter():
 
 @pytest.mark.parametrize("rows", [1, 16, 33])
 def test_nf4_kernel_is_as_exact_as_bitsandbytes_and_peft(rows):
-    """`vlmrl.models.nf4_decode` on the 2B shape's projections, with and without an adapter (the
+    """`vlmrl.rollout.nf4_decode` on the 2B shape's projections, with and without an adapter (the
     LoRA here covers q, v and down; k and the MLP's gate are bare), for the shipped tiles
     (scale after) and the variant that scales the weights first: against a float32 product of the NF4 values times their block scales
     (unrounded) and the adapter, its error is no larger than bitsandbytes + PEFT's; and the
-    layers' forward under `active()` is `nf4_matmul` with the shipped tiles."""
-    from vlmrl.models.nf4_decode import TILES, NF4Decode, PackedNF4, Tiles, _adapter, nf4_matmul
+    layer's place in the model under `active()` computes `nf4_matmul` with the shipped tiles."""
+    from vlmrl.rollout.nf4_decode import TILES, NF4Decode, PackedNF4, Tiles, _adapter, nf4_matmul
 
     model, _ = load(four_bit=True)
     nf4 = NF4Decode(model)
@@ -327,7 +328,7 @@ def test_nf4_kernel_is_as_exact_as_bitsandbytes_and_peft(rows):
         with torch.no_grad():
             theirs = module(x).float()
             with nf4.active():
-                wired = module(x)
+                wired = model.get_submodule(names[id(module)])(x)  # the layer's place
             assert torch.equal(wired, nf4_matmul(x, weight, lora or None, TILES)), kind
             their_error = (theirs - exact).abs().max().item()
             for tiles in (TILES, Tiles(block_n=64, block_k=128, scale_after=False)):

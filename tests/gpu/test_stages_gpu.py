@@ -51,7 +51,7 @@ CONFIGS = {
                                 "train.graph_decoding": "graph",
                                 "train.grpo.generation_kwargs.disable_compile": False},
 }
-# the fastest profile: the graph profile over a float8 cache (vlmrl.models.decode_attention)
+# the fastest profile: the graph profile over a float8 cache (vlmrl.rollout.decode_attention)
 CONFIGS["transformers-4bit-graph-fp8"] = {**CONFIGS["transformers-4bit-graph"],
                                           "train.kv_cache_dtype": "fp8"}
 DOWNSTREAM_CONFIGS = [name for name in CONFIGS if "-graph" not in name]

@@ -9,5 +9,8 @@ sit above it as peers and never load a model any other way.
 - `embedded`: the tiny built-in Qwen3-VL models (no hub needed).
 - `forward`: the fixed input and the logits that verify and export compare.
 
+Decoding that only training runs (compiled rollouts, their attention and kernels) lives in
+`vlmrl.rollout`, so that editing it reruns no evaluation, verify or export.
+
 It imports only the ground floor (`vlmrl.params`, `vlmrl.outputs`, `vlmrl.cache`,
 `vlmrl.merged_weights`), never a stage module."""

@@ -15,12 +15,19 @@ from vlmrl.export, each of which dispatched on the backend itself."""
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
 from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, set_seed
+from transformers import (
+    MODEL_FOR_CAUSAL_LM_MAPPING,
+    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    set_seed,
+)
 
 from vlmrl.merged_weights import check_adapter_weights
 from vlmrl.models.backend import (
@@ -36,6 +43,10 @@ from vlmrl.models.processor import is_text_checkpoint, load_processor, save_with
 from vlmrl.models.unsloth import UnslothBackend
 from vlmrl.params import LoraParams, ModelParams, ParamsError
 
+# A subclass factory applied to the model's transformers class before it is loaded (training's
+# `vlmrl.rollout.generation.rollout_class`).
+ModelClass = Callable[[type], type]
+
 
 class ModelBackend(Protocol):
     name: str
@@ -44,7 +55,8 @@ class ModelBackend(Protocol):
              device: str | None = None) -> tuple[Any, Any]: ...
 
     def load_policy(self, path: str, settings: ModelParams, lora: LoraParams, seed: int,
-                    init_adapter: Path | None = None) -> tuple[Any, Any]: ...
+                    init_adapter: Path | None = None,
+                    model_class: ModelClass | None = None) -> tuple[Any, Any]: ...
 
     def merge(self, path: str, settings: ModelParams, adapter: Path, row: Mapping,
               out_dir: Path, base_dir: Path) -> tuple[Any, Any]: ...
@@ -61,12 +73,13 @@ class TransformersBackend:
         return model, load_processor(path)
 
     def load_policy(self, path: str, settings: ModelParams, lora: LoraParams, seed: int,
-                    init_adapter: Path | None = None) -> tuple[Any, Any]:
+                    init_adapter: Path | None = None,
+                    model_class: ModelClass | None = None) -> tuple[Any, Any]:
         # 4-bit too goes straight to get_peft_model (which freezes the base; GRPOTrainer enables
         # input gradients for checkpointing). peft's prepare_model_for_kbit_training would upcast
         # every 16-bit tensor to float32, the 0.3 B-parameter embedding and so the logits among
         # them.
-        model = load_transformers_model(path, settings)
+        model = load_transformers_model(path, settings, model_class=model_class)
         model.train()
         if init_adapter is not None:
             model = PeftModel.from_pretrained(model, str(init_adapter), is_trainable=True)
@@ -115,16 +128,19 @@ def load_model(settings: ModelParams, *, adapter: Path | str | None = None,
 
 
 def load_policy(settings: ModelParams, lora: LoraParams, seed: int,
-                init_adapter: Path | None = None) -> tuple[Any, Any, str]:
+                init_adapter: Path | None = None, *,
+                model_class: ModelClass | None = None) -> tuple[Any, Any, str]:
     """(peft model, processor, backend name) with LoRA on the language model only: a fresh
-    adapter of `lora`'s shape, or `init_adapter` loaded trainable.
+    adapter of `lora`'s shape, or `init_adapter` loaded trainable. `model_class` makes the
+    transformers backend load a subclass of the model's class (the Unsloth backend loads its
+    own classes and ignores it).
 
     The global RNGs are seeded first: PEFT draws lora_A from them, and TRL's trainers seed only
     once the model exists, so an unseeded init made two runs of the same params differ."""
     backend = backend_for(settings)
     set_seed(seed)
     model, processor = backend.load_policy(resolve_model_path(settings), settings, lora, seed,
-                                           init_adapter)
+                                           init_adapter, model_class)
     return model, processor, backend.name
 
 
@@ -174,19 +190,31 @@ def load_merged(merged_dir: Path, dtype: str = "float32") -> tuple[Any, Any]:
 # ------------------------------------------------------------------ transformers
 
 
-def load_transformers_model(path: str, settings: ModelParams, device: str | None = None):
+def load_transformers_model(path: str, settings: ModelParams, device: str | None = None,
+                            model_class: ModelClass | None = None):
     """On this process's device (`process_device`: accelerate's, one GPU per process), or
-    `device`."""
+    `device`; with `model_class`, as `model_class(the checkpoint's class)`."""
     kwargs: dict[str, Any] = {"dtype": resolve_dtype(settings.dtype)}
     if settings.load_in_4bit:
         kwargs["quantization_config"] = bnb_4bit_config(kwargs["dtype"])
     placement = device or process_device()
     if placement is not None:
         kwargs["device_map"] = {"": placement}
-    auto = AutoModelForCausalLM if is_text_checkpoint(path) else AutoModelForImageTextToText
-    model = auto.from_pretrained(path, **kwargs)
+    if model_class is None:
+        auto = AutoModelForCausalLM if is_text_checkpoint(path) else AutoModelForImageTextToText
+        model = auto.from_pretrained(path, **kwargs)
+    else:
+        model = model_class(checkpoint_class(path)).from_pretrained(path, **kwargs)
     model.eval()
     return model
+
+
+def checkpoint_class(path: str) -> type:
+    """The transformers class that `load_transformers_model` loads the checkpoint as (what
+    `AutoModelForCausalLM` or `AutoModelForImageTextToText` picks for its config)."""
+    classes = (MODEL_FOR_CAUSAL_LM_MAPPING if is_text_checkpoint(path)
+               else MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING)
+    return classes[type(AutoConfig.from_pretrained(path))]
 
 
 def attach_adapter(model, adapter: Path | str) -> PeftModel:

@@ -16,7 +16,6 @@ only, where it is faster: on a GPU transformers' sampling is cheap and stays as 
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,19 +118,3 @@ def sampling_kwargs(settings: SamplingSettings,
 def on_cpu(model) -> bool:
     parameter = next(model.parameters(), None)
     return parameter is not None and parameter.device.type == "cpu"
-
-
-def sample_top_k_on_cpu(model, settings: SamplingSettings | None) -> bool:
-    """Makes `model.generate` sample through `TopKSampler` when the model is on a CPU and the
-    settings allow it; True if it did. TRL calls `generate` with its own GenerationConfig, so the
-    switch to greedy mode goes in as keyword arguments, which take precedence over it."""
-    if settings is None or not on_cpu(model):
-        return False
-    original = model.generate
-
-    @functools.wraps(original)
-    def generate(*args: Any, logits_processor: LogitsProcessorList | None = None, **kwargs: Any):
-        return original(*args, **kwargs, **sampling_kwargs(settings, logits_processor))
-
-    model.generate = generate
-    return True

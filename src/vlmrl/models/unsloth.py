@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,9 @@ class UnslothBackend:
         return model, load_processor(path)
 
     def load_policy(self, path: str, settings: ModelParams, lora: LoraParams, seed: int,
-                    init_adapter: Path | None = None) -> tuple[Any, Any]:
+                    init_adapter: Path | None = None,
+                    model_class: Callable[[type], type] | None = None) -> tuple[Any, Any]:
+        """The LoRA policy through Unsloth's own model classes (`model_class` does not apply)."""
         if init_adapter is not None:  # the SFT stage's adapter, continued
             model = PeftModel.from_pretrained(self._base(path, settings, for_training=True),
                                               str(init_adapter), is_trainable=True)

@@ -10,7 +10,7 @@ and advances the position, with no host synchronisation but one check for finish
 `CHECK_EVERY` steps (the early exit: the call returns once every row has sampled EOS). Where
 `disable_compile` is false the step's forward runs under torch.compile inside the graph, which
 fuses the small elementwise kernels between the projections; rows that repeat a prompt share its
-prefill (`vlmrl.models.shared_prompts`).
+prefill (`vlmrl.rollout.shared_prompts`).
 
 The draw samples exactly transformers' distribution for TRL's settings (suppressed tokens
 removed, temperature, top-k, then top-p over what top-k kept: `vlmrl.models.sampling`'s
@@ -32,9 +32,15 @@ from typing import Any
 
 import torch
 
-from vlmrl.models.decode_attention import decode_attention, static_cache
 from vlmrl.models.sampling import SamplingSettings, candidate_probs
-from vlmrl.models.shared_prompts import copy_into_static, distinct_rows, select_rows
+from vlmrl.rollout.decode_attention import (
+    attention_implementation,
+    decode_attention,
+    generative_model,
+    static_cache,
+)
+from vlmrl.rollout.generation import rollout_model
+from vlmrl.rollout.shared_prompts import copy_into_static, distinct_rows, select_rows
 
 CHECK_EVERY = 64  # decode steps between host checks for "every row has finished"
 CACHE_ROUND = 256  # cache lengths are rounded up to this, so prompts of other lengths reuse one
@@ -157,7 +163,7 @@ class GraphDecoder:
         rows, length = plan.rows, plan.cache_len
         self.cache = static_cache(model.config, length, kv_cache_dtype)
         self.token = torch.zeros(rows, 1, dtype=torch.long, device=device)
-        multimodal_rope = _rope_deltas_holder(_generative_model(model)) is not None
+        multimodal_rope = _rope_deltas_holder(generative_model(model)) is not None
         self.positions = torch.zeros(*((4,) if multimodal_rope else ()), rows, 1,
                                      dtype=torch.long, device=device)
         self.valid = torch.ones(rows, length, dtype=torch.bool, device=device)
@@ -200,10 +206,9 @@ class GraphDecoder:
     def _run_step(self, span: int) -> None:
         graph = self.graphs.get(span)
         capturing = graph is None
-        with decode_attention(self.attention), (
-                self.merged.swapped() if self.merged and capturing
-                else contextlib.nullcontext()), (
-                self.nf4.active() if self.nf4 and capturing else contextlib.nullcontext()):
+        swapped = self.merged.swapped() if self.merged and capturing else contextlib.nullcontext()
+        kernel = self.nf4.active() if self.nf4 and capturing else contextlib.nullcontext()
+        with swapped, kernel:
             if not self.use_graph:
                 self.step(span)
             elif graph is None:
@@ -223,13 +228,13 @@ class GraphDecoder:
 
     def prefill(self, input_ids, attention_mask, model_kwargs: dict[str, Any]) -> torch.Tensor:
         """Runs the prompt through the model into the cache, each distinct prompt once where the
-        rows repeat (`vlmrl.models.shared_prompts`), with the position ids `generate` gives it
+        rows repeat (`vlmrl.rollout.shared_prompts`), with the position ids `generate` gives it
         (multimodal RoPE for Qwen-VL); returns the first drawn tokens."""
         from transformers import DynamicCache
 
         self.cache.reset()
         prompt_len = input_ids.shape[1]
-        hf_model = _generative_model(self.model)
+        hf_model = generative_model(self.model)
         vision_start = getattr(hf_model.config, "vision_start_token_id", None)
         shared = distinct_rows(input_ids, model_kwargs, vision_start) if self.share_prompts \
             else None
@@ -262,7 +267,7 @@ class GraphDecoder:
 
     def _prefill(self, input_ids, attention_mask, model_kwargs, cache) -> torch.Tensor:
         """The last position's float32 logits of a prefill of these rows into `cache`."""
-        positions = _generative_model(self.model)._prepare_position_ids_for_generation(
+        positions = generative_model(self.model)._prepare_position_ids_for_generation(
             input_ids, {"attention_mask": attention_mask, "input_ids": input_ids, **model_kwargs})
         out = self.model(input_ids=input_ids, attention_mask=attention_mask,
                          position_ids=positions, past_key_values=cache, use_cache=True,
@@ -278,26 +283,14 @@ class GraphDecoder:
         if self.merged is not None:
             self.merged.refresh()  # the adapter as trained so far, folded into the copies
         made = 1
-        while made < max_new_tokens:
-            if made % CHECK_EVERY == 0 and bool(self.finished.all()):
-                break
-            self._run_step(self.span(prompt_len + made - 1))
-            tokens[:, made] = self.token[:, 0]
-            made += 1
+        with decode_attention(self.model, self.attention):
+            while made < max_new_tokens:
+                if made % CHECK_EVERY == 0 and bool(self.finished.all()):
+                    break
+                self._run_step(self.span(prompt_len + made - 1))
+                tokens[:, made] = self.token[:, 0]
+                made += 1
         return torch.cat([input_ids, tokens[:, :made]], dim=1)
-
-
-def attention_implementation(model) -> str | None:
-    """The text model's attention ("sdpa", "eager", "flash_attention_2", ...)."""
-    config = _generative_model(model).config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return getattr(text, "_attn_implementation", None) or getattr(config, "_attn_implementation",
-                                                                   None)
-
-
-def _generative_model(model):
-    """The transformers model under a PEFT wrapper (the one with generate's helpers)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def _rope_deltas_holder(model):
@@ -313,7 +306,8 @@ def _rope_deltas(model) -> torch.Tensor | None:
 
 @dataclass
 class GraphDecoding:
-    """`model.generate`, replaced: graph decoding where served, transformers' otherwise."""
+    """The policy's `generate` during training (`install_graph_decoding`): graph decoding where
+    served, transformers' (`original`) otherwise."""
 
     model: Any
     original: Any
@@ -321,10 +315,10 @@ class GraphDecoding:
     attention: str = "grouped"  # or "model": the model's own (SDPA) attention in decode steps
     merged: bool = False  # decode with bf16 copies of the weights with the adapter folded in
     keep: bool = True  # keep each batch shape's cache and graph between calls (else freed)
-    share_prompts: bool = True  # prefill each distinct prompt once (vlmrl.models.shared_prompts)
+    share_prompts: bool = True  # prefill each distinct prompt once (vlmrl.rollout.shared_prompts)
     spans: bool = False  # attention over the filled span of the cache (GraphDecoder.span)
-    kv_cache_dtype: str = "auto"  # or "fp8": vlmrl.models.decode_attention
-    # NF4 projections by `vlmrl.models.nf4_decode` in decode steps; VLMRL_NF4_DECODE=0: off
+    kv_cache_dtype: str = "auto"  # or "fp8": vlmrl.rollout.decode_attention
+    # NF4 projections by `vlmrl.rollout.nf4_decode` in decode steps; VLMRL_NF4_DECODE=0: off
     nf4_kernel: bool = field(default_factory=lambda: os.environ.get("VLMRL_NF4_DECODE") != "0")
     decoders: dict | None = None
     calls: int = 0
@@ -361,7 +355,7 @@ class GraphDecoding:
     @functools.cached_property
     def nf4(self):
         """The model's NF4Decode, made once (it keeps the block scales), or None."""
-        from vlmrl.models.nf4_decode import NF4Decode, kernel_available
+        from vlmrl.rollout.nf4_decode import NF4Decode, kernel_available
 
         if not self.nf4_kernel or self.merged or not kernel_available():
             return None
@@ -401,17 +395,19 @@ MODES = ("eager", "graph", "merged")
 
 def install_graph_decoding(model, mode: str = "graph", attention: str = "grouped",
                            kv_cache_dtype: str = "auto") -> GraphDecoding:
-    """Replaces `model.generate` (the object TRL calls: the PEFT model) with graph decoding.
-    `mode` (train.graph_decoding): "graph", the adapter as it is, cache and graph freed after each
-    call (memory as transformers' generate); "merged", `MergedLoRA` copies, cache and graphs
-    kept and attention over the filled span of the cache (speed, at one more copy of the adapted
-    weights). Both compile the decode step's forward where `disable_compile` is false;
+    """Routes the policy's `generate` (the call TRL makes on the PEFT model reaches the
+    transformers model under it, loaded with `vlmrl.rollout.generation.rollout_class`) to graph
+    decoding. `mode` (train.graph_decoding): "graph", the adapter as it is, cache and graph freed
+    after each call (memory as transformers' generate); "merged", `MergedLoRA` copies, cache and
+    graphs kept and attention over the filled span of the cache (speed, at one more copy of the
+    adapted weights). Both compile the decode step's forward where `disable_compile` is false;
     `kv_cache_dtype` (train.kv_cache_dtype) "fp8" keeps the cache in 8 bits
-    (`vlmrl.models.decode_attention`)."""
+    (`vlmrl.rollout.decode_attention`)."""
     if mode not in MODES[1:]:
         raise ValueError(f"params.yaml train.graph_decoding must be one of {MODES}, not {mode!r}")
-    wrapper = GraphDecoding(model=model, original=model.generate, attention=attention,
-                            merged=mode == "merged", keep=mode == "merged",
+    inner = rollout_model(model)
+    wrapper = GraphDecoding(model=model, original=inner.transformers_generate,
+                            attention=attention, merged=mode == "merged", keep=mode == "merged",
                             spans=mode == "merged", kv_cache_dtype=kv_cache_dtype)
-    model.generate = functools.update_wrapper(wrapper, model.generate)
+    inner.set_rollout_generate(wrapper)
     return wrapper

@@ -186,11 +186,11 @@ def servable(layer) -> bool:
 
 def block_scales(layer) -> torch.Tensor:
     """The layer's float32 scale per block of `blocksize` weights, the nested quantization undone."""
-    from bitsandbytes.functional import dequantize_blockwise
-
     state = layer.weight.quant_state
     if not state.nested:
         return state.absmax.float().contiguous()
+    from bitsandbytes.functional import dequantize_blockwise
+
     return (dequantize_blockwise(state.absmax, state.state2) + state.offset).float().contiguous()
 
 
@@ -279,56 +279,81 @@ def _adapter(module) -> tuple | None:
     return a, b, module.scaling[name]
 
 
+class NF4DecodeLinear(torch.nn.Module):
+    """An NF4 projection (a bare Linear4bit, or a LoRA layer over one) that decode steps call:
+    at most MAX_ROWS bf16 rows go to `nf4_matmul_op` with the layer's weight and active adapter,
+    anything else (more rows, other arguments, dropout in training, several adapters) to the
+    layer itself."""
+
+    def __init__(self, layer: torch.nn.Module, weight: PackedNF4, bare: bool) -> None:
+        super().__init__()
+        self.layer = layer
+        self.packed = weight
+        self.bare = bare
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        lora = () if self.bare else _adapter(self.layer)
+        rows = x.numel() // x.shape[-1]
+        if lora is None or args or kwargs or rows > MAX_ROWS or x.dtype != torch.bfloat16:
+            return self.layer(x, *args, **kwargs)
+        a, b, scaling = lora or (None, None, 1.0)
+        weight = self.packed
+        return torch.ops.vlmrl.nf4_matmul(x, weight.packed, weight.scales, a, b, float(scaling),
+                                          weight.out_features, weight.blocksize)
+
+
+def nf4_layers(model) -> list[tuple[torch.nn.Module, torch.nn.Module]]:
+    """(layer, its Linear4bit) for each NF4 projection the kernel serves: LoRA layers over a
+    Linear4bit (the pair) and bare Linear4bit layers (the layer twice)."""
+    import bitsandbytes as bnb
+
+    wrapped = {module: module.base_layer for module in model.modules()
+               if isinstance(getattr(module, "base_layer", None), bnb.nn.Linear4bit)
+               and hasattr(module, "lora_A")}
+    bases = set(wrapped.values())
+    bare = [module for module in model.modules()
+            if isinstance(module, bnb.nn.Linear4bit) and module not in bases]
+    return [(module, base) for module, base in [*wrapped.items(), *((m, m) for m in bare)]
+            if servable(base)]
+
+
 class NF4Decode:
-    """The model's NF4 projections (bare or under a LoRA layer), switched to `nf4_matmul_op`
-    while `active()`. The weights' `PackedNF4` (block scales) and the replacement forwards are
-    made on first use and kept: the same function objects on every activation, so torch.compile's
-    guards on them hold and a compiled decode step is traced once."""
+    """The model's NF4 projections, each put in its parent's place as an `NF4DecodeLinear` while
+    `active()` (through `nn.Module.set_submodule`) and put back on exit. The wrappers (and the
+    weights' `PackedNF4`, the block scales) are made on first use and kept: the same modules on
+    every activation, so torch.compile's guards on them hold and a compiled decode step is traced
+    once. `layers` defaults to `nf4_layers(model)`."""
 
-    def __init__(self, model) -> None:
-        import bitsandbytes as bnb
-
-        wrapped = {module: module.base_layer for module in model.modules()
-                   if isinstance(getattr(module, "base_layer", None), bnb.nn.Linear4bit)
-                   and hasattr(module, "lora_A")}
-        bases = set(wrapped.values())
-        bare = [module for module in model.modules()
-                if isinstance(module, bnb.nn.Linear4bit) and module not in bases]
-        self.layers = [(module, base) for module, base in [*wrapped.items(),
-                                                           *((m, m) for m in bare)]
-                       if servable(base)]
-        self.forwards: list | None = None
+    def __init__(self, model, layers: list | None = None) -> None:
+        self.model = model
+        self.layers = nf4_layers(model) if layers is None else layers
+        self.swaps: list[tuple[str, torch.nn.Module, NF4DecodeLinear]] | None = None
 
     def __bool__(self) -> bool:
         return bool(self.layers)
 
-    @staticmethod
-    def _forward(module, weight: PackedNF4, original, bare: bool):
-        def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-            lora = () if bare else _adapter(module)
-            rows = x.numel() // x.shape[-1]
-            if lora is None or args or kwargs or rows > MAX_ROWS or x.dtype != torch.bfloat16:
-                return original(x, *args, **kwargs)
-            a, b, scaling = lora or (None, None, 1.0)
-            return torch.ops.vlmrl.nf4_matmul(x, weight.packed, weight.scales, a, b,
-                                              float(scaling), weight.out_features,
-                                              weight.blocksize)
-
-        return forward
+    def _make_swaps(self) -> list[tuple[str, torch.nn.Module, NF4DecodeLinear]]:
+        """(path in the model, layer, its wrapper) for every path that reaches a layer."""
+        wrappers = {module: NF4DecodeLinear(module, PackedNF4.of(base), module is base)
+                    for module, base in self.layers}
+        return [(path, module, wrappers[module])
+                for path, module in self.model.named_modules(remove_duplicate=False)
+                if module in wrappers]
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
-        saved = [module.__dict__.get("forward") for module, _ in self.layers]
-        if self.forwards is None:
-            self.forwards = [self._forward(module, PackedNF4.of(base), module.forward,
-                                           module is base) for module, base in self.layers]
-        for (module, _), forward in zip(self.layers, self.forwards):
-            module.forward = forward
+        if self.swaps is None:
+            self.swaps = self._make_swaps()
+        for path, layer, _ in self.swaps:
+            if self.model.get_submodule(path) is not layer:
+                raise RuntimeError(f"NF4 decoding: {path} is no longer the layer it wrapped")
+        done = []
         try:
+            for path, _, wrapper in self.swaps:
+                self.model.set_submodule(path, wrapper, strict=True)
+                done.append(path)
             yield
         finally:
-            for (module, _), own in zip(self.layers, saved):
-                if own is None:
-                    del module.forward  # back to the class's forward
-                else:
-                    module.forward = own  # e.g. an accelerate hook's
+            originals = {path: layer for path, layer, _ in self.swaps}
+            for path in done:
+                self.model.set_submodule(path, originals[path], strict=True)

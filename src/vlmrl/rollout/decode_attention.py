@@ -35,7 +35,7 @@ def stored(states: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class Fp8Layer(StaticLayer):
     """A StaticLayer whose keys and values are float8. A prefill (more than one token) attends in
     its own dtype, over the slots it wrote unrounded, as it does where rows share a prompt
-    (`vlmrl.models.shared_prompts` prefills into a cache of the model's dtype)."""
+    (`vlmrl.rollout.shared_prompts` prefills into a cache of the model's dtype)."""
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states[..., :0, :].to(FP8),
@@ -106,21 +106,66 @@ def grouped_decode_attention(original):
     return attend
 
 
-@contextlib.contextmanager
-def decode_attention(mode: str) -> Iterator[None]:
-    """While active, transformers' "sdpa" attention is `grouped_decode_attention` (mode
-    "grouped"); mode "model" leaves the model's attention alone."""
+GROUPED = "vlmrl_grouped_decode"  # the name `grouped_decode_attention` is registered under
+
+
+@functools.cache
+def grouped_attention_name() -> str:
+    """Registers `grouped_decode_attention` over transformers' SDPA with transformers' public
+    `AttentionInterface` (and SDPA's mask builder under the same name, so a 2D mask still becomes
+    SDPA's 4D one) and returns the name a model's attention implementation is set to."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    AttentionInterface.register(GROUPED, grouped_decode_attention(ALL_ATTENTION_FUNCTIONS["sdpa"]))
+    AttentionMaskInterface.register(GROUPED, sdpa_mask)
+    return GROUPED
+
+
+def generative_model(model):
+    """The transformers model under a PEFT wrapper (the one with generate's helpers)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def attention_implementation(model) -> str | None:
+    """The text model's attention ("sdpa", "eager", "flash_attention_2", ...)."""
+    config = generative_model(model).config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "_attn_implementation", None) or getattr(config, "_attn_implementation",
+                                                                   None)
+
+
+def set_text_attention(model, name: str) -> None:
+    """Sets the attention implementation of the model's language model alone (a vision tower
+    keeps its own) through transformers' `set_attn_implementation`, and fails where the model
+    did not take it (transformers only warns)."""
+    hf_model = generative_model(model)
+    config = hf_model.config
+    text = config.get_text_config()
+    keys = [key for key in getattr(config, "sub_configs", {}) if getattr(config, key) is text]
+    hf_model.set_attn_implementation({keys[0]: name} if keys and text is not config else name)
+    if attention_implementation(model) != name:
+        raise RuntimeError(f"{type(hf_model).__name__} did not take the attention implementation "
+                           f"{name!r} (graph decoding's attention: train.graph_decoding)")
+
+
+@contextlib.contextmanager
+def decode_attention(model, mode: str) -> Iterator[None]:
+    """While active, the model's language model attends with `grouped_decode_attention` (mode
+    "grouped") where its attention is SDPA; mode "model", or any other attention, leaves it
+    alone. On exit its attention implementation is set back."""
     if mode not in ("grouped", "model"):
         raise ValueError(f"graph decoding attention must be 'grouped' or 'model', not {mode!r}")
-    saved = ALL_ATTENTION_FUNCTIONS["sdpa"]
-    if mode == "grouped":
-        ALL_ATTENTION_FUNCTIONS["sdpa"] = grouped_decode_attention(saved)
+    saved = attention_implementation(model)
+    if mode == "model" or saved != "sdpa":
+        yield
+        return
+    set_text_attention(model, grouped_attention_name())
     try:
         yield
     finally:
-        ALL_ATTENTION_FUNCTIONS["sdpa"] = saved
+        set_text_attention(model, saved)
 
 
 # The kernel (commit 7c1170f measured it no faster than the grouped products on a bf16 cache):

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from vlmrl.models.decode_attention import stored
+from vlmrl.rollout.decode_attention import stored
 
 PER_IMAGE = ("pixel_values", "image_grid_thw")  # indexed by image, not by row
 
