@@ -281,9 +281,9 @@ class TrainParams(Section):
     resume: Boolean = True
     max_generation_rows: PositiveInteger | None = None
     distributed: dict[str, Any] = {}  # checked by vlmrl.launch.DistributedParams
-    graph_decoding: Literal["eager", "graph", "merged"] = "eager"  # GPU rollouts: vlmrl.models.graph_decode
+    graph_decoding: Literal["eager", "graph", "merged"] = "eager"  # GPU rollouts: vlmrl.rollout.graph_decode
     expandable_segments: Boolean = True  # the CUDA allocator's: vlmrl.training.use_expandable_segments
-    kv_cache_dtype: Literal["auto", "fp8"] = "auto"  # graph decoding's cache: vlmrl.models.decode_attention
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"  # graph decoding's cache: vlmrl.rollout.decode_attention
     max_nonfinite_steps: PositiveInteger = 3  # skipped non-finite steps in a row that stop it
     lora: LoraParams
     grpo: dict[str, Any] = {}
