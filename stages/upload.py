@@ -9,7 +9,6 @@ locally, uploads nothing and succeeds, so the pipeline runs end to end without c
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from pathlib import Path
 
 from vlmrl.errors import run_stage
@@ -95,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         all_params = load_params(args.params)
         upload_params = all_params.upload
         if args.promote:
-            upload_params = dataclasses.replace(upload_params, promote=True)
+            upload_params = upload_params.model_copy(update={"promote": True})
         for group, card in build_release_cards(all_params.raw, args.metrics_dir,
                                                args.gguf).items():
             write_text_atomic(card_paths[group], card)

@@ -25,7 +25,7 @@ FLOORS: dict[str, tuple[str, ...]] = {
                "vlmrl.trl_compat", "vlmrl.tables", "vlmrl.dvc_env", "vlmrl.dvc_records",
                "vlmrl.launch", "vlmrl.data_parallel", "vlmrl.gguf_release", "vlmrl.export_checks",
                "vlmrl.portable", "vlmrl.metric_files"),
-    "models": ("vlmrl.models", "vlmrl.nonfinite", "vlmrl.trainers"),
+    "models": ("vlmrl.models", "vlmrl.nonfinite", "vlmrl.trainers", "vlmrl.trainer_config"),
     "stages": ("vlmrl.evaluation", "vlmrl.training", "vlmrl.verify", "vlmrl.export",
                "vlmrl.sft"),
     "apps": ("vlmrl.cli", "vlmrl.ui", "vlmrl.publish", "vlmrl.orchestration", "vlmrl.recipes",
