@@ -211,3 +211,23 @@ def test_trl_config_values_are_checked_against_the_field_types() -> None:
                        ("report_to", 3)]:
         with pytest.raises(ParamsError, match=rf"^params\.yaml train\.grpo\.{key}: must be "):
             config_values(trl.GRPOConfig, {key: value}, "train.grpo")
+
+
+def test_stage_outputs_leave_no_stale_or_half_written_output(tmp_path: Path) -> None:
+    from vlmrl.outputs import stage_outputs
+
+    stale, folder = tmp_path / "metrics.json", tmp_path / "adapter"
+    stale.write_text("{}")
+    (folder / "sub").mkdir(parents=True)
+    with pytest.raises(ParamsError), stage_outputs(stale, folder):
+        assert not stale.exists() and not folder.exists()  # removed before the run
+        folder.mkdir()
+        stale.write_text('{"half":')
+        raise ParamsError("params.yaml eval.top_k: bad")
+    assert not stale.exists() and not folder.exists()  # and what the failed run wrote
+    with stage_outputs(stale):
+        stale.write_text("{}")
+    assert stale.read_text() == "{}"
+    with pytest.raises(KeyError), stage_outputs(stale, owner=False):  # a worker rank's
+        raise KeyError("x")
+    assert stale.exists()
