@@ -79,9 +79,14 @@ def config_name(config_class: type) -> str:
 
 @cache
 def field_types(config_class: type) -> dict[str, Any]:
-    """The init fields of a config dataclass with their resolved type hints."""
-    hints = typing.get_type_hints(config_class)
-    return {name: hints[name] for name, field in config_class.__dataclass_fields__.items()
+    """The init fields of a config dataclass with their resolved type hints; `Any` (no check:
+    the config checks them itself) where this Python cannot resolve the annotations, as in a
+    generated subclass (Unsloth's) that names a type it does not import."""
+    try:
+        hints = typing.get_type_hints(config_class)
+    except (NameError, TypeError):
+        hints = {}
+    return {name: hints.get(name, Any) for name, field in config_class.__dataclass_fields__.items()
             if field.init}
 
 
