@@ -9,8 +9,8 @@ sections dvc.yaml lists for it (a bad `rewards` section must fail train_gspo, no
 Checks that need a runtime stay with the code that has it: `sft.args` and `train.grpo`
 against the fields of `trl.SFTConfig` and `trl.GRPOConfig` (vlmrl.trainer_config),
 `export.quantize` against llama.cpp (vlmrl.export), reward options against the registry
-(vlmrl.rewards). Reward names, which a typo breaks, are checked
-here, before a stage loads a model (vlmrl.params_checks)."""
+(vlmrl.rewards). Reward names, which a typo breaks, are checked here, before a stage loads a
+model (vlmrl.params_checks)."""
 
 from __future__ import annotations
 
@@ -249,9 +249,9 @@ class EvalParams(Section):
 
 
 class SftParams(Section):
-    """The cold-start SFT (vlmrl.sft). `args` is passed to `trl.SFTConfig`; vlmrl.trainer_config
-    checks its keys against SFTConfig's fields. Off (`enabled: false`, or `args.max_steps: 0`) the stage is
-    a pass-through and GSPO starts from the base model."""
+    """The cold-start SFT (vlmrl.sft). `args` is passed to `trl.SFTConfig`;
+    vlmrl.trainer_config checks its keys against SFTConfig's fields. Off (`enabled: false`, or
+    `args.max_steps: 0`) the stage is a pass-through and GSPO starts from the base model."""
 
     SECTION = "sft"
     enabled: Boolean = False
