@@ -28,7 +28,13 @@ from vlmrl.launch import (
     run_launched,
 )
 from vlmrl.metric_files import category_rows, write_stage_metrics
-from vlmrl.outputs import atomic_dir, remove_outputs, write_json_atomic, write_jsonl_atomic
+from vlmrl.outputs import (
+    atomic_dir,
+    remove_outputs,
+    stage_outputs,
+    write_json_atomic,
+    write_jsonl_atomic,
+)
 from vlmrl.params import Params, load_params
 
 POST_ONLY = ("adapter", "baseline", "baseline_metrics", "report")
@@ -124,10 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     outputs = [args.out / "records.jsonl", args.metrics, args.details, args.by_category,
                args.timings, *([args.report] if args.report else [])]
-    main_process = is_main_process()
-    if main_process:
-        remove_outputs(*outputs)
-    try:
+    with stage_outputs(*outputs, owner=is_main_process()):
         params = load_params(args.params)
         launch = evaluation_launch(evaluation_plan(params.eval.num_processes, params.model,
                                                    f"{args.mode}_eval"))
@@ -138,10 +141,6 @@ def main(argv: list[str] | None = None) -> int:
             return code
         die_with_launcher()
         metrics = evaluate(args, params)
-    except BaseException:
-        if main_process:
-            remove_outputs(*outputs)
-        raise
     if metrics is None:
         return 0
     print(f"{args.mode}_eval: {metrics['n']} records, accuracy {metrics['accuracy']:.3f}, "

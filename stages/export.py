@@ -14,7 +14,7 @@ from pathlib import Path
 from vlmrl.errors import run_stage
 from vlmrl.export import run_export
 from vlmrl.metric_files import write_stage_metrics
-from vlmrl.outputs import remove_outputs
+from vlmrl.outputs import stage_outputs
 from vlmrl.params import load_params
 
 
@@ -36,15 +36,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     outputs = (args.merged, args.gguf, args.metrics, args.details, args.timings)
-    remove_outputs(*outputs)
-    try:
+    with stage_outputs(*outputs):
         metrics = run_export(params=load_params(args.params), adapter=args.adapter,
                              eval_set=args.eval_set, merged_out=args.merged, gguf_out=args.gguf)
         write_stage_metrics("export", metrics, metrics=args.metrics, details=args.details,
                             timings=args.timings)
-    except BaseException:
-        remove_outputs(*outputs)
-        raise
     diffs = ", ".join(f"{name} {value:.3g}" for name, value in
                       metrics["logit_max_abs_diff"].items())
     print(f"exported {args.merged} and {len(list(args.gguf.glob('*.gguf')))} GGUF files in "

@@ -17,7 +17,7 @@ from vlmrl.data import (
 )
 from vlmrl.errors import run_stage
 from vlmrl.metric_files import write_stage_metrics
-from vlmrl.outputs import atomic_dir, remove_outputs, write_text_atomic
+from vlmrl.outputs import atomic_dir, stage_outputs, write_text_atomic
 from vlmrl.params import load_params
 
 
@@ -33,20 +33,16 @@ def main() -> None:
 
     outputs = (args.out / "train", args.out / "eval", args.report, args.metrics,
                args.details)
-    params = load_params(args.params)
-    settings, system_prompt = params.data, answer_format(params).system_text()
-    remove_outputs(*outputs)
-    prepared = prepare(load_raw_records(settings), settings, system_prompt)
-    try:
+    with stage_outputs(*outputs):
+        params = load_params(args.params)
+        settings, system_prompt = params.data, answer_format(params).system_text()
+        prepared = prepare(load_raw_records(settings), settings, system_prompt)
         for name, rows in (("train", prepared.train), ("eval", prepared.eval)):
             with atomic_dir(args.out / name) as staging:
                 to_dataset(rows).save_to_disk(str(staging))
         write_text_atomic(args.report, render_report(prepared, settings))
         write_stage_metrics("prepare_data", data_summary(prepared), metrics=args.metrics,
                             details=args.details)
-    except BaseException:
-        remove_outputs(*outputs)
-        raise
     left_out = prepared.filtered_out + len(prepared.skipped)
     where = f": the reasons, with example ids, are in {args.report}" if left_out else ""
     print(f"prepared {len(prepared.train)} train and {len(prepared.eval)} eval records "

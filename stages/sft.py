@@ -20,7 +20,7 @@ from vlmrl.launch import (
     training_plan,
 )
 from vlmrl.metric_files import write_stage_metrics
-from vlmrl.outputs import remove_outputs, write_json_atomic
+from vlmrl.outputs import stage_outputs, write_json_atomic
 from vlmrl.params import load_params
 
 
@@ -39,30 +39,23 @@ def main() -> int:
     args = parser.parse_args()
 
     outputs = (args.out, args.metrics, args.log, args.details, args.timings)
-    main_process = is_main_process()  # also the launcher, which is no rank
-    if main_process:
-        remove_outputs(*outputs)
-    params = load_params(args.params)
-    if params.sft.trains:
-        plan = training_plan(params.train, params.model, "sft_cold_start")
-        if plan.strategy != "none" and not launched_worker():
-            from vlmrl.models.backend import mixed_precision  # torch, without initialising CUDA
+    with stage_outputs(*outputs, owner=is_main_process()):  # the launcher too, which is no rank
+        params = load_params(args.params)
+        if params.sft.trains:
+            plan = training_plan(params.train, params.model, "sft_cold_start")
+            if plan.strategy != "none" and not launched_worker():
+                from vlmrl.models.backend import mixed_precision  # torch, not initialising CUDA
 
-            return launch_stage_workers(plan, mixed_precision(params.sft.args, params.model),
-                                        __file__, outputs)
-    die_with_launcher()
-    from vlmrl.sft import run_sft  # torch: once the GPUs are chosen
+                return launch_stage_workers(plan, mixed_precision(params.sft.args, params.model),
+                                            __file__, outputs)
+        die_with_launcher()
+        from vlmrl.sft import run_sft  # torch: once the GPUs are chosen
 
-    try:
         summary = run_sft(train_set=args.train_set, params=params, out=args.out, log=args.log)
         if summary is not None:
             write_json_atomic(args.log, summary.pop("log"))
             write_stage_metrics("sft_cold_start", summary, metrics=args.metrics,
                                 details=args.details, timings=args.timings)
-    except BaseException:
-        if main_process:
-            remove_outputs(*outputs)
-        raise
     if summary is not None:
         processes = summary.get("batch", {}).get("num_processes", 1)
         print(f"SFT: {summary['steps']} steps on {processes} process(es); starting adapter: "

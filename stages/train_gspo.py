@@ -20,7 +20,7 @@ from vlmrl.launch import (
     training_plan,
 )
 from vlmrl.metric_files import write_stage_metrics
-from vlmrl.outputs import atomic_dir, remove_outputs, write_json_atomic
+from vlmrl.outputs import atomic_dir, stage_outputs, write_json_atomic
 from vlmrl.params import load_params
 
 
@@ -49,29 +49,22 @@ def main() -> int:
 
     outputs = (args.out, args.metrics, args.details, args.log, args.completions, args.samples,
                args.curves, args.timings)
-    main_process = is_main_process()  # also the launcher, which is no rank
-    if main_process:
-        remove_outputs(*outputs)
-    params = load_params(args.params)
-    plan = training_plan(params.train, params.model, "train_gspo")
-    if plan.strategy != "none" and not launched_worker():
-        from vlmrl.models.backend import mixed_precision  # torch, without initialising CUDA
+    with stage_outputs(*outputs, owner=is_main_process()):  # the launcher too, which is no rank
+        params = load_params(args.params)
+        plan = training_plan(params.train, params.model, "train_gspo")
+        if plan.strategy != "none" and not launched_worker():
+            from vlmrl.models.backend import mixed_precision  # torch, not initialising CUDA
 
-        return launch_stage_workers(plan, mixed_precision(params.train.grpo, params.model),
-                                    __file__, outputs)
-    die_with_launcher()
-    from vlmrl.training import LiveOutputs, train  # torch: once the GPUs are chosen
+            return launch_stage_workers(plan, mixed_precision(params.train.grpo, params.model),
+                                        __file__, outputs)
+        die_with_launcher()
+        from vlmrl.training import LiveOutputs, train  # torch: once the GPUs are chosen
 
-    try:
         result = train(train_set=args.train_set, params=params, adapter_out=args.out,
                        checkpoints=args.checkpoints, sft_out=args.start_adapter,
                        live=LiveOutputs(args.log, args.curves, args.samples))
         if result is not None:
             write_outputs(args, result)
-    except BaseException:
-        if main_process:
-            remove_outputs(*outputs)
-        raise
     if result is not None:
         batch = result.summary["batch"]
         print(f"trained {result.summary['steps']} steps in {result.summary['runtime_seconds']} s "

@@ -9,62 +9,39 @@ locally, uploads nothing and succeeds, so the pipeline runs end to end without c
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from pathlib import Path
 
 from vlmrl.errors import run_stage
 from vlmrl.metric_files import write_stage_metrics
-from vlmrl.outputs import remove_outputs, write_json_atomic, write_text_atomic
+from vlmrl.outputs import stage_outputs, write_json_atomic, write_text_atomic
 from vlmrl.params import load_params
 from vlmrl.publish import S3Location, UploadResult, params_hash, publish
-from vlmrl.publish.model_card import build_release_cards
+from vlmrl.publish.model_card import CardInputs, build_release_cards
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     option = parser.add_argument
     option("--params", type=Path, default=Path("params.yaml"))
-    option(
-        "--adapter", "--adapter-dir", dest="adapter", type=Path, default=Path("data/models/adapter")
-    )
-    option("--merged", "--merged-dir", dest="merged", type=Path, default=Path("data/models/merged"))
-    option("--gguf", "--gguf-dir", dest="gguf", type=Path, default=Path("data/models/gguf"))
-    option("--metrics-dir", type=Path, default=Path("data/metrics"))
-    option(
-        "--manifest",
-        "--manifest-out",
-        dest="manifest_out",
-        type=Path,
-        default=Path("data/reports/upload_manifest.json"),
-    )
-    option(
-        "--out-metrics",
-        "--metrics-out",
-        dest="metrics_out",
-        type=Path,
-        default=Path("data/metrics/upload.json"),
-    )
-    option(
-        "--details",
-        type=Path,
-        default=Path("data/reports/details/upload.json"),
-        help="the whole summary (version, location); the metrics file holds its counts",
-    )
-    option(
-        "--model-card",
-        type=Path,
-        default=Path("data/reports/model_card.md"),
-        help="rendered here and published as the merged model's README.md",
-    )
-    option("--adapter-card", type=Path, default=Path("data/reports/model_card_adapter.md"),
+    option("--adapter", type=Path, required=True)
+    option("--merged", type=Path, required=True)
+    option("--gguf", type=Path, required=True)
+    option("--metrics-dir", type=Path, required=True, help="published whole, as the metrics group")
+    for name in ("baseline", "post", "export"):
+        option(f"--{name}-metrics", type=Path, required=True,
+               help=f"the {name} stage's metrics, which the model cards report")
+    option("--manifest", type=Path, required=True)
+    option("--out-metrics", type=Path, required=True)
+    option("--details", type=Path, required=True,
+           help="the whole summary (version, location); the metrics file holds its counts")
+    option("--model-card", type=Path, required=True,
+           help="rendered here and published as the merged model's README.md")
+    option("--adapter-card", type=Path, required=True,
            help="rendered here and published as the adapter's README.md")
-    option("--gguf-card", type=Path, default=Path("data/reports/model_card_gguf.md"),
+    option("--gguf-card", type=Path, required=True,
            help="rendered here and published as the GGUF folder's README.md")
-    option(
-        "--promote",
-        action="store_true",
-        help="point latest at this version even if it names a version created later",
-    )
+    option("--promote", action="store_true",
+           help="point latest at this version even if it names a version created later")
     return parser.parse_args(argv)
 
 
@@ -81,43 +58,33 @@ def report_upload(result: UploadResult, location: S3Location, manifest_out: Path
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    outputs = (args.manifest_out, args.metrics_out, args.details, args.model_card,
+    outputs = (args.manifest, args.out_metrics, args.details, args.model_card,
                args.adapter_card, args.gguf_card)
     card_paths = {"merged": args.model_card, "adapter": args.adapter_card, "gguf": args.gguf_card}
-    remove_outputs(*outputs)
-    inputs = {
-        "adapter": args.adapter,
-        "merged": args.merged,
-        "gguf": args.gguf,
-        "metrics": args.metrics_dir,
-    }
-    try:
+    inputs = {"adapter": args.adapter, "merged": args.merged, "gguf": args.gguf,
+              "metrics": args.metrics_dir}
+    card_inputs = CardInputs(baseline_metrics=args.baseline_metrics,
+                             post_metrics=args.post_metrics,
+                             export_metrics=args.export_metrics, gguf=args.gguf)
+    with stage_outputs(*outputs):
         all_params = load_params(args.params)
         upload_params = all_params.upload
         if args.promote:
-            upload_params = dataclasses.replace(upload_params, promote=True)
-        for group, card in build_release_cards(all_params.raw, args.metrics_dir,
-                                               args.gguf).items():
+            upload_params = upload_params.model_copy(update={"promote": True})
+        for group, card in build_release_cards(all_params.raw, card_inputs).items():
             write_text_atomic(card_paths[group], card)
-        result = publish(
-            inputs,
-            upload_params,
-            params_digest=params_hash(all_params.raw),
-            cards=card_paths,
-        )
-    except BaseException:
-        remove_outputs(*outputs)
-        raise
-    write_json_atomic(args.manifest_out, result.manifest)
-    write_stage_metrics("upload", result.summary(), metrics=args.metrics_out,
-                        details=args.details)
+        result = publish(inputs, upload_params, params_digest=params_hash(all_params.raw),
+                         cards=card_paths)
+        write_json_atomic(args.manifest, result.manifest)
+        write_stage_metrics("upload", result.summary(), metrics=args.out_metrics,
+                            details=args.details)
     if result.location is None:
         print(
             "no upload.bucket configured: nothing was uploaded; "
-            f"manifest written to {args.manifest_out} (version {result.version})"
+            f"manifest written to {args.manifest} (version {result.version})"
         )
     else:
-        report_upload(result, result.location, args.manifest_out)
+        report_upload(result, result.location, args.manifest)
         if result.latest != result.version:
             print(
                 f"latest still names {result.latest}, created after {result.version}; "

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from vlmrl.errors import run_stage
 from vlmrl.metric_files import write_stage_metrics
-from vlmrl.outputs import remove_outputs
+from vlmrl.outputs import stage_outputs
 from vlmrl.params import load_params
 from vlmrl.verify import report_summary, verify_adapter
 
@@ -31,16 +31,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    remove_outputs(args.metrics, args.details)
-    params = load_params(args.params)
-    report = verify_adapter(params.model, args.adapter, args.eval_set, params.train.lora,
-                            params.verify.logit_tolerance)
-    print(report_summary(report))
-    if not report.passed:
-        print(report.failure_message(), file=sys.stderr)
-        return 1
-    write_stage_metrics("verify_lora", report.to_json(), metrics=args.metrics,
-                        details=args.details)
+    with stage_outputs(args.metrics, args.details):
+        params = load_params(args.params)
+        report = verify_adapter(params.model, args.adapter, args.eval_set, params.train.lora,
+                                params.verify.logit_tolerance)
+        print(report_summary(report))
+        if not report.passed:
+            print(report.failure_message(), file=sys.stderr)
+            return 1
+        write_stage_metrics("verify_lora", report.to_json(), metrics=args.metrics,
+                            details=args.details)
     print(f"adapter {args.adapter} passed all {len(report.checks)} checks; "
           f"metrics in {args.metrics}")
     return 0

@@ -12,12 +12,12 @@ from PIL import Image
 
 from vlmrl.data import (
     DataError,
-    load_local_records,
     load_raw_records,
     prepare,
     render_report,
     split_by_pid,
 )
+from vlmrl.data_sources import local_rows
 from vlmrl.params import DataParams, ParamsError
 
 needs_testmini = pytest.mark.skipif(not TESTMINI.is_file(), reason=f"{TESTMINI} not present")
@@ -43,7 +43,7 @@ def test_real_testmini_records(tmp_path: Path) -> None:
     settings = DataParams(source=str(make_testmini_dir(tmp_path)), eval_size=100,
                             question_types=("free_form", "multi_choice"),
                             answer_types=("integer", "float", "text"), image_size=64)
-    prepared = prepare(load_local_records(Path(settings.source)), settings)
+    prepared = prepare(local_rows(Path(settings.source)), settings)
     assert prepared.total == 1000
     assert prepared.filtered_out == 2  # the two list answers
     assert len(prepared.train) + len(prepared.eval) + len(prepared.skipped) == 998
@@ -60,7 +60,7 @@ def test_real_testmini_records(tmp_path: Path) -> None:
 @needs_testmini
 def test_default_filter_keeps_numeric_free_form(tmp_path: Path) -> None:
     settings = DataParams(source=str(make_testmini_dir(tmp_path)), eval_size=50, image_size=32)
-    prepared = prepare(load_local_records(Path(settings.source)), settings)
+    prepared = prepare(local_rows(Path(settings.source)), settings)
     kept = prepared.train + prepared.eval
     assert len(kept) + len(prepared.skipped) == 418 + 40
     assert {r["answer_type"] for r in kept} <= {"integer", "float"}

@@ -19,7 +19,8 @@ from transformers import TrainerState
 
 from vlmrl.metric_files import category_rows, headline, is_number, leaves, write_stage_metrics
 from vlmrl.params import ParamsError
-from vlmrl.trl_compat import check_report_to, completions_table_to, live_log
+from vlmrl.trainer_config import check_report_to
+from vlmrl.trl_compat import completions_table_to, live_log
 
 # ------------------------------------------------------------------ unit: metric files
 

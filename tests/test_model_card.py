@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, dvc_repro
+from conftest import ROOT, dvc_repro, stage_command
 
 from vlmrl.publish.errors import MissingInputError
-from vlmrl.publish.model_card import gguf_roles
+from vlmrl.publish.model_card import CardInputs, gguf_roles
 
 BASELINE = {"n": 16, "accuracy": 0.0625, "format_compliance": 0.25, "mean_reward": 0.4,
             "rewards": {"format_reward": 0.1, "correctness_reward": 0.0625}}
@@ -53,7 +53,8 @@ def make_outputs(project: Path) -> Path:
 def run_upload_stage(project: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run([sys.executable, str(ROOT / "stages/upload.py")], cwd=project, env=env,
+    _python, script, *flags = stage_command("upload")  # dvc.yaml's paths
+    return subprocess.run([sys.executable, str(ROOT / script), *flags], cwd=project, env=env,
                           capture_output=True, text=True, check=False, timeout=300)
 
 
@@ -96,8 +97,11 @@ def test_release_carries_a_card_as_each_groups_readme(uploaded: Path) -> None:
 
 
 def card_metadata(path: Path) -> dict:
+    from huggingface_hub import ModelCard
+
     text = path.read_text()
     assert text.startswith("---\n")
+    assert ModelCard(text).data.eval_results  # the hub's own parser reads the results
     return yaml.safe_load(text.split("---\n")[1])
 
 
@@ -249,8 +253,11 @@ def test_adapter_card_code_loads_the_released_adapter(tmp_path: Path, name: str,
     if not vision:
         (project / "data/models/gguf/mmproj-f16.gguf").unlink()
     params = yaml.safe_load((project / "params.yaml").read_text())
-    card = build_release_cards(params, project / "data/metrics", project / "data/models/gguf")[
-        "adapter"]
+    metrics = project / "data/metrics"
+    inputs = CardInputs(baseline_metrics=metrics / "baseline_eval.json",
+                        post_metrics=metrics / "post_eval.json",
+                        export_metrics=metrics / "export.json", gguf=project / "data/models/gguf")
+    card = build_release_cards(params, inputs)["adapter"]
     assert ("vision tower is not adapted" in card) is vision
     adapter = tmp_path / "released-adapter"
     released_adapter(adapter, name)

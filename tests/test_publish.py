@@ -16,13 +16,13 @@ from typing import Any
 
 import pytest
 import yaml
+from conftest import stage_command
 from s3_server import TEST_ACCESS_KEY, TEST_SECRET_KEY, MotoServer, start_moto_server
 
 from vlmrl import publish as pub
 from vlmrl.cli import main as vlmrl_main
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-UPLOAD_STAGE = REPO_ROOT / "stages" / "upload.py"
 VENV_DVC = Path(sys.executable).parent / "dvc"
 PREFIX = "vlmrl/test"
 BIG_FILE_SIZE = 6 * 1024 * 1024  # over the 5 MiB multipart threshold used here
@@ -170,9 +170,15 @@ def stage_env(**overrides: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": python_path, **overrides}
 
 
+def upload_command(*args: str) -> list[str]:
+    """The upload stage as dvc.yaml runs it (its paths come from there), with `args` added."""
+    _python, script, *flags = stage_command("upload", REPO_ROOT)
+    return [sys.executable, str(REPO_ROOT / script), *flags, *args]
+
+
 def run_stage(project: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, str(UPLOAD_STAGE), *args],
+        upload_command(*args),
         check=False,
         cwd=project,
         env=stage_env(**env),
@@ -309,7 +315,7 @@ def test_interrupted_upload_keeps_latest_and_rerun_completes(
         many_files=100,
     )
     process = subprocess.Popen(
-        [sys.executable, str(UPLOAD_STAGE)],
+        upload_command(),
         cwd=project,
         env=stage_env(),
         stdout=subprocess.DEVNULL,
@@ -519,13 +525,7 @@ def test_missing_bucket_is_named(s3_server: MotoServer, tmp_path: Path) -> None:
 
 def test_no_bucket_writes_the_manifest_and_uploads_nothing(tmp_path: Path) -> None:
     project = make_project(tmp_path, {"bucket": ""})
-    completed = run_stage(  # the flags dvc.yaml passes
-        project,
-        *("--adapter", "data/models/adapter", "--merged", "data/models/merged"),
-        *("--gguf", "data/models/gguf", "--metrics-dir", "data/metrics"),
-        *("--manifest", "data/reports/upload_manifest.json"),
-        *("--out-metrics", "data/metrics/upload.json"),
-    )
+    completed = run_stage(project)  # with the flags dvc.yaml passes
     assert completed.returncode == 0, completed.stderr
     assert (
         "no upload.bucket configured: nothing was uploaded; manifest written to" in completed.stdout

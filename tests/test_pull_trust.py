@@ -431,17 +431,18 @@ def test_upload_refuses_a_file_name_that_pull_would_refuse(tmp_path: Path) -> No
 
 @pytest.mark.parametrize(
     ("values", "message"),
-    [({"checksum": "yes"}, "`upload.checksum` is 'yes'"),
-     ({"promote": 1}, "`upload.promote` is 1"),
-     ({"max_attempts": 0}, "`upload.max_attempts` is 0"),
-     ({"multipart_threshold_mb": 1}, "`upload.multipart_threshold_mb` is 1"),
-     ({"threads": 4}, "unknown key `threads`")],
+    [({"checksum": "yes"}, "upload.checksum: must be true or false, got 'yes'"),
+     ({"promote": 1}, "upload.promote: must be true or false, got 1"),
+     ({"max_attempts": 0}, "upload.max_attempts: input should be greater than or equal to 1, got 0"),
+     ({"multipart_threshold_mb": 1},
+      "upload.multipart_threshold_mb: input should be greater than or equal to 5, got 1"),
+     ({"threads": 4}, "upload has unknown keys ['threads']")],
 )
 def test_upload_params_errors_are_params_errors(values: dict, message: str) -> None:
     with pytest.raises(ParamsError, match="params.yaml") as refused:
-        pub.UploadParams.from_mapping(values)
+        pub.UploadParams.from_params(values)
     assert message in str(refused.value)
-    assert pub.UploadParams.from_mapping({}).checksum is True
+    assert pub.UploadParams.from_params({}).checksum is True
 
 
 # --------------------------------------------------------------------------- CLI weight

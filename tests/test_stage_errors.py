@@ -196,14 +196,38 @@ def test_json_error_names_the_path_its_reader_held(tmp_path) -> None:
 def test_trl_config_values_are_checked_against_the_field_types() -> None:
     import trl
 
-    from vlmrl.trl_compat import config_values
+    from vlmrl.trainer_config import config_values
 
     checked = config_values(trl.GRPOConfig, {"learning_rate": "5e-06", "max_steps": 4,
                                              "report_to": ["tensorboard"], "top_k": 20},
                             "train.grpo")
     assert checked["learning_rate"] == 5e-06  # DVC's `-S lr=5e-6` reads back as text
     assert checked["max_steps"] == 4
+    # an enum field takes its values, a dataclass field a mapping of its fields, as TRL does
+    assert config_values(trl.GRPOConfig, {"debug": ["underflow_overflow"],
+                                          "parallelism_config": {"tp_size": 1}}, "train.grpo")
     for key, value in [("learning_rate", "fast"), ("max_steps", 4.5), ("seed", True),
-                       ("gradient_checkpointing", "yes")]:
+                       ("gradient_checkpointing", "yes"), ("debug", ["everything"]),
+                       ("report_to", 3)]:
         with pytest.raises(ParamsError, match=rf"^params\.yaml train\.grpo\.{key}: must be "):
             config_values(trl.GRPOConfig, {key: value}, "train.grpo")
+
+
+def test_stage_outputs_leave_no_stale_or_half_written_output(tmp_path: Path) -> None:
+    from vlmrl.outputs import stage_outputs
+
+    stale, folder = tmp_path / "metrics.json", tmp_path / "adapter"
+    stale.write_text("{}")
+    (folder / "sub").mkdir(parents=True)
+    with pytest.raises(ParamsError), stage_outputs(stale, folder):
+        assert not stale.exists() and not folder.exists()  # removed before the run
+        folder.mkdir()
+        stale.write_text('{"half":')
+        raise ParamsError("params.yaml eval.top_k: bad")
+    assert not stale.exists() and not folder.exists()  # and what the failed run wrote
+    with stage_outputs(stale):
+        stale.write_text("{}")
+    assert stale.read_text() == "{}"
+    with pytest.raises(KeyError), stage_outputs(stale, owner=False):  # a worker rank's
+        raise KeyError("x")
+    assert stale.exists()

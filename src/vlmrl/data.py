@@ -99,8 +99,6 @@ def local_path(settings: DataParams) -> Path:
     return path
 
 
-load_local_records = local_rows
-
 
 # ---------------------------------------------------------------- validation
 

@@ -8,7 +8,7 @@ wall-clock timings (`vlmrl.timing`; nothing depends on them either)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -75,11 +75,6 @@ def headline(stage: str, result: Mapping[str, Any]) -> dict[str, Any]:
             target = target.setdefault(part, {})
         target[leaf] = _numbers_only(value, path)
     return picked
-
-
-def failed_checks(checks: Iterable[Mapping[str, Any]]) -> int:
-    """How many of a report's checks failed: the number a verdict is compared by."""
-    return sum(1 for check in checks if not check.get("passed"))
 
 
 def category_rows(metrics: Mapping[str, Any]) -> list[dict[str, Any]]:

@@ -73,3 +73,20 @@ def remove_outputs(*paths: Path | str) -> None:
             shutil.rmtree(path)
         elif path.exists():
             path.unlink()
+
+
+@contextlib.contextmanager
+def stage_outputs(*paths: Path | str, owner: bool = True) -> Iterator[None]:
+    """The shape of every stage script: its outputs are removed before the block runs and again
+    if it raises, so neither stale outputs of an earlier run nor half-written ones of this one
+    are left for DVC to trust; the error goes on to `vlmrl.errors.run_stage`, which prints it in
+    one line and exits 1. `owner`: whether this process writes the outputs (false on the worker
+    ranks of a launched run, which leave them to rank 0)."""
+    if owner:
+        remove_outputs(*paths)
+    try:
+        yield
+    except BaseException:
+        if owner:
+            remove_outputs(*paths)
+        raise

@@ -6,23 +6,23 @@ Contract: a stage calls `load_params` once and hands the library typed sections 
 choice, the allowed values: `params.yaml model.backend: 'foo' is not one of auto, transformers,
 unsloth`. A section is validated when a stage first asks for it, so a stage checks exactly the
 sections dvc.yaml lists for it (a bad `rewards` section must fail train_gspo, not prepare_data).
-Checks that need a runtime stay with the code that has it: `train.grpo` against
-`trl.GRPOConfig` (vlmrl.training), `export.quantize` against llama.cpp (vlmrl.export), reward
-options against the registry (vlmrl.rewards). Reward names, which a typo breaks, are checked
-here, before a stage loads a model (vlmrl.params_checks)."""
+Checks that need a runtime stay with the code that has it: `sft.args` and `train.grpo`
+against the fields of `trl.SFTConfig` and `trl.GRPOConfig` (vlmrl.trainer_config),
+`export.quantize` against llama.cpp (vlmrl.export), reward options against the registry
+(vlmrl.rewards). Reward names, which a typo breaks, are checked here, before a stage loads a
+model (vlmrl.params_checks)."""
 
 from __future__ import annotations
 
 import math
 import string
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Self, get_args
 
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
-from pydantic.dataclasses import dataclass as validated_dataclass
 
 from vlmrl.errors import ParamsError  # defined there, beside the other user errors
 from vlmrl.params_checks import check_group_size, check_reward_names, describe
@@ -98,6 +98,31 @@ def _list(value: Any) -> Any:
     if isinstance(value, str):
         raise ValueError(f"must be a list, got {value!r}")  # noqa: TRY004
     return value
+
+
+# Trainer-config keys the pipeline sets itself, from dvc.yaml's paths and other params sections
+# (vlmrl.trainer_config builds the configs with them), so params.yaml may not set them.
+PIPELINE_KEYS: dict[str, frozenset[str]] = {
+    "sft.args": frozenset({"output_dir", "use_cpu", "completion_only_loss", "max_length",
+                           "remove_unused_columns", "save_strategy"}),
+    "train.grpo": frozenset({"output_dir", "save_steps", "save_strategy", "reward_weights",
+                             "resume_from_checkpoint", "use_cpu"}),
+}
+
+
+def _trainer_args(key_path: str) -> Callable[[Any], Any]:
+    """The check of a trainer config's args (`sft.args`, `train.grpo`): a mapping (None, an empty
+    YAML value, is an empty one) without the keys the pipeline sets. Their types are checked
+    against the config's fields when it is built (vlmrl.trainer_config)."""
+
+    def check(value: Any) -> Any:
+        value = {} if value is None else value
+        managed = sorted(set(value) & PIPELINE_KEYS[key_path]) if isinstance(value, Mapping) else []
+        if managed:
+            raise ValueError(f"{managed} are set by the pipeline; remove them")
+        return value
+
+    return check
 
 
 Integer = Annotated[int, BeforeValidator(_integer)]
@@ -224,20 +249,15 @@ class EvalParams(Section):
 
 
 class SftParams(Section):
-    """The cold-start SFT (vlmrl.sft). `args` is passed to `trl.SFTConfig`; vlmrl.sft checks its
-    keys against SFTConfig's fields. Off (`enabled: false`, or `args.max_steps: 0`) the stage is
-    a pass-through and GSPO starts from the base model."""
+    """The cold-start SFT (vlmrl.sft). `args` is passed to `trl.SFTConfig`;
+    vlmrl.trainer_config checks its keys against SFTConfig's fields. Off (`enabled: false`, or
+    `args.max_steps: 0`) the stage is a pass-through and GSPO starts from the base model."""
 
     SECTION = "sft"
     enabled: Boolean = False
     reasoning: str = "I read the image."  # the reasoning block's text; may hold {answer}
     max_nonfinite_steps: PositiveInteger = 3  # skipped non-finite steps in a row that stop it
-    args: dict[str, Any] = {}
-
-    # Set by the pipeline, never from sft.args.
-    MANAGED_KEYS: ClassVar[frozenset[str]] = frozenset({
-        "output_dir", "use_cpu", "completion_only_loss", "max_length", "remove_unused_columns",
-        "save_strategy"})
+    args: Annotated[dict[str, Any], BeforeValidator(_trainer_args("sft.args"))] = {}
 
     @field_validator("reasoning")
     @classmethod
@@ -247,18 +267,9 @@ class SftParams(Section):
             raise ValueError(f"may only use the field {{answer}}, got {sorted(fields)}")
         return value
 
-    @field_validator("args", mode="before")
-    @classmethod
-    def _unmanaged_args(cls, value: Any) -> Any:
-        value = {} if value is None else value
-        managed = sorted(set(value) & cls.MANAGED_KEYS) if isinstance(value, Mapping) else []
-        if managed:
-            raise ValueError(f"{managed} are set by the pipeline; remove them")
-        return value
-
     @property
     def trains(self) -> bool:
-        return self.enabled and self.args.get("max_steps", -1) != 0  # type checked in vlmrl.sft
+        return self.enabled and self.args.get("max_steps", -1) != 0  # checked: vlmrl.trainer_config
 
 
 class LoraParams(Section):
@@ -273,8 +284,8 @@ class LoraParams(Section):
 
 
 class TrainParams(Section):
-    """`train.grpo` is passed to `trl.GRPOConfig` as is; vlmrl.training checks its keys
-    against GRPOConfig's fields and the keys the pipeline sets itself."""
+    """`train.grpo` is passed to `trl.GRPOConfig` as is; vlmrl.trainer_config checks its keys
+    against GRPOConfig's fields."""
 
     SECTION = "train"
     save_steps: PositiveInteger
@@ -286,12 +297,7 @@ class TrainParams(Section):
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"  # graph decoding's cache: vlmrl.rollout.decode_attention
     max_nonfinite_steps: PositiveInteger = 3  # skipped non-finite steps in a row that stop it
     lora: LoraParams
-    grpo: dict[str, Any] = {}
-
-    @field_validator("grpo", mode="before")
-    @classmethod
-    def _empty_grpo(cls, value: Any) -> Any:
-        return {} if value is None else value
+    grpo: Annotated[dict[str, Any], BeforeValidator(_trainer_args("train.grpo"))] = {}
 
     @classmethod
     def from_params(cls, values: Any) -> Self:
@@ -333,38 +339,29 @@ class ExportParams(Section):
 MIN_PART_MB = 5
 
 
-@validated_dataclass(frozen=True, config=ConfigDict(extra="forbid", strict=True))
-class UploadParams:
-    """The `upload` section of params.yaml."""
+class UploadParams(Section):
+    """Where and how the upload stage and `vlmrl pull` reach S3 (vlmrl.publish)."""
 
-    bucket: str = ""
+    SECTION = "upload"
+    bucket: str = ""  # none: the upload stage writes the manifest locally and uploads nothing
     prefix: str = "vlmrl/qwen3-vl"
     version: str = ""
     endpoint_url: str = ""
     region: str = "us-east-1"
-    overwrite: bool = False
-    multipart_threshold_mb: Annotated[float, Field(ge=MIN_PART_MB)] = 64
-    max_attempts: Annotated[int, Field(ge=1)] = 5
-    checksum: bool = True
-    promote: bool = False
-    create_bucket: bool = False
+    overwrite: Boolean = False
+    multipart_threshold_mb: Annotated[float, BeforeValidator(_number),
+                                      Field(ge=MIN_PART_MB)] = 64
+    max_attempts: Annotated[int, BeforeValidator(_integer), Field(ge=1)] = 5
+    checksum: Boolean = True
+    promote: Boolean = False
+    create_bucket: Boolean = False
 
     @classmethod
-    def from_mapping(cls, values: Mapping[str, Any] | None) -> UploadParams:
-        clean = {name: value for name, value in dict(values or {}).items() if value is not None}
-        try:
-            return cls(**clean)
-        except ValidationError as error:
-            raise ParamsError(_params_problem(error)) from None
-
-
-def _params_problem(error: ValidationError) -> str:
-    first = error.errors(include_url=False)[0]
-    key = ".".join(str(part) for part in first["loc"])
-    if first["type"] == "unexpected_keyword_argument":
-        known = sorted(UploadParams.__dataclass_fields__)
-        return f"params.yaml `upload` has an unknown key `{key}`; known: {known}"
-    return f"params.yaml `upload.{key}` is {first['input']!r}: {first['msg']}"
+    def from_params(cls, values: Any) -> Self:
+        """An empty value (`bucket:` in YAML is None) means the default."""
+        if isinstance(values, Mapping):
+            values = {name: value for name, value in values.items() if value is not None}
+        return super().from_params({} if values is None else values)
 
 
 # -------------------------------------------------------------------------- root
@@ -425,7 +422,7 @@ class Params:
 
     @cached_property
     def upload(self) -> UploadParams:
-        return UploadParams.from_mapping(self.section("upload"))
+        return self._typed(UploadParams)
 
 
 def read_params_file(path: Path | str = PARAMS_FILE) -> dict[str, Any]:

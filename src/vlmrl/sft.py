@@ -22,7 +22,6 @@ own settings class); the settings are now `vlmrl.params.SftParams`.
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 import tempfile
 import time
@@ -36,16 +35,14 @@ from datasets import load_from_disk
 from vlmrl.answer_format import DEFAULT_FORMAT, AnswerFormat, answer_format
 from vlmrl.data_parallel import gathered_state_dict, split_global_batch
 from vlmrl.launch import check_strategy, check_world, distributed_settings, is_main_process
-from vlmrl.models.backend import precision_flags
 from vlmrl.models.embedded import resolve_model_path
 from vlmrl.models.loading import backend_for, load_policy, write_start_marker
 from vlmrl.models.processor import is_text_checkpoint, message_text, save_processing
 from vlmrl.outputs import atomic_dir
-from vlmrl.params import ModelParams, Params, ParamsError, SftParams
+from vlmrl.params import ModelParams, Params, SftParams
+from vlmrl.trainer_config import build_trainer_config
 from vlmrl.trainers import sft_trainer
 from vlmrl.trl_compat import (
-    check_report_to,
-    config_values,
     finite_rows,
     install_cpu_fallback,
     live_log,
@@ -89,21 +86,13 @@ def build_sft_config(settings: SftParams, output_dir: Path, model_settings: Mode
     """`sft.args` as a trl.SFTConfig, with what the pipeline sets: the collator labels only the
     completion, and vision datasets skip TRL's preparation (so no max_length, all columns);
     text datasets are tokenized by TRL as usual."""
-    # trl's classes are looked up at call time: Unsloth, when chosen, replaces them on import.
-    known = {field.name for field in dataclasses.fields(trl.SFTConfig)}
-    for key in settings.args:
-        if key not in known:
-            raise ParamsError(f"params.yaml sft.args.{key} is not a trl.SFTConfig field")
-    args = config_values(trl.SFTConfig, settings.args, "sft.args")
-    kwargs = {"report_to": "none", "logging_steps": 1, **args}
-    check_report_to(kwargs["report_to"], "sft.args.report_to")
-    kwargs.update(output_dir=str(output_dir), save_strategy="no", completion_only_loss=True,
-                  **({"max_length": None, "remove_unused_columns": False} if vision else {}),
-                  **precision_flags(settings.args, model_settings))
-    try:
-        return trl.SFTConfig(**kwargs)
-    except ValueError as error:  # TrainingArguments' own checks of the values
-        raise ParamsError(f"params.yaml sft.args: {error}") from None
+    # `trl.SFTConfig` looked up at call time: Unsloth, when chosen, replaces it on import.
+    return build_trainer_config(
+        trl.SFTConfig, settings.args, "sft.args", model_settings=model_settings,
+        defaults={"report_to": "none", "logging_steps": 1},
+        pipeline={"output_dir": str(output_dir), "save_strategy": "no",
+                  "completion_only_loss": True,
+                  **({"max_length": None, "remove_unused_columns": False} if vision else {})})
 
 
 def run_sft(*, train_set: Path, params: Params, out: Path,

@@ -38,7 +38,6 @@ from vlmrl.data_parallel import (
     split_global_batch,
 )
 from vlmrl.launch import DistributedParams, check_strategy, check_world, distributed_settings
-from vlmrl.models.backend import precision_flags
 from vlmrl.models.loading import backend_for, load_policy, starting_adapter
 from vlmrl.models.processor import (
     chat_messages,
@@ -53,11 +52,10 @@ from vlmrl.portable import make_adapter_portable
 from vlmrl.rewards import build_rewards
 from vlmrl.rollout.generation import rollout_class, sample_top_k_on_cpu
 from vlmrl.rollout.graph_decode import install_graph_decoding
+from vlmrl.trainer_config import build_trainer_config
 from vlmrl.trainers import grpo_trainer
 from vlmrl.trl_compat import (
-    check_report_to,
     completions_table_to,
-    config_values,
     enable_compiled_generation,
     finite_rows,
     install_cpu_fallback,
@@ -65,10 +63,6 @@ from vlmrl.trl_compat import (
     live_log,
     step_log_rows,
 )
-
-# Set from dvc.yaml paths and other params sections, never from train.grpo.
-MANAGED_GRPO_KEYS = {"output_dir", "save_steps", "save_strategy", "reward_weights",
-                     "resume_from_checkpoint", "use_cpu"}
 
 
 def generation_rows(rows: int | None, config) -> int | None:
@@ -107,51 +101,36 @@ def batch_report(config) -> dict[str, Any]:
             "generation_batch_size": config.generation_batch_size}
 
 
-def grpo_field_names() -> set[str]:
-    # `trl.GRPOConfig` looked up at call time: Unsloth, when chosen, replaces it on import.
-    return {field.name for field in dataclasses.fields(trl.GRPOConfig)}
-
-
 def build_grpo_config(grpo: Mapping[str, Any], *, output_dir: Path, save_steps: int,
                       reward_weights: list[float], model_settings: ModelParams):
-    known = grpo_field_names()
-    for key in grpo:
-        if key not in known:
-            raise ParamsError(f"params.yaml train.grpo.{key} is not a trl.GRPOConfig field "
-                              f"(trl {trl.__version__}); see GRPOConfig's documentation")
-        if key in MANAGED_GRPO_KEYS:
-            raise ParamsError(f"params.yaml train.grpo.{key} is set by the pipeline "
-                              f"(dvc.yaml paths, train.save_steps or rewards); remove it")
-    grpo = config_values(trl.GRPOConfig, grpo, "train.grpo")
-    check_report_to(grpo.get("report_to", "none"), "train.grpo.report_to")
+    """`train.grpo` as a trl.GRPOConfig, with the checkpoint path and interval and the reward
+    weights the pipeline sets."""
     if grpo.get("use_vllm") and not vllm_installed():
         raise ParamsError("params.yaml train.grpo.use_vllm is true but vllm is not installed; "
                           "pip install vllm (a build matching this torch) or set it to false")
+    # `trl.GRPOConfig` looked up at call time: Unsloth, when chosen, replaces it on import.
     # LoRA on the language model: every trainable parameter takes part in each forward, so DDP
     # need not search the graph for unused ones (transformers' default does)
-    kwargs = {"ddp_find_unused_parameters": False, **grpo}
-    kwargs.update(output_dir=str(output_dir), save_strategy="steps", save_steps=save_steps,
-                  reward_weights=reward_weights, **precision_flags(grpo, model_settings))
-    warn_if_on_policy(kwargs)
-    try:
-        return trl.GRPOConfig(**kwargs)
-    except ValueError as error:  # TrainingArguments' and GRPOConfig's own checks of the values
-        raise ParamsError(f"params.yaml train.grpo: {error}") from None
+    config = build_trainer_config(
+        trl.GRPOConfig, grpo, "train.grpo", model_settings=model_settings,
+        defaults={"ddp_find_unused_parameters": False},
+        pipeline={"output_dir": str(output_dir), "save_strategy": "steps",
+                  "save_steps": save_steps, "reward_weights": reward_weights})
+    warn_if_on_policy(config)
+    return config
 
 
 def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def warn_if_on_policy(kwargs: Mapping[str, Any]) -> None:
-    steps_per_generation = kwargs.get("steps_per_generation") or kwargs.get(
-        "gradient_accumulation_steps", 1)
-    if (kwargs.get("importance_sampling_level") == "sequence"
-            and kwargs.get("num_iterations", 1) == 1
-            and steps_per_generation <= kwargs.get("gradient_accumulation_steps", 1)):
+def warn_if_on_policy(config) -> None:
+    """GSPO clips nothing when every optimizer step uses a fresh generation batch once."""
+    if (config.importance_sampling_level == "sequence" and config.num_iterations == 1
+            and config.steps_per_generation <= config.gradient_accumulation_steps):
         warnings.warn("GSPO has no effect with num_iterations=1 and steps_per_generation <= "
                       "gradient_accumulation_steps: the policy is always on-policy, the sequence "
-                      "ratio is 1 and nothing is clipped", stacklevel=2)
+                      "ratio is 1 and nothing is clipped", stacklevel=3)
 
 
 # ---------------------------------------------------------------- logs

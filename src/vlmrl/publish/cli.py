@@ -82,7 +82,7 @@ def _location_from_args(
     }
     section.update({name: value for name, value in overrides.items() if value is not None})
     try:
-        params = UploadParams.from_mapping(section)
+        params = UploadParams.from_params(section)
     except ParamsError as exc:
         parser.error(str(exc))
     location = s3_location(params)

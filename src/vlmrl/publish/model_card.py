@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
+from huggingface_hub import EvalResult, ModelCardData
 
 from vlmrl.answer_format import answer_format
 from vlmrl.gguf_release import README_NAME
@@ -24,39 +25,51 @@ from vlmrl.portable import EMBEDDED_PREFIX, release_base_name
 from vlmrl.publish.errors import MissingInputError, PublishError
 from vlmrl.tables import markdown_table
 
-EXPORT_METRICS_NAME = "export.json"
-EVAL_METRICS_NAMES = ("baseline_eval.json", "post_eval.json")
 CARD_METRICS = ("n", "accuracy", "format_compliance", "mean_reward", "mean_generated_tokens")
 PROJECTOR_PREFIX = "mmproj"  # llama.cpp's name for the vision projector's GGUF file
 
 
-def build_model_card(params: Mapping[str, Any], metrics_dir: Path, gguf_dir: Path) -> str:
-    """The card from params.yaml's sections, the metrics folder and the GGUF folder."""
-    export_metrics = _read_json(metrics_dir / EXPORT_METRICS_NAME)
+@dataclass(frozen=True)
+class CardInputs:
+    """The files the cards are rendered from; the upload stage is given each by dvc.yaml."""
+
+    baseline_metrics: Path
+    post_metrics: Path
+    export_metrics: Path
+    gguf: Path  # the export's GGUF folder, with its README
+
+    def evals(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """(baseline, post) metrics, None for one not written (yet)."""
+        return _read_json(self.baseline_metrics), _read_json(self.post_metrics)
+
+
+def build_model_card(params: Mapping[str, Any], inputs: CardInputs) -> str:
+    """The merged model's card from params.yaml's sections, the metrics and the GGUF folder."""
+    export_metrics = _read_json(inputs.export_metrics)
     if export_metrics is None:
         raise MissingInputError(
-            f"missing {metrics_dir / EXPORT_METRICS_NAME} (the model card's export settings and "
+            f"missing {inputs.export_metrics} (the model card's export settings and "
             "checks); it is made by export"
         )
+    gguf_dir = inputs.gguf
     if not gguf_dir.is_dir():
         raise MissingInputError(f"missing input directory {gguf_dir} (gguf); it is made by export")
-    baseline, post = (_read_json(metrics_dir / name) for name in EVAL_METRICS_NAMES)
+    baseline, post = inputs.evals()
     sizes = {path.name: path.stat().st_size for path in sorted(gguf_dir.glob("*.gguf"))}
     gguf_roles(sizes, where=str(gguf_dir))
     return render_model_card(params, export_metrics, baseline, post, sizes)
 
 
-def build_release_cards(params: Mapping[str, Any], metrics_dir: Path,
-                        gguf_dir: Path) -> dict[str, str]:
+def build_release_cards(params: Mapping[str, Any], inputs: CardInputs) -> dict[str, str]:
     """group -> its README.md: the merged model's card, the adapter's and the GGUF folder's
     (the export's README of the folder under the same metadata and results)."""
-    merged = build_model_card(params, metrics_dir, gguf_dir)
-    readme = gguf_dir / README_NAME
+    merged = build_model_card(params, inputs)
+    readme = inputs.gguf / README_NAME
     if not readme.is_file():
         raise MissingInputError(f"missing {readme} (the GGUF folder's README); it is made by "
                                 "export")
-    baseline, post = (_read_json(metrics_dir / name) for name in EVAL_METRICS_NAMES)
-    vision = any(path.name.startswith(PROJECTOR_PREFIX) for path in gguf_dir.glob("*.gguf"))
+    baseline, post = inputs.evals()
+    vision = any(path.name.startswith(PROJECTOR_PREFIX) for path in inputs.gguf.glob("*.gguf"))
     adapter = "\n".join([card_header(params, "adapter", post, vision),
                          *_adapter_body(params, vision), *_training_section(params, vision),
                          *_answer_format_section(params),
@@ -73,29 +86,29 @@ RELATIONS = {"adapter": ("adapter", "peft"), "merged": ("finetune", "transformer
 
 def card_header(params: Mapping[str, Any], kind: str, post: Mapping | None,
                 vision: bool) -> str:
-    """Hugging Face model-card metadata (YAML front matter) for one group of the release."""
+    """Hugging Face model-card metadata (the YAML front matter) for one group of the release,
+    through huggingface_hub's ModelCardData and EvalResult: the hub's own schema, so the card
+    loads with `huggingface_hub.ModelCard` and the hub shows its results."""
     model, data = params.get("model", {}), DataParams.from_params(params.get("data", {}))
     relation, library = RELATIONS[kind]
     name = str(model.get("name"))
-    tags = ["qwen3-vl" if vision else "qwen3", "lora", "gspo", "grpo",
-            "visual-math" if vision else "math"] + (["gguf"] if kind == "gguf" else [])
-    meta: dict[str, Any] = {
-        "base_model": release_base_name(name), "base_model_relation": relation,
-        "library_name": library,
-        "pipeline_tag": "image-text-to-text" if vision else "text-generation",
-        "tags": tags, "datasets": [dataset_name(data)]}
-    if name.startswith(EMBEDDED_PREFIX):
-        meta["base_model_seed"] = model.get("seed", 0)
+    pipeline_tag = "image-text-to-text" if vision else "text-generation"
     metrics = card_metrics(post)
-    if metrics:
-        meta["metrics"] = [key for key in INDEX_METRICS if key in metrics]
-        meta["model-index"] = [{"name": f"{release_base_name(name)}-gspo", "results": [{
-            "task": {"type": meta["pipeline_tag"]},
-            "dataset": {"name": dataset_name(data), "type": dataset_name(data),
-                        **({"split": data.split} if data.from_hub else {})},
-            "metrics": [{"type": key, "value": metrics[key], "name": f"{key} (held-out eval)"}
-                        for key in meta["metrics"]]}]}]
-    return "---\n" + yaml.safe_dump(meta, sort_keys=False) + "---\n"
+    indexed = [key for key in INDEX_METRICS if key in metrics]
+    meta = ModelCardData(
+        base_model=release_base_name(name), base_model_relation=relation,
+        library_name=library, pipeline_tag=pipeline_tag,
+        tags=["qwen3-vl" if vision else "qwen3", "lora", "gspo", "grpo",
+              "visual-math" if vision else "math"] + (["gguf"] if kind == "gguf" else []),
+        datasets=[dataset_name(data)], metrics=indexed or None,
+        model_name=f"{release_base_name(name)}-gspo" if indexed else None,
+        eval_results=[EvalResult(
+            task_type=pipeline_tag, dataset_type=dataset_name(data),
+            dataset_name=dataset_name(data), dataset_split=data.split if data.from_hub else None,
+            metric_type=key, metric_value=metrics[key], metric_name=f"{key} (held-out eval)")
+            for key in indexed] or None,
+        **({"base_model_seed": model.get("seed", 0)} if name.startswith(EMBEDDED_PREFIX) else {}))
+    return f"---\n{meta.to_yaml()}\n---\n"
 
 
 def dataset_name(data: DataParams) -> str:
@@ -282,7 +295,7 @@ def _results_section(params: Mapping[str, Any], baseline: Mapping | None,
     table = (
         markdown_table(["metric", baseline_label(params), "after (GSPO adapter)"], rows)
         if rows
-        else "No evaluation metrics were found (data/metrics/baseline_eval.json, post_eval.json)."
+        else "No evaluation metrics were found (baseline_eval's and post_eval's)."
     )
     return ["## Results", "", table, ""]
 
