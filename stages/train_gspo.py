@@ -18,6 +18,7 @@ from vlmrl.launch import (
     launch_stage_workers,
     launched_worker,
     training_plan,
+    use_expandable_segments,
 )
 from vlmrl.metric_files import write_stage_metrics
 from vlmrl.outputs import atomic_dir, remove_outputs, write_json_atomic
@@ -53,6 +54,7 @@ def main() -> int:
     if main_process:
         remove_outputs(*outputs)
     params = load_params(args.params)
+    use_expandable_segments(params.train.expandable_segments)  # before torch initialises CUDA
     plan = training_plan(params.train, params.model, "train_gspo")
     if plan.strategy != "none" and not launched_worker():
         from vlmrl.models.backend import mixed_precision  # torch, without initialising CUDA
