@@ -5,7 +5,8 @@ assigned onto TRL's objects from outside):
   the plain-torch one (vlmrl.logprob_fallback);
 - GRPO only: generation in chunks of rows and compiled decoding (vlmrl.generation), the rows each
   process trained on, every rank's RNG state written by rank 0, an optimizer state resumed on
-  CPU processes, and TRL's sample completions table written to a file instead of stdout.
+  CPU processes, a finished run restored from its checkpoint, and TRL's sample completions table
+  written to a file instead of stdout.
 The private TRL and transformers names these overrides rely on are checked when a trainer is made
 (vlmrl.private_names). Training runs on an attention backend whose backward is finite
 (`vlmrl.models.backend.avoid_cudnn_attention`). TRL's classes are looked up when a trainer is
@@ -152,6 +153,23 @@ class DataParallelRun:
         load_optimizer_state_on_cpu(self.optimizer, self.lr_scheduler, Path(checkpoint))
 
 
+class RestorableRun:
+    """A run whose last checkpoint finished it is restored, not trained on (vlmrl.checkpoints.
+    train_or_restore): the trainer takes the checkpoint's state and adapter weights."""
+
+    def restore_finished_run(self, checkpoint: Path) -> None:
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+        from transformers import TrainerState
+
+        self.state = TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
+        weights = load_file(str(checkpoint / "adapter_model.safetensors"))
+        unexpected = set_peft_model_state_dict(self.model, weights).unexpected_keys
+        if unexpected:  # the fingerprint covers train.lora, so this is a bug, not a user's error
+            raise RuntimeError(f"{checkpoint}: adapter weights the model has no place for: "
+                               f"{sorted(unexpected)[:3]}")
+
+
 class CompletionsTableToFile:
     """With `log_completions`, GRPOTrainer.log prints a rich table of sample completions to
     stdout after transformers' `Trainer.log`, burying the stage's own lines; with
@@ -201,7 +219,7 @@ def _subclass(base: type, names: tuple[PrivateName, ...], mixins: tuple[type, ..
 def grpo_class() -> type:
     """The GRPO subclass of what `trl.GRPOTrainer` is now."""
     return _subclass(trl.GRPOTrainer, GRPO_NAMES,
-                     (ChunkedGeneration, DataParallelRun, CompletionsTableToFile),
+                     (ChunkedGeneration, DataParallelRun, RestorableRun, CompletionsTableToFile),
                      (TrainerLogToStdout,))
 
 
