@@ -41,7 +41,7 @@ what fits a 24 GB GPU; such runs are keyed `config@length@qwen3-vl-8b-shape` and
 `peak_device_gib` adds what the process holds beside PyTorch's pool (CUDA context, kernels).
 
 Each run also records, per optimizer step (`per_step`, from TRL's log through
-vlmrl.trl_compat.step_log_rows), whether GSPO acted: reward and reward std, the share of groups
+vlmrl.train_logs.step_log_rows), whether GSPO acted: reward and reward std, the share of groups
 whose rewards all tie (`frac_reward_zero_std`; their advantage is 0), grad norm, and the clip
 ratio (`clip_ratio_region_mean`, with its `_low_mean` and `_high_mean` parts). TRL logs the
 reward fields only on steps that generate, and a clip ratio of 0 on on-policy steps. On the
@@ -139,7 +139,7 @@ VLLM_SETTINGS = {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_uti
 # bf16 with all 32 rows of a generation in one call; "merged" (the adapter folded into bf16
 # copies of the weights for decoding) with 32 rows: the speed profile. "compile": the decode
 # step's forward pass under torch.compile inside the graph.
-# "expandable_segments": train.expandable_segments (vlmrl.training.use_expandable_segments).
+# "expandable_segments": train.expandable_segments (vlmrl.launch.use_expandable_segments).
 CONFIGS["gpu_profile_graph"] = {**profile_candidate(8, 4, 16), "compile": True, "graph": "graph",
                                 "expandable_segments": True}
 CONFIGS["gpu_profile_graph_cached_segments"] = {**CONFIGS["gpu_profile_graph"],
@@ -375,7 +375,7 @@ class MemoryPeaks:
 def per_step_fields(log_history: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per optimizer step (TRL logs `loss` on each) with the STEP_FIELDS it logged;
     a field TRL did not log on that step is left out."""
-    from vlmrl.trl_compat import step_log_rows
+    from vlmrl.train_logs import step_log_rows
 
     return [{"step": row["step"], **{key: row[key] for key in STEP_FIELDS if key in row}}
             for row in step_log_rows(log_history) if "loss" in row]
@@ -465,14 +465,12 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
     from datasets import load_from_disk
     from transformers import TrainerCallback
 
+    from vlmrl.launch import use_expandable_segments
     from vlmrl.models.loading import load_policy
     from vlmrl.params import LoraParams, ModelParams, load_params
     from vlmrl.rewards import build_rewards
     from vlmrl.rollout.generation import rollout_class
-    from vlmrl.training import build_grpo_config, make_trainer, use_expandable_segments
-    from vlmrl.trl_compat import install_cpu_fallback
-
-    install_cpu_fallback()  # no-op where Triton exists (every GPU machine)
+    from vlmrl.training import build_grpo_config, make_trainer
 
     detector = _KVDropDetector()
     logging.getLogger("transformers").addHandler(detector)

@@ -18,6 +18,7 @@ from vlmrl.launch import (
     launch_stage_workers,
     launched_worker,
     training_plan,
+    use_expandable_segments,
 )
 from vlmrl.metric_files import write_stage_metrics
 from vlmrl.outputs import atomic_dir, stage_outputs, write_json_atomic
@@ -51,6 +52,7 @@ def main() -> int:
                args.curves, args.timings)
     with stage_outputs(*outputs, owner=is_main_process()):  # the launcher too, which is no rank
         params = load_params(args.params)
+        use_expandable_segments(params.train.expandable_segments)  # before torch initialises CUDA
         plan = training_plan(params.train, params.model, "train_gspo")
         if plan.strategy != "none" and not launched_worker():
             from vlmrl.models.backend import mixed_precision  # torch, not initialising CUDA

@@ -26,7 +26,6 @@ from vlmrl.params import DataParams, Params
 from vlmrl.rollout.generation import rollout_class
 from vlmrl.sft import run_sft
 from vlmrl.training import build_grpo_config, make_trainer
-from vlmrl.trl_compat import install_cpu_fallback
 
 MODEL = {"name": "embedded:tiny-qwen3-vl"}
 LORA = {"r": 8, "alpha": 16, "dropout": 0.0,
@@ -97,7 +96,6 @@ def measured_high_digit_share(model, processor, rows) -> float:
 def trained_share(primed, reward, tmp_path: Path) -> tuple[float, float]:
     """(high-digit share before, after) a short GSPO run optimising `reward`."""
     train_set, adapter = primed
-    install_cpu_fallback()
     model, processor, _ = load_policy(PARAMS.model, PARAMS.train.lora, GRPO["seed"],
                                       init_adapter=adapter, model_class=rollout_class)
     rows = [train_set[i] for i in range(4)]

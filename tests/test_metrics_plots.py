@@ -19,8 +19,8 @@ from transformers import TrainerState
 
 from vlmrl.metric_files import category_rows, headline, is_number, leaves, write_stage_metrics
 from vlmrl.params import ParamsError
+from vlmrl.train_logs import live_log
 from vlmrl.trainer_config import check_report_to
-from vlmrl.trl_compat import completions_table_to, live_log
 
 # ------------------------------------------------------------------ unit: metric files
 
@@ -87,21 +87,6 @@ def test_live_log_rewrites_the_log_at_every_logging_step(tmp_path: Path) -> None
         assert json.loads(path.read_text()) == state.log_history
     callback.on_save(None, state, None)
     assert saved == [[{"step": 1, "reward": 0.5}, {"step": 2, "reward": 1.0}]]
-
-
-def test_completions_table_goes_to_the_file_not_stdout(tmp_path: Path, capsys) -> None:
-    from trl.trainer import grpo_trainer
-
-    original = grpo_trainer.print_prompt_completions_sample
-    samples = tmp_path / "reports" / "train_samples.txt"
-    with completions_table_to(samples):
-        grpo_trainer.print_prompt_completions_sample(
-            ["What is 2 + 2?"], ["<SOLUTION>4</SOLUTION>"], {"correctness_reward": [1.0]},
-            [0.5], 3, None)
-    assert grpo_trainer.print_prompt_completions_sample is original
-    assert capsys.readouterr().out == ""
-    text = samples.read_text(encoding="utf-8")
-    assert "Step 3" in text and "correctness_reward" in text and "SOLUTION" in text
 
 
 # ------------------------------------------------------------------ a reproduced repo

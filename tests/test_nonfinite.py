@@ -20,7 +20,6 @@ from vlmrl.nonfinite import NonFiniteTrainingError
 from vlmrl.params import DataParams, Params
 from vlmrl.rollout.generation import rollout_class
 from vlmrl.training import build_grpo_config, make_trainer
-from vlmrl.trl_compat import install_cpu_fallback
 
 LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
 PARAMS = Params({"model": {"name": "embedded:tiny-qwen3-vl"},
@@ -62,7 +61,6 @@ def lora_weights(model) -> dict[str, torch.Tensor]:
 
 
 def run_poisoned(train_set, tmp_path: Path, steps: set[int], limit: int = 3):
-    install_cpu_fallback()
     model, processor, _ = load_policy(PARAMS.model, PARAMS.train.lora, GRPO["seed"],
                                       model_class=rollout_class)
     poison_gradient_at(model, steps, [0])
@@ -187,7 +185,6 @@ def test_skipped_steps_are_counted_in_the_metrics(tmp_path) -> None:
 def test_a_nonfinite_weight_stops_training(train_set, tmp_path) -> None:
     """An update too large for float32 (learning rate 1e39) makes a weight infinite: the run
     stops at that step's end, before anything is saved from it."""
-    install_cpu_fallback()
     model, processor, _ = load_policy(PARAMS.model, PARAMS.train.lora, GRPO["seed"],
                                       model_class=rollout_class)
     config = build_grpo_config({**GRPO, "learning_rate": 1e39, "max_grad_norm": 0.0},
@@ -204,7 +201,6 @@ def test_sft_skips_a_nonfinite_step(train_set, tmp_path) -> None:
     from vlmrl.sft import build_sft_config, sft_dataset
     from vlmrl.trainers import sft_trainer
 
-    install_cpu_fallback()
     params = Params({"model": {"name": "embedded:tiny-qwen3-vl"},
                      "sft": {"enabled": True, "args": {"max_steps": 3, "learning_rate": 1e-2,
                                                        "per_device_train_batch_size": 2}},

@@ -20,8 +20,8 @@ from conftest import (
 
 from vlmrl.models.loading import language_model_targets
 from vlmrl.params import ModelParams, Params, ParamsError, TrainParams
+from vlmrl.train_logs import step_log_rows
 from vlmrl.training import build_grpo_config, vllm_installed
-from vlmrl.trl_compat import step_log_rows
 
 
 def read_log(path: Path) -> list[dict]:
@@ -179,7 +179,7 @@ def test_generation_chunks_hold_exactly_their_prompts_images() -> None:
     import numpy as np
     from PIL import Image
 
-    from vlmrl.trl_compat import split_generation_inputs
+    from vlmrl.chunked_generation import split_generation_inputs
 
     processor = tiny_processor()
     sizes = [(64, 64), (128, 96), (96, 160), (64, 128), (160, 64)]
@@ -214,7 +214,7 @@ def test_generation_chunks_hold_exactly_their_prompts_images() -> None:
 def test_unsplittable_field_is_a_clear_error() -> None:
     import torch
 
-    from vlmrl.trl_compat import split_generation_inputs
+    from vlmrl.chunked_generation import split_generation_inputs
 
     with pytest.raises(ValueError, match=r"max_generation_rows.*`pixel_attention_mask`"):
         list(split_generation_inputs([[1], [2], [3]], None,
@@ -222,9 +222,9 @@ def test_unsplittable_field_is_a_clear_error() -> None:
 
 
 def test_generation_in_chunks_keeps_the_row_order() -> None:
-    from vlmrl.trl_compat import limit_generation_rows
+    from vlmrl.trainers import ChunkedGeneration
 
-    class Trainer:
+    class Generator:  # GRPOTrainer's `_generate_single_turn` contract
         def __init__(self) -> None:
             self.calls: list[int] = []
 
@@ -233,8 +233,10 @@ def test_generation_in_chunks_keeps_the_row_order() -> None:
             self.calls.append(len(prompt_ids))
             return [ids + [100] for ids in prompt_ids], None
 
-    trainer = Trainer()
-    limit_generation_rows(trainer, 4)
+    class Trainer(ChunkedGeneration, Generator):
+        pass
+
+    trainer = Trainer(generation_rows=4)
     prompts = [[row] for row in range(12)]
     completions, logprobs = trainer._generate_single_turn(prompts, None, {}, 4)
     assert trainer.calls == [4, 4, 4]
@@ -420,31 +422,72 @@ def test_cpu_log_prob_fallback_where_the_kernel_cannot_run(monkeypatch, kernel, 
     import torch
     import trl.trainer.utils as trl_utils
 
-    from vlmrl.trl_compat import TorchChunkedLogProb, install_cpu_fallback
+    from vlmrl.logprob_fallback import TorchChunkedLogProb, kernel_cannot_run
+    from vlmrl.trainers import log_prob_kernel_for_this_machine
 
     sentinel = object() if kernel else None
     monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", sentinel)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-    assert install_cpu_fallback() is replaced
-    assert trl_utils._ChunkedLogProbFunction is (TorchChunkedLogProb if replaced else sentinel)
-    assert install_cpu_fallback() is False  # once in place, a second call changes nothing
+    with log_prob_kernel_for_this_machine():
+        assert trl_utils._ChunkedLogProbFunction is (TorchChunkedLogProb if replaced else sentinel)
+    assert trl_utils._ChunkedLogProbFunction is sentinel  # only while the trainer trains
+    assert kernel_cannot_run(TorchChunkedLogProb, cuda) is False  # in place: nothing to change
 
 
-@pytest.mark.parametrize("enabled", [True, False])
-def test_expandable_segments_are_set_only_where_asked_and_cuda_exists(monkeypatch, enabled: bool
-                                                                      ) -> None:
-    import torch
+@pytest.mark.parametrize(("before", "enabled", "after"), [
+    ({}, True, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),
+    ({}, False, {}),
+    # a user's own entries stay, and their own expandable_segments wins
+    ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}, True,
+     {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128,expandable_segments:True"}),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, True,
+     {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}),
+    # torch reads PYTORCH_ALLOC_CONF first where it is set: the entry goes there
+    ({"PYTORCH_ALLOC_CONF": "garbage_collection_threshold:0.6"}, True,
+     {"PYTORCH_ALLOC_CONF": "garbage_collection_threshold:0.6,expandable_segments:True"}),
+])
+def test_expandable_segments_go_to_the_allocator_environment(before, enabled, after) -> None:
+    from vlmrl.launch import use_expandable_segments
 
-    from vlmrl.training import use_expandable_segments
+    environ = dict(before)
+    assert use_expandable_segments(enabled, environ) is (after != before)
+    assert environ == after
 
-    settings: list[str] = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", settings.append)
-    use_expandable_segments(enabled)
-    assert settings == (["expandable_segments:True"] if enabled else [])
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    use_expandable_segments(True)  # a CPU machine: the allocator is left alone
-    assert settings == (["expandable_segments:True"] if enabled else [])
+
+def test_train_gspo_sets_the_allocator_before_torch(tmp_path: Path) -> None:
+    """The stage script sets PYTORCH_CUDA_ALLOC_CONF before anything imports torch (the
+    allocator reads it when CUDA initialises), only where train.expandable_segments asks; the
+    probe stops the script where it would decide how many processes train."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+    from conftest import ROOT
+
+    probe = ("import os, runpy, sys\n"
+             "import vlmrl.launch\n"
+             "def stop(*args, **kwargs):\n"
+             "    print('torch' in sys.modules, os.environ.get('PYTORCH_CUDA_ALLOC_CONF'))\n"
+             "    raise SystemExit(0)\n"
+             "vlmrl.launch.training_plan = stop\n"
+             "sys.argv[0] = 'train_gspo.py'\n"
+             f"runpy.run_path({str(ROOT / 'stages' / 'train_gspo.py')!r}, run_name='__main__')\n")
+    flags = [part for name in ("train-set", "out", "checkpoints", "metrics", "details", "log",
+                               "completions", "samples", "curves", "timings")
+             for part in (f"--{name}", str(tmp_path / "outputs" / name))]
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    for enabled, expected in ((True, "False expandable_segments:True"), (False, "False None")):
+        raw["train"]["expandable_segments"] = enabled
+        params = tmp_path / "params.yaml"
+        params.write_text(yaml.safe_dump(raw))
+        result = subprocess.run([sys.executable, "-c", probe, *flags, "--params", str(params)],
+                                cwd=tmp_path, env=env, capture_output=True, text=True,
+                                check=False, timeout=300)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert result.stdout.strip().splitlines()[-1] == expected
 
 
 def test_train_params_take_expandable_segments_as_a_switch() -> None:

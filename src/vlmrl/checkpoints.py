@@ -1,8 +1,8 @@
 """Which checkpoints a GSPO run may resume from. A checkpoint is only trusted if it came from the
 same result-changing params and data, and checkpoints of other settings are moved aside, never
 deleted: after an out-of-memory error the natural move (fewer rows per generate call, gradient
-checkpointing on, rerun) must not throw away hours of training. No torch at import: the peft and
-safetensors parts load inside `train_or_restore`."""
+checkpointing on, rerun) must not throw away hours of training. No torch at import: a finished
+run's weights are restored by the trainer (vlmrl.trainers)."""
 
 from __future__ import annotations
 
@@ -169,22 +169,14 @@ def finished_run(checkpoint: Path | None, max_steps: int) -> bool:
 
 def train_or_restore(trainer, resume_from: Path | None, max_steps: int) -> None:
     """Trains from `resume_from` (None: from the start), or, where that checkpoint finished the
-    run, takes its adapter and state as they are: transformers 5.17, resumed from the checkpoint
-    of step `max_steps`, trains one step more (step max_steps + 1) before it checks the limit."""
+    run, takes its adapter and state as they are (`restore_finished_run` of vlmrl.trainers'
+    subclass): transformers 5.17, resumed from the checkpoint of step `max_steps`, trains one step
+    more (step max_steps + 1) before it checks the limit."""
     if not finished_run(resume_from, max_steps):
         trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
         return
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-    from transformers import TrainerState
-
     print(f"{resume_from} finished all {max_steps} steps: nothing left to train")
-    trainer.state = TrainerState.load_from_json(str(resume_from / "trainer_state.json"))
-    weights = load_file(str(resume_from / "adapter_model.safetensors"))
-    unexpected = set_peft_model_state_dict(trainer.model, weights).unexpected_keys
-    if unexpected:  # the fingerprint covers train.lora, so this is a bug, not a user's error
-        raise RuntimeError(f"{resume_from}: adapter weights the model has no place for: "
-                           f"{sorted(unexpected)[:3]}")
+    trainer.restore_finished_run(resume_from)
 
 
 def mark_checkpoints(checkpoints: Path, settings: Mapping[str, Any]) -> None:

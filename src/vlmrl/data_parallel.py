@@ -8,7 +8,6 @@ module stays light."""
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -70,41 +69,16 @@ def main_decides(decide: Callable[[], T], follow: Callable[[], T]) -> T:
     return result if state.is_main_process else follow()
 
 
-def record_trained_rows(trainer, column: str = "pid") -> list[Any]:
-    """The `column` of every row this process generated for and trained on, in order (TRL gives
-    each process its own rows of a generation batch)."""
-    seen: list[Any] = []
-    original = trainer._generate_and_score_completions
-
-    def recorded(inputs):
-        seen.extend(row.get(column) for row in inputs)
-        return original(inputs)
-
-    trainer._generate_and_score_completions = recorded
-    return seen
-
-
-def save_rng_states_on_main(trainer) -> None:
-    """transformers' Trainer has every rank write its own `rng_state_<rank>.pth` into the
-    checkpoint; here each rank writes its file to a private temporary directory and rank 0 writes
-    all of them into the checkpoint, so a resume finds the files it always did."""
-    original = trainer._save_rng_state
-
-    def save(output_dir: str) -> None:
-        if trainer.args.world_size <= 1:
-            original(output_dir)
-            return
-        with tempfile.TemporaryDirectory(prefix="vlmrl-rng-") as local:
-            original(local)
-            files = {path.name: path.read_bytes() for path in Path(local).glob("rng_state*.pth")}
-        gathered = gather_lists([files])
-        if trainer.accelerator.is_main_process:
-            Path(output_dir).mkdir(parents=True, exist_ok=True)
-            for [part] in gathered:
-                for name, blob in part.items():
-                    (Path(output_dir) / name).write_bytes(blob)
-
-    trainer._save_rng_state = save
+def write_gathered_files(files: Mapping[str, bytes], output_dir: Path, is_main: bool) -> None:
+    """Every process's `files` (name -> bytes) written into `output_dir` by rank 0 alone (every
+    rank must call this: gathering is collective). The trainer's RNG states go this way
+    (vlmrl.trainers.DataParallelRun), so only rank 0 writes into a checkpoint."""
+    gathered = gather_lists([dict(files)])
+    if is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        for [part] in gathered:
+            for name, blob in part.items():
+                (output_dir / name).write_bytes(blob)
 
 
 def gathered_state_dict(trainer) -> dict[str, Any] | None:
@@ -118,28 +92,15 @@ def gathered_state_dict(trainer) -> dict[str, Any] | None:
     return accelerator.get_state_dict(trainer.model_wrapped)
 
 
-def resume_on_cpu_processes(trainer) -> None:
-    """transformers loads a resumed optimizer state onto `args.device` when several processes
-    train, and on a CPU that is `cpu:<rank>`, a location `torch.load` refuses ("don't know how to
-    restore data location ... cpu:0"); the load is pointed at plain `cpu` while it lasts."""
+def load_optimizer_state_on_cpu(optimizer, scheduler, checkpoint: Path) -> None:
+    """A checkpoint's optimizer and scheduler states loaded onto plain `cpu`, as transformers'
+    Trainer loads them (nothing where either file is missing), but without its
+    `map_location=cpu:<rank>` on CPU processes, which `torch.load` refuses."""
     import torch
+    from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 
-    if trainer.args.world_size <= 1 or trainer.args.device.type != "cpu":
+    optimizer_file, scheduler_file = checkpoint / OPTIMIZER_NAME, checkpoint / SCHEDULER_NAME
+    if not (optimizer_file.is_file() and scheduler_file.is_file()):
         return
-    original = trainer._load_optimizer_and_scheduler
-
-    def load(checkpoint):
-        torch_load = torch.load
-
-        def load_on_cpu(*args, **kwargs):
-            if isinstance(kwargs.get("map_location"), torch.device):
-                kwargs["map_location"] = "cpu"
-            return torch_load(*args, **kwargs)
-
-        torch.load = load_on_cpu
-        try:
-            return original(checkpoint)
-        finally:
-            torch.load = torch_load
-
-    trainer._load_optimizer_and_scheduler = load
+    optimizer.load_state_dict(torch.load(optimizer_file, map_location="cpu", weights_only=True))
+    scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))

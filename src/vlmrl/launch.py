@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Self
@@ -141,6 +141,31 @@ def keep_one_gpu(gpus: int, why: str) -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = first
     print(f"{why}: one process on GPU {first} of the {gpus} visible "
           f"(CUDA_VISIBLE_DEVICES={first})", flush=True)
+
+
+# The CUDA allocator's settings; torch reads the first of these that is set.
+ALLOC_CONF_ENVS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+def use_expandable_segments(enabled: bool,
+                            environ: MutableMapping[str, str] = os.environ) -> bool:
+    """`train.expandable_segments`: PyTorch's CUDA allocator maps memory into segments that grow
+    in place (what Unsloth sets on import). Without it, the first training micro-batch after a
+    generation took several times as long as the others on the H100, its forward and backward
+    both; with it, about what they take, at the same peak (`benchmarks/gspo_step.py`'s phase
+    table in docs/benchmarks.md). Set through the allocator's public setting, the environment
+    variable torch reads when CUDA initialises: a stage sets it before importing torch, and its
+    launched workers inherit it. A user's own entries stay, their `expandable_segments` too.
+    True if it changed the environment."""
+    if not enabled:
+        return False
+    name = next((name for name in ALLOC_CONF_ENVS if environ.get(name, "").strip()),
+                "PYTORCH_CUDA_ALLOC_CONF")
+    entries = [entry.strip() for entry in environ.get(name, "").split(",") if entry.strip()]
+    if any(entry.split(":")[0].strip() == "expandable_segments" for entry in entries):
+        return False
+    environ[name] = ",".join([*entries, "expandable_segments:True"])
+    return True
 
 
 def unsloth_chosen(requested: str) -> bool:

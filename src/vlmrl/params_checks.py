@@ -35,7 +35,7 @@ def check_reward_names(section: Mapping[str, Any]) -> None:
 def check_group_size(grpo: Mapping[str, Any]) -> None:
     """GRPO compares the completions of one prompt with each other, so a group needs two or
     more; TRL divides by the group size before it checks that (0 is a ZeroDivisionError there).
-    Other types are left to the check against GRPOConfig's field types (vlmrl.trl_compat)."""
+    Other types are left to the check against GRPOConfig's field types (vlmrl.trainer_config)."""
     value = grpo.get("num_generations")
     if isinstance(value, int) and not isinstance(value, bool) and value < 2:
         raise ParamsError("params.yaml train.grpo.num_generations: must be an integer of at "

@@ -40,14 +40,9 @@ from vlmrl.models.loading import backend_for, load_policy, write_start_marker
 from vlmrl.models.processor import is_text_checkpoint, message_text, save_processing
 from vlmrl.outputs import atomic_dir
 from vlmrl.params import ModelParams, Params, SftParams
+from vlmrl.train_logs import finite_rows, live_log, step_log_rows
 from vlmrl.trainer_config import build_trainer_config
 from vlmrl.trainers import sft_trainer
-from vlmrl.trl_compat import (
-    finite_rows,
-    install_cpu_fallback,
-    live_log,
-    step_log_rows,
-)
 
 DEFAULT_REASONING = SftParams.model_fields["reasoning"].default
 
@@ -127,7 +122,6 @@ def _train(settings: SftParams, params: Params, train_set: Path, staging: Path,
     backend = backend_for(params.model)  # Unsloth, when chosen, patches TRL before the config
     distributed = distributed_settings(params.train)
     check_strategy(distributed, backend.name, params.model.load_in_4bit)
-    install_cpu_fallback()  # SFTTrainer's loss goes through the same Triton log-prob kernel
     vision = not is_text_checkpoint(resolve_model_path(params.model))
     default = trl.SFTConfig.__dataclass_fields__["per_device_train_batch_size"].default
     args = split_global_batch(settings.args, distributed.num_processes, default, "sft.args")

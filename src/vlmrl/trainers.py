@@ -1,34 +1,248 @@
-"""The trainer classes the stages train with: TRL's, with the project's behaviour added by
-subclassing (vlmrl.nonfinite's guard), on an attention backend whose backward is finite
-(`vlmrl.models.backend.avoid_cudnn_attention`). TRL's classes are looked up when a trainer is made, not
-at import: Unsloth, when chosen, replaces `trl.GRPOTrainer` and `trl.SFTTrainer` on import, and
-the subclass must extend what it put there."""
+"""The trainer classes the stages train with: TRL's GRPOTrainer and SFTTrainer, subclassed, with
+every behaviour the project changes held in overridden methods of the subclass (nothing is
+assigned onto TRL's objects from outside):
+- the non-finite guard (vlmrl.nonfinite) and, where TRL's Triton log-prob kernel cannot run,
+  the plain-torch one (vlmrl.logprob_fallback);
+- GRPO only: generation in chunks of rows and compiled decoding (vlmrl.chunked_generation), the rows each
+  process trained on, every rank's RNG state written by rank 0, an optimizer state resumed on
+  CPU processes, a finished run restored from its checkpoint, and TRL's sample completions table
+  written to a file instead of stdout.
+The private TRL and transformers names these overrides rely on are checked when a trainer is made
+(vlmrl.private_names). Training runs on an attention backend whose backward is finite
+(`vlmrl.models.backend.avoid_cudnn_attention`). TRL's classes are looked up when a trainer is
+made, not at import: Unsloth, when chosen, replaces `trl.GRPOTrainer` and `trl.SFTTrainer` on
+import, and the subclass must extend what it put there."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
+from unittest import mock
 
+import torch
+import transformers
 import trl
 
+from vlmrl.data_parallel import load_optimizer_state_on_cpu, write_gathered_files
+from vlmrl.chunked_generation import allow_compiling_bnb_4bit, compileable_quantizer, generate_in_chunks
+from vlmrl.logprob_fallback import TorchChunkedLogProb, kernel_cannot_run
 from vlmrl.models.backend import avoid_cudnn_attention
 from vlmrl.nonfinite import NonFiniteGuard
+from vlmrl.private_names import GRPO_NAMES, SFT_NAMES, PrivateName, check_private_names
+from vlmrl.train_logs import start_completions_table
+
+TRAINED_ROW_COLUMN = "pid"  # the column `trained_rows` records of every row trained on
+
+
+@contextlib.contextmanager
+def log_prob_kernel_for_this_machine() -> Iterator[None]:
+    """While it lasts, TRL's fused LM head computes log-probabilities with TorchChunkedLogProb
+    where its Triton kernel cannot run. TRL 1.15 reads the kernel from the module global
+    `trl.trainer.utils._ChunkedLogProbFunction` at every call and offers no parameter or hook
+    for it; the alternatives (a copy of TRL's fused forward put on the model, or the global
+    replaced for the whole process) are more invasive than this swap, which lasts one `train`
+    or `evaluate` call of the subclass and is undone after it (a private name: checked)."""
+    import trl.trainer.utils as trl_utils
+
+    if not kernel_cannot_run(trl_utils._ChunkedLogProbFunction, torch.cuda.is_available()):
+        yield
+        return
+    with mock.patch.object(trl_utils, "_ChunkedLogProbFunction", TorchChunkedLogProb):
+        yield
+
+
+class CheckedTrainer:
+    """First in the subclass: checks the private names the class relies on (`PRIVATE_NAMES`)
+    on the class it extends (`extends`) before TRL's constructor runs, and trains with the
+    log-prob kernel this machine can run."""
+
+    extends: type
+    PRIVATE_NAMES: tuple[PrivateName, ...] = ()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        check_private_names(self.extends, self.PRIVATE_NAMES)
+        super().__init__(*args, **kwargs)
+
+    def train(self, *args: Any, **kwargs: Any):
+        with log_prob_kernel_for_this_machine():
+            return super().train(*args, **kwargs)
+
+    def evaluate(self, *args: Any, **kwargs: Any):
+        with log_prob_kernel_for_this_machine():
+            return super().evaluate(*args, **kwargs)
+
+
+class ChunkedGeneration:
+    """GRPO generation switches. `generation_rows`: TRL generates a whole generation batch
+    (per_device_train_batch_size x steps_per_generation rows) in one `generate` call, so a static
+    KV cache is sized for all of it; generating it `generation_rows` at a time keeps the cache,
+    and the memory, to one chunk's size, while one batch can still serve several optimizer steps
+    (GSPO's off-policy updates). `compile_generation`: TRL builds its generation config with
+    `disable_compile=True`, and a static KV cache only pays off with compiled decoding;
+    transformers 5.17 also never compiles a bitsandbytes 4-bit model, although that works with
+    bitsandbytes 0.50 (measured: benchmarks/gspo_step.py), so under those versions the policy
+    gets a copy of its quantizer that allows it (vlmrl.chunked_generation.compileable_quantizer)."""
+
+    def __init__(self, *args: Any, generation_rows: int | None = None,
+                 compile_generation: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.generation_rows = generation_rows
+        self.chunks_announced = False
+        if compile_generation:
+            self.generation_config.update(disable_compile=False)
+            self.allow_compiled_4bit_decoding()
+
+    def allow_compiled_4bit_decoding(self) -> None:
+        model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        quantizer = getattr(model, "hf_quantizer", None)
+        compileable = compileable_quantizer(quantizer) if quantizer is not None else None
+        if compileable is not quantizer and allow_compiling_bnb_4bit():
+            model.hf_quantizer = compileable  # this policy's own quantizer, not the class's
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations,
+                              has_tool_images=False):
+        generate = super()._generate_single_turn
+        rows = self.generation_rows
+        if rows is None or len(prompt_ids) <= rows:
+            return generate(prompt_ids, images, multimodal_fields, num_generations,
+                            has_tool_images)
+        if not self.chunks_announced:
+            print(f"generating {len(prompt_ids)} rows per generation batch in chunks of {rows}")
+            self.chunks_announced = True
+        return generate_in_chunks(generate, rows, prompt_ids, images, multimodal_fields,
+                                  num_generations, has_tool_images)
+
+
+class DataParallelRun:
+    """What a data-parallel GRPO run needs of its trainer (vlmrl.data_parallel): `trained_rows`,
+    the `pid` of every row this process generated for and trained on, in order (TRL gives each
+    process its own rows of a generation batch); every rank's `rng_state_<rank>.pth` written into
+    the checkpoint by rank 0 alone (each rank saves to a private temporary directory), so a
+    resume finds the files it always did; and a resumed optimizer state loaded onto plain `cpu`
+    on CPU processes, where transformers asks `torch.load` for `cpu:<rank>`, a location it
+    refuses ("don't know how to restore data location ... cpu:0")."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.trained_rows: list[Any] = []
+
+    def _generate_and_score_completions(self, inputs):
+        self.trained_rows.extend(row.get(TRAINED_ROW_COLUMN) for row in inputs)
+        return super()._generate_and_score_completions(inputs)
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        if self.args.world_size <= 1:
+            super()._save_rng_state(output_dir)
+            return
+        with tempfile.TemporaryDirectory(prefix="vlmrl-rng-") as local:
+            super()._save_rng_state(local)
+            files = {path.name: path.read_bytes() for path in Path(local).glob("rng_state*.pth")}
+        write_gathered_files(files, Path(output_dir), self.accelerator.is_main_process)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        on_cpu_processes = (self.args.world_size > 1 and self.args.device.type == "cpu"
+                            and not self.is_deepspeed_enabled and not self.is_fsdp_enabled)
+        if checkpoint is None or not on_cpu_processes:
+            super()._load_optimizer_and_scheduler(checkpoint)
+            return
+        load_optimizer_state_on_cpu(self.optimizer, self.lr_scheduler, Path(checkpoint))
+
+
+class RestorableRun:
+    """A run whose last checkpoint finished it is restored, not trained on (vlmrl.checkpoints.
+    train_or_restore): the trainer takes the checkpoint's state and adapter weights."""
+
+    def restore_finished_run(self, checkpoint: Path) -> None:
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+        from transformers import TrainerState
+
+        self.state = TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
+        weights = load_file(str(checkpoint / "adapter_model.safetensors"))
+        unexpected = set_peft_model_state_dict(self.model, weights).unexpected_keys
+        if unexpected:  # the fingerprint covers train.lora, so this is a bug, not a user's error
+            raise RuntimeError(f"{checkpoint}: adapter weights the model has no place for: "
+                               f"{sorted(unexpected)[:3]}")
+
+
+class CompletionsTableToFile:
+    """With `log_completions`, GRPOTrainer.log prints a rich table of sample completions to
+    stdout after transformers' `Trainer.log`, burying the stage's own lines; with
+    `completions_table` set, stdout goes to that file (appended) while GRPOTrainer.log runs, and
+    TrainerLogToStdout, which sits just above transformers' Trainer, gives Trainer.log (the
+    progress lines of the callbacks) the real stdout back. The file is created with its header
+    line at once, so the declared output exists even with the option off."""
+
+    def __init__(self, *args: Any, completions_table: Path | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.completions_table = completions_table
+        self.stdout_outside_log = None
+        if completions_table is not None and self.accelerator.is_main_process:
+            start_completions_table(completions_table)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if (self.completions_table is None or not self.log_completions
+                or not self.accelerator.is_main_process):
+            super().log(logs, start_time)
+            return
+        self.stdout_outside_log = sys.stdout
+        try:
+            with (self.completions_table.open("a", encoding="utf-8") as handle,
+                  contextlib.redirect_stdout(handle)):
+                super().log(logs, start_time)
+        finally:
+            self.stdout_outside_log = None
+
+
+class TrainerLogToStdout(transformers.Trainer):
+    """Last base of the GRPO subclass, so that it sits between TRL's trainer and transformers'
+    Trainer in the method order: transformers' `log` prints to the stdout of the stage."""
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        stdout = getattr(self, "stdout_outside_log", None)
+        with contextlib.redirect_stdout(stdout) if stdout is not None else contextlib.nullcontext():
+            super().log(logs, start_time)
 
 
 @functools.cache
-def _guarded(base: type) -> type:
-    return type(f"Vlmrl{base.__name__}", (NonFiniteGuard, base), {"__module__": __name__})
+def _subclass(base: type, names: tuple[PrivateName, ...], mixins: tuple[type, ...],
+              after: tuple[type, ...] = ()) -> type:
+    return type(f"Vlmrl{base.__name__}", (CheckedTrainer, *mixins, NonFiniteGuard, base, *after),
+                {"__module__": __name__, "extends": base, "PRIVATE_NAMES": names})
 
 
-def grpo_trainer(*, max_nonfinite_steps: int, **kwargs: Any):
-    """`trl.GRPOTrainer(**kwargs)` with the non-finite guard (`train.max_nonfinite_steps`)."""
+def grpo_class() -> type:
+    """The GRPO subclass of what `trl.GRPOTrainer` is now."""
+    return _subclass(trl.GRPOTrainer, GRPO_NAMES,
+                     (ChunkedGeneration, DataParallelRun, RestorableRun, CompletionsTableToFile),
+                     (TrainerLogToStdout,))
+
+
+def sft_class() -> type:
+    """The SFT subclass of what `trl.SFTTrainer` is now."""
+    return _subclass(trl.SFTTrainer, SFT_NAMES, ())
+
+
+def grpo_trainer(*, max_nonfinite_steps: int, generation_rows: int | None = None,
+                 compile_generation: bool = False, completions_table: Path | None = None,
+                 **kwargs: Any):
+    """`trl.GRPOTrainer(**kwargs)` with the non-finite guard (`train.max_nonfinite_steps`),
+    generation in chunks of `generation_rows` (`train.max_generation_rows`), compiled decoding
+    where `compile_generation`, and the sample completions table in `completions_table`."""
     avoid_cudnn_attention()
-    return _guarded(trl.GRPOTrainer)(max_nonfinite_steps=max_nonfinite_steps,
-                                     limit_key="train.max_nonfinite_steps", **kwargs)
+    return grpo_class()(max_nonfinite_steps=max_nonfinite_steps,
+                        limit_key="train.max_nonfinite_steps", generation_rows=generation_rows,
+                        compile_generation=compile_generation,
+                        completions_table=completions_table, **kwargs)
 
 
 def sft_trainer(*, max_nonfinite_steps: int, **kwargs: Any):
     """`trl.SFTTrainer(**kwargs)` with the non-finite guard (`sft.max_nonfinite_steps`)."""
     avoid_cudnn_attention()
-    return _guarded(trl.SFTTrainer)(max_nonfinite_steps=max_nonfinite_steps,
-                                    limit_key="sft.max_nonfinite_steps", **kwargs)
+    return sft_class()(max_nonfinite_steps=max_nonfinite_steps,
+                       limit_key="sft.max_nonfinite_steps", **kwargs)

@@ -6,7 +6,6 @@ result-changing params and data; checkpoints of other settings are moved aside, 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import importlib.util
@@ -28,16 +27,14 @@ from vlmrl.checkpoints import (
     run_settings,
     train_or_restore,
 )
-from vlmrl.data_parallel import (
-    gather_lists,
-    gathered_state_dict,
-    main_decides,
-    record_trained_rows,
-    resume_on_cpu_processes,
-    save_rng_states_on_main,
-    split_global_batch,
+from vlmrl.data_parallel import gather_lists, gathered_state_dict, main_decides, split_global_batch
+from vlmrl.launch import (
+    DistributedParams,
+    check_strategy,
+    check_world,
+    distributed_settings,
+    use_expandable_segments,
 )
-from vlmrl.launch import DistributedParams, check_strategy, check_world, distributed_settings
 from vlmrl.models.loading import backend_for, load_policy, starting_adapter
 from vlmrl.models.processor import (
     chat_messages,
@@ -52,17 +49,9 @@ from vlmrl.portable import make_adapter_portable
 from vlmrl.rewards import build_rewards
 from vlmrl.rollout.generation import rollout_class, sample_top_k_on_cpu
 from vlmrl.rollout.graph_decode import install_graph_decoding
+from vlmrl.train_logs import finite_rows, live_log, step_log_rows
 from vlmrl.trainer_config import build_trainer_config
 from vlmrl.trainers import grpo_trainer
-from vlmrl.trl_compat import (
-    completions_table_to,
-    enable_compiled_generation,
-    finite_rows,
-    install_cpu_fallback,
-    limit_generation_rows,
-    live_log,
-    step_log_rows,
-)
 
 
 def generation_rows(rows: int | None, config) -> int | None:
@@ -201,21 +190,10 @@ class TrainResult:
     completions_dir: Path
 
 
-def use_expandable_segments(enabled: bool) -> None:
-    """PyTorch's CUDA allocator maps memory into segments that grow in place (what Unsloth sets
-    on import). Without it, the first training micro-batch after a generation took several times
-    as long as the others on the H100, its forward and backward both; with it, about what they
-    take, at the same peak (`benchmarks/gspo_step.py`'s phase table in docs/benchmarks.md). Set
-    before the model is loaded, so that every segment is expandable."""
-    import torch
-
-    if enabled and torch.cuda.is_available():
-        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
-
-
 def make_trainer(model, processor, config, dataset, reward_funcs, *,
                  generation_rows: int | None, callbacks: list, graph_decoding: str = "eager",
-                 kv_cache_dtype: str = "auto", max_nonfinite_steps: int = 3):
+                 kv_cache_dtype: str = "auto", max_nonfinite_steps: int = 3,
+                 completions_table: Path | None = None):
     """TRL's GRPOTrainer with the project's generation switches: the processor's suppressed
     tokens, compiled decoding when `generation_kwargs.disable_compile` is false (TRL itself
     always disables it), generation in chunks of `generation_rows`, on a GPU with
@@ -223,7 +201,8 @@ def make_trainer(model, processor, config, dataset, reward_funcs, *,
     of `kv_cache_dtype` (`vlmrl.rollout.decode_attention`), on a CPU top-k sampling among k tokens
     (`vlmrl.rollout.generation`; both need the policy loaded with `rollout_class`), and steps
     with a non-finite loss or gradient skipped (`vlmrl.nonfinite`, at most
-    `max_nonfinite_steps` in a row)."""
+    `max_nonfinite_steps` in a row); TRL's sample completions table goes to
+    `completions_table` (vlmrl.trainers)."""
     if kv_cache_dtype != "auto" and graph_decoding == "eager":
         raise ParamsError(f"params.yaml train.kv_cache_dtype: {kv_cache_dtype} needs "
                           "train.graph_decoding graph or merged (the cache it sets), not eager")
@@ -232,17 +211,21 @@ def make_trainer(model, processor, config, dataset, reward_funcs, *,
     config.generation_kwargs = {**suppressed_generation_kwargs(processor), **generation_kwargs}
     trainer = grpo_trainer(model=model, reward_funcs=reward_funcs, args=config,
                            train_dataset=dataset, processing_class=processor, callbacks=callbacks,
-                           max_nonfinite_steps=max_nonfinite_steps)
-    if compile_generation:
-        enable_compiled_generation(trainer)
-    if generation_rows is not None:
-        limit_generation_rows(trainer, generation_rows)
+                           max_nonfinite_steps=max_nonfinite_steps, generation_rows=generation_rows,
+                           compile_generation=compile_generation,
+                           completions_table=completions_table)
     sample_top_k_on_cpu(trainer.model, top_k_settings(
         True, config.temperature, config.top_k, config.top_p, config.min_p,
         suppress=config.generation_kwargs.get("suppress_tokens")))
     if graph_decoding != "eager" and not on_cpu(trainer.model):
         install_graph_decoding(trainer.model, graph_decoding, kv_cache_dtype=kv_cache_dtype)
     return trainer
+
+
+def cuda_initialised() -> bool:
+    import torch
+
+    return torch.cuda.is_initialized()
 
 
 def policy_dataset(dataset, processor):
@@ -294,8 +277,10 @@ def train(*, train_set: Path, params: Params, adapter_out: Path, checkpoints: Pa
                                                            train_params.resume),
                                lambda: newest_checkpoint(checkpoints))
 
-    install_cpu_fallback()
-    use_expandable_segments(train_params.expandable_segments)
+    if use_expandable_segments(train_params.expandable_segments) and cuda_initialised():
+        warnings.warn("train.expandable_segments: CUDA was initialised before it was set, so "
+                      "this run's allocator keeps fixed segments; the train_gspo stage sets it "
+                      "before importing torch", stacklevel=2)
     model, processor, _backend = load_policy(model_params, train_params.lora, config.seed,
                                              init_adapter, model_class=rollout_class)
     dataset = policy_dataset(load_from_disk(str(train_set)), processor)
@@ -303,21 +288,18 @@ def train(*, train_set: Path, params: Params, adapter_out: Path, checkpoints: Pa
                            generation_rows=rows, callbacks=list(callbacks or []),
                            graph_decoding=train_params.graph_decoding,
                            kv_cache_dtype=train_params.kv_cache_dtype,
-                           max_nonfinite_steps=train_params.max_nonfinite_steps)
+                           max_nonfinite_steps=train_params.max_nonfinite_steps,
+                           completions_table=live.samples if live is not None else None)
     live = live if trainer.accelerator.is_main_process else None  # rank 0 alone writes
     if live is not None:
         trainer.add_callback(live.callback())
-    save_rng_states_on_main(trainer)
-    resume_on_cpu_processes(trainer)
-    trained_rows = record_trained_rows(trainer)
     started = time.perf_counter()
     if resume_from is not None:
         print(f"resuming from {resume_from}")
-    with completions_table_to(live.samples) if live else contextlib.nullcontext():
-        train_or_restore(trainer, resume_from, config.max_steps)
+    train_or_restore(trainer, resume_from, config.max_steps)
     runtime = time.perf_counter() - started
 
-    rows_per_process = gather_lists(trained_rows)
+    rows_per_process = gather_lists(trainer.trained_rows)
     state_dict = gathered_state_dict(trainer)
     if not trainer.accelerator.is_main_process:
         return None

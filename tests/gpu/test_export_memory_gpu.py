@@ -46,7 +46,7 @@ def test_device_stack_is_inside_the_bounds() -> None:
     from packaging.requirements import Requirement
     from packaging.version import Version
 
-    from vlmrl.trl_compat import allow_compiling_bnb_4bit
+    from vlmrl.chunked_generation import allow_compiling_bnb_4bit
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     torch_bound = next(Requirement(r) for r in project["dependencies"] if r.startswith("torch"))

@@ -1,0 +1,88 @@
+"""The private TRL and transformers names the trainer subclasses (vlmrl.trainers) override or
+read, in one table, and the check that runs when a trainer is made. A private name carries no
+promise: renamed or re-signed upstream, an override of it would never be called (chunked
+generation would stop capping memory, a resume on CPU processes would stop loading the optimizer
+state) and nothing would fail. The check turns that into one line naming the class, the name and
+the versions the subclass was tested with. No torch at import."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+from collections.abc import Iterable
+from importlib.metadata import PackageNotFoundError, version
+
+from vlmrl.errors import UserError
+
+# What the subclasses were written and tested against.
+TESTED_VERSIONS = {"trl": "1.15.x", "transformers": "5.17.x"}
+TRAINER = "<trainer>"  # the owner of a row that is looked up on the class being extended
+_MISSING = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class PrivateName:
+    """A name relied on: `owner` (a module path, or TRAINER for the trainer class being extended,
+    which may be Unsloth's replacement of TRL's), what `owner` is called in messages, and the
+    parameter names the override was written for (None: an attribute read, not a method)."""
+    owner: str
+    shown_as: str
+    name: str
+    parameters: tuple[str, ...] | None
+
+
+CHUNKED_LOGPROB = PrivateName("trl.trainer.utils", "trl.trainer.utils", "_ChunkedLogProbFunction",
+                              None)
+GRPO_NAMES = (
+    PrivateName(TRAINER, "trl.GRPOTrainer", "_generate_single_turn",
+                ("self", "prompt_ids", "images", "multimodal_fields", "num_generations",
+                 "has_tool_images")),
+    PrivateName(TRAINER, "trl.GRPOTrainer", "_generate_and_score_completions", ("self", "inputs")),
+    PrivateName(TRAINER, "transformers.Trainer", "_save_rng_state", ("self", "output_dir")),
+    PrivateName(TRAINER, "transformers.Trainer", "_load_optimizer_and_scheduler",
+                ("self", "checkpoint")),
+    CHUNKED_LOGPROB,
+)
+SFT_NAMES = (CHUNKED_LOGPROB,)
+
+
+class UpstreamChangedError(UserError):
+    """A private TRL or transformers name the trainer subclasses rely on is gone or re-signed."""
+
+
+def installed_versions() -> str:
+    found = []
+    for package in TESTED_VERSIONS:
+        try:
+            found.append(f"{package} {version(package)}")
+        except PackageNotFoundError:
+            found.append(f"{package} not installed")
+    return ", ".join(found)
+
+
+def check_private_names(trainer_class: type, names: Iterable[PrivateName]) -> None:
+    """Raises UpstreamChangedError, in one line, for the first name of `names` that `trainer_class`
+    (for TRAINER rows) or its module lacks, or whose parameters differ from those expected."""
+    for row in names:
+        owner = trainer_class if row.owner == TRAINER else importlib.import_module(row.owner)
+        found = getattr(owner, row.name, _MISSING)  # None is a value (TRL's kernel without Triton)
+        if found is _MISSING:
+            problem = "is missing"
+        elif row.parameters is not None and _parameters(found) != row.parameters:
+            problem = (f"takes ({', '.join(_parameters(found) or ('?',))}), not the "
+                       f"({', '.join(row.parameters)}) it was written for")
+        else:
+            continue
+        tested = " and ".join(f"{package} {spec}" for package, spec in TESTED_VERSIONS.items())
+        raise UpstreamChangedError(
+            f"{row.shown_as}.{row.name} {problem}: vlmrl's trainer subclass "
+            f"(vlmrl.private_names) was tested with {tested}, found {installed_versions()}; "
+            f"install the tested versions or update the subclass")
+
+
+def _parameters(function: object) -> tuple[str, ...] | None:
+    try:
+        return tuple(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return None

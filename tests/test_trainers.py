@@ -1,0 +1,133 @@
+"""The trainer subclasses (vlmrl.trainers): the private TRL and transformers names they rely on
+are checked when a trainer is made, and fail in one line where upstream removed or re-signed
+one; TRL's sample completions table goes to a file while the progress lines stay on stdout; a
+bitsandbytes 4-bit policy's quantizer is copied, not its class changed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import trl
+import trl.trainer.utils as trl_utils
+from datasets import load_from_disk
+
+from vlmrl.data import load_raw_records, prepare, to_dataset
+from vlmrl.errors import UserError, one_line
+from vlmrl.models.loading import load_policy
+from vlmrl.params import DataParams, Params
+from vlmrl.private_names import (
+    GRPO_NAMES,
+    SFT_NAMES,
+    TRAINER,
+    UpstreamChangedError,
+    check_private_names,
+)
+from vlmrl.trainers import grpo_class, grpo_trainer, sft_class, sft_trainer
+from vlmrl.training import build_grpo_config, make_trainer
+
+LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
+PARAMS = Params({"model": {"name": "embedded:tiny-qwen3-vl"},
+                 "train": {"save_steps": 100, "lora": LORA}})
+
+
+def test_the_installed_trl_and_transformers_have_every_name() -> None:
+    check_private_names(trl.GRPOTrainer, GRPO_NAMES)
+    check_private_names(trl.SFTTrainer, SFT_NAMES)
+
+
+@pytest.mark.parametrize(("make", "table"), [(grpo_class, GRPO_NAMES), (sft_class, SFT_NAMES)])
+def test_every_private_method_the_subclass_overrides_is_in_the_table(make, table) -> None:
+    """A private override missing from the table would go unchecked."""
+    subclass = make()
+    ours = {name for klass in subclass.__mro__ if klass.__module__.startswith("vlmrl")
+            for name in vars(klass) if name.startswith("_") and not name.startswith("__")}
+    listed = {row.name for row in table if row.owner == TRAINER}
+    assert ours <= listed, sorted(ours - listed)
+    assert "_generate_single_turn" in ours or make is sft_class
+
+
+def test_a_removed_private_method_fails_in_one_line(monkeypatch) -> None:
+    monkeypatch.delattr(trl.GRPOTrainer, "_generate_single_turn")
+    with pytest.raises(UpstreamChangedError) as raised:
+        grpo_trainer(max_nonfinite_steps=3, model=None)  # refused before TRL's constructor
+    message = str(raised.value)
+    assert "\n" not in message and one_line(raised.value) == message
+    assert message.startswith("trl.GRPOTrainer._generate_single_turn is missing: ")
+    assert "tested with trl 1.15.x and transformers 5.17.x" in message
+    assert f"found trl {trl.__version__}, transformers " in message
+    assert isinstance(raised.value, UserError)  # a stage prints the line, not a traceback
+
+
+def test_a_changed_signature_fails_in_one_line(monkeypatch) -> None:
+    """What Unsloth does (a replaced `trl.GRPOTrainer`) with a private method re-signed."""
+
+    class Renamed(trl.GRPOTrainer):
+        def _generate_single_turn(self, prompt_ids, images, multimodal_fields):
+            raise AssertionError("never called")
+
+    monkeypatch.setattr(trl, "GRPOTrainer", Renamed)
+    with pytest.raises(UpstreamChangedError, match=(
+            r"^trl\.GRPOTrainer\._generate_single_turn takes \(self, prompt_ids, images, "
+            r"multimodal_fields\), not the \(self, prompt_ids, images, multimodal_fields, "
+            r"num_generations, has_tool_images\) it was written for: .*trl 1\.15\.x")):
+        grpo_trainer(max_nonfinite_steps=3, model=None)
+
+
+def test_a_removed_module_name_fails_in_one_line(monkeypatch) -> None:
+    monkeypatch.delattr(trl_utils, "_ChunkedLogProbFunction")
+    with pytest.raises(UpstreamChangedError,
+                       match=r"^trl\.trainer\.utils\._ChunkedLogProbFunction is missing: "):
+        sft_trainer(max_nonfinite_steps=3, model=None)
+
+
+def test_a_bnb_4bit_quantizer_is_copied_with_compiling_allowed() -> None:
+    from transformers import BitsAndBytesConfig
+    from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
+
+    from vlmrl.chunked_generation import compileable_quantizer
+
+    original = Bnb4BitHfQuantizer(BitsAndBytesConfig(load_in_4bit=True))
+    copy = compileable_quantizer(original)
+    assert isinstance(copy, Bnb4BitHfQuantizer) and copy.is_compileable is True
+    assert vars(copy) == vars(original) and original.is_compileable is False
+    assert Bnb4BitHfQuantizer(BitsAndBytesConfig(load_in_4bit=True)).is_compileable is False
+    assert compileable_quantizer(copy) is copy and compileable_quantizer(None) is None
+
+
+@pytest.fixture(scope="module")
+def train_set(tmp_path_factory):
+    root = tmp_path_factory.mktemp("trainers")
+    settings = DataParams(synthetic_size=8, synthetic_read_size=4, eval_size=2, image_size=64,
+                          seed=1)
+    to_dataset(prepare(load_raw_records(settings), settings).train).save_to_disk(
+        str(root / "train"))
+    return load_from_disk(str(root / "train"))
+
+
+def answer_length(completions, **columns) -> list[float]:
+    return [float(len(str(c))) for c in completions]
+
+
+def test_completions_table_goes_to_the_file_and_progress_to_stdout(train_set, tmp_path: Path,
+                                                                   capsys) -> None:
+    pytest.importorskip("rich")
+    grpo = {"max_steps": 1, "per_device_train_batch_size": 4, "num_generations": 4,
+            "max_completion_length": 4, "logging_steps": 1, "seed": 3, "report_to": "none",
+            "log_completions": True, "num_completions_to_print": 2}
+    model, processor, _ = load_policy(PARAMS.model, PARAMS.train.lora, 3)
+    config = build_grpo_config(grpo, output_dir=tmp_path / "run", save_steps=100,
+                               reward_weights=[1.0], model_settings=PARAMS.model)
+    samples = tmp_path / "reports" / "train_samples.txt"
+    trainer = make_trainer(model.train(), processor, config, train_set, [answer_length],
+                           generation_rows=None, callbacks=[], completions_table=samples)
+    assert samples.read_text(encoding="utf-8").startswith("Sample completions")
+    trainer.train()
+
+    out = capsys.readouterr().out
+    text = samples.read_text(encoding="utf-8")
+    assert "Step 1" in text and "Advantage" in text  # the table's title and a column
+    assert "Step 1" not in out and "Advantage" not in out
+    assert "'reward'" in out  # transformers' progress line of the step, on stdout
+    assert len(trainer.trained_rows) == 4
+    assert list((tmp_path / "run" / "completions").glob("*.parquet"))
