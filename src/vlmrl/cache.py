@@ -1,7 +1,7 @@
 """Where the project keeps what it builds or downloads once and reuses across runs: the embedded
 models and the llama.cpp converter sources. `$VLMRL_CACHE`, else ~/.cache/vlmrl.
 
-History: `cache_root` lived in `vlmrl.embedded`; the GGUF tools need it without importing torch."""
+A module of its own so that the GGUF tools reach it without importing torch."""
 
 from __future__ import annotations
 

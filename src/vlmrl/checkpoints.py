@@ -18,8 +18,8 @@ from vlmrl.tables import flatten
 
 FINGERPRINT_FILE = "vlmrl_run.json"
 
-# Settings that change speed, memory, logging or where files go, never what is learned (issue
-# 24): lowering the rows per generate call after an out-of-memory error, or switching gradient
+# Settings that change speed, memory, logging or where files go, never what is learned:
+# lowering the rows per generate call after an out-of-memory error, or switching gradient
 # checkpointing on, must not throw away hours of training. A key also covers its sub-keys
 # (`gradient_checkpointing_kwargs.use_reentrant`). Everything else in model, rewards,
 # answer_format and train is fingerprinted, with the starting adapter and the train set: when in

@@ -1,4 +1,4 @@
-"""What each process does in a data-parallel run (issue 22): rank 0 alone writes to `data/`, and
+"""What each process does in a data-parallel run: rank 0 alone writes to `data/`, and
 the other ranks hand it what it must write: their evaluation results, their checkpoints' RNG
 states, the rows they trained on. One process is the same code with a world of one.
 

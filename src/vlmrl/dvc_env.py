@@ -1,8 +1,6 @@
 """The environment DVC and the pipeline's stages run in, for every process that starts them
 (the Prefect tasks, the tests, the benchmarks): stages run `python` and `dvc`, which must be this
 interpreter's, and nothing phones home.
-
-History: lived in `vlmrl.project_copy`, the tests' project copy, until that moved into tests/.
 """
 
 from __future__ import annotations

@@ -3,9 +3,7 @@ it, through DVC's Python API: which stages `dvc status` calls stale, their dvc.l
 DVC's run-cache. DVC prints what it does but returns none of it (`dvc repro` and `dvc exp run`
 have no machine-readable output, and `dvc exp run` does not even return its stages), so these
 records are the structured account there is; `stage_outcomes` says where it and DVC's log differ.
-
-History: `vlmrl.orchestration` read outcomes and the experiment name from DVC's log lines with
-regular expressions until these records replaced them.
+The log lines are written for people, and a pattern over them breaks when DVC rewords one.
 """
 
 from __future__ import annotations

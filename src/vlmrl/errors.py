@@ -1,5 +1,5 @@
 """A stage that fails on bad params, data or inputs must say so in one line a person can act on,
-not a Python traceback (issue 24); a bug in the project must still show its traceback.
+not a Python traceback; a bug in the project must still show its traceback.
 
 The line between the two: `UserError` is the base of every error the project raises on purpose
 with a message for the user (`ParamsError`, `DataError`, `EvalError`, `ExportError`, `GGUFError`,

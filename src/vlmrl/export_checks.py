@@ -6,7 +6,7 @@ merged into, four GGUF files).
 Quantization bounds were measured on the embedded tiny Qwen3-VL (hidden size 256, the worst case
 for top-1 agreement: a random model's logits are nearly flat, so a small error swaps the top
 token) over the 195 positions of QUANT_PROMPTS plus the eval prompt, merged with the random
-LoRA of tests/test_export.py (b_scale 0.02; issue 25, the export metrics' `quantized_vs_f16`):
+LoRA of tests/test_export.py (b_scale 0.02; the export metrics' `quantized_vs_f16`):
 
 | quant | top-1 agreement with f16 | max |logit error| / max(1, max |f16 logit|) |
 | --- | --- | --- |

@@ -1,6 +1,6 @@
-"""What `dvc metrics show` lists: per stage, only the numbers people compare between runs
-(issue 24). A metrics file with text details or timings made `dvc metrics show` one
-7,000-character row and `dvc exp show` hundreds of columns, so each stage writes three files:
+"""What `dvc metrics show` lists: per stage, only the numbers people compare between runs.
+A metrics file with text details or timings makes `dvc metrics show` one 7,000-character row
+and `dvc exp show` hundreds of columns, so each stage writes three files:
 the headline numbers (declared as DVC metrics; later stages may depend on them), the full
 details (checks, per-source breakdowns, names; a plain output no stage depends on) and the
 wall-clock timings (`vlmrl.timing`; nothing depends on them either)."""

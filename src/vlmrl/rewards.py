@@ -11,8 +11,7 @@ Deliberate choices:
 - `format_reward` is the reference notebook's: +1 for exactly one reasoning
   block, +1 for exactly one solution block, and 2.0 subtracted from those
   points for degenerate text, so a run of `addCriterion` holding both tags
-  scores 0, never more than an honest answer without tags. (Until issue 19,
-  degenerate text scored -2.0 flat whatever its tags.)
+  scores 0, never more than an honest answer without tags.
 - `correctness_reward` returns None when the gold answer cannot be read: TRL
   treats None as "no signal" instead of punishing the policy for bad data.
 - In `score_completion`'s weighted total a None reward counts as 0, as TRL's

@@ -3,7 +3,7 @@ the answer format the rewards score (`<REASONING>...</REASONING><SOLUTION>answer
 as DeepSeek-R1 and Unsloth's GRPO notebooks do. A random or base model almost never writes that
 format, so every GSPO group would score the same and no gradient would flow.
 
-Design (issue 19): the SFT output is the *starting LoRA adapter*, of the shape `train.lora`
+Design: the SFT output is the *starting LoRA adapter*, of the shape `train.lora`
 sets. baseline_eval evaluates base + this adapter and train_gspo continues training the very
 same adapter, so post_eval differs from the baseline only by what GSPO did, and verify, export
 and upload see one adapter that holds both stages. The base weights are never copied, which
@@ -11,13 +11,10 @@ keeps this cheap for an 8B model on a GPU too.
 
 With `sft.enabled: false` or `sft.args.max_steps: 0` the stage loads nothing and writes only
 the marker (`"adapter": false`, `vlmrl.models.loading.START_MARKER`): the baseline is then the
-base model itself and GSPO starts a fresh adapter, as before this stage existed.
+base model itself and GSPO starts a fresh adapter.
 
 Only train-split rows are used (the prepared train set); completions are built from each row's
-gold answer, never from an eval pid.
-
-History: prototyped by the `learn` helper on the pre-refactor tree (`vlmrl.sft` there, with its
-own settings class); the settings are now `vlmrl.params.SftParams`.
+gold answer, never from an eval pid. The settings are `vlmrl.params.SftParams`.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Wall seconds of a stage's named steps, for its metrics and benchmarks: `with timer("merge"):`
 around a step, `start`/`stop` where a step's two ends are separate callbacks (the trainer's
 step begin and end), `parallel` for independent jobs run a few at a time. An optional tqdm bar
-shows the step under way.
-
-History: training (per optimizer step) and export (per export step) each had a `StepTimer`."""
+shows the step under way."""
 
 from __future__ import annotations
 

@@ -143,7 +143,7 @@ def summarize_training(rows: list[dict[str, Any]], runtime: float, global_step: 
         "max_clip_ratio": max(clips) if clips else None,
         "steps_with_clipping": sum(1 for c in clips if c > 0),
         "last_completion_length": (values("completions_mean_length") or [None])[-1],
-        # issue 19: every step must move the policy, and off-policy steps clip some, not all
+        # every step must move the policy, and off-policy steps clip some, not all
         "min_grad_norm": min(values("grad_norm"), default=None),
         "last_grad_norm": (values("grad_norm") or [None])[-1],
         "steps_with_zero_grad_norm": sum(1 for g in values("grad_norm") if g == 0),
@@ -159,7 +159,7 @@ def _mean(values: list[float]) -> float | None:
 
 def split_step_times(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[float]]:
     """(the log rows without TRL's `step_time`, the step times): the log must repeat exactly on
-    the same params and machine, and a wall time never does (issue 19)."""
+    the same params and machine, and a wall time never does."""
     times = [round(row["step_time"], 4) for row in rows if "step_time" in row]
     return [{k: v for k, v in row.items() if k != "step_time"} for row in rows], times
 

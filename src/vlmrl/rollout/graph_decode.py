@@ -1,4 +1,4 @@
-"""Rollouts near the memory-bandwidth bound (issue 23). Decoding one token of a 2B model reads
+"""Rollouts near the memory-bandwidth bound. Decoding one token of a 2B model reads
 every weight once, so a decode step should take about (bytes of weights) / (memory bandwidth);
 transformers' `generate` spends most of a step elsewhere: Python per step (input preparation,
 the 4D mask, the logits processors, stopping criteria) and the sampling kernels, launched one by

@@ -1,4 +1,4 @@
-"""NF4 projections for decode steps (issue 23). A decode step multiplies a few rows by each 4-bit
+"""NF4 projections for decode steps. A decode step multiplies a few rows by each 4-bit
 weight; bitsandbytes does it by writing the whole weight out in bf16 (`dequantize_4bit`, after
 dequantizing the nested block scales) and reading it back for a bf16 matrix product, and PEFT adds
 the adapter in float32 with a clone, two casts, two products, a scale and an add: about ten kernels

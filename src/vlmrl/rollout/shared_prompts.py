@@ -1,4 +1,4 @@
-"""Each distinct prompt prefilled once (issue 23). TRL repeats every prompt `num_generations`
+"""Each distinct prompt prefilled once. TRL repeats every prompt `num_generations`
 times in a generation batch, so a prefill of 16 rows runs the vision tower and the language
 model over 4 prompts 4 times each, and its activations are most of the generation's peak
 memory beside the KV cache (measured: benchmarks/decode_profile.py). Here the distinct rows

@@ -24,7 +24,7 @@ Layout: `core` (the `Problem`, the `Kind`, answer helpers, record assembly) and
 floor. This module holds the one table of kinds and the public API.
 
 Every record's `metadata["synth"]["tier"]` names its difficulty tier ("chart" for bar, line
-and table, "geometry"); the easiest tier, "read" (`read`, issue 19), is drawn by `generate_read`
+and table, "geometry"); the easiest tier, "read" (`read`), is drawn by `generate_read`
 apart from the kind rotation, so that adding read items changes no regular item.
 """
 

@@ -3,7 +3,7 @@ that states the digit again.
 
 Why this exists: a tiny random model cannot learn to read pixels in a few CPU steps (the LoRA
 never touches the vision tower), but it can learn to copy one token of its prompt into the
-answer, so this tier is where the default pipeline can show accuracy move at all (issue 19).
+answer, so this tier is where the default pipeline can show accuracy move at all.
 The harder tiers are "chart" (bar, line, table) and "geometry".
 
 Deliberate choices:

@@ -19,8 +19,6 @@ Deliberate choices:
   the `dvc repro` command that makes it.
 - No front-end build: plain HTML, CSS and JS under assets/ui/, and the page writes model output
   with textContent only (a Content-Security-Policy backs that up).
-
-History: `vlmrl/ui.py` until it was split into this package.
 """
 
 from __future__ import annotations

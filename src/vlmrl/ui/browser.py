@@ -5,8 +5,6 @@ metrics, facets and filters; and the prepared eval set (images, questions, gold 
 A missing or broken pipeline output is an `ApiError` that names the file and the `dvc repro`
 command that makes it (404 when missing, 503 when unreadable). The eval set loads lazily, once:
 importing `datasets` takes seconds, and the reward calculator never needs it.
-
-History: split out of `vlmrl/ui.py`.
 """
 
 from __future__ import annotations

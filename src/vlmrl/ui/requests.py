@@ -6,10 +6,8 @@ The models say what each field must be; `parse_score_request` turns the first pr
 number of decimal places (0, 1, 2, ...) or null, got -1"), and whose `field` key names it for the
 page. Unknown fields are reported before anything else: they are usually a misspelt field that
 also shows up as missing. Status: 400 for a body that is not a JSON object, 413 for a completion
-over `MAX_COMPLETION_BYTES`, 422 otherwise. The body is parsed with `json.loads`, as before these
-models existed, so any JSON Python reads (lone surrogates, NaN) reaches validation.
-
-History: replaces the hand-written `parse_record`/`parse_completion` checks of `vlmrl/ui.py`.
+over `MAX_COMPLETION_BYTES`, 422 otherwise. The body is parsed with `json.loads` and the result
+validated, so any JSON Python reads (lone surrogates, NaN) reaches validation.
 """
 
 from __future__ import annotations
