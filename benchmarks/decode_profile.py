@@ -1,4 +1,4 @@
-"""Where a decode step's time goes (issue 23): milliseconds per decode step of graph decoding
+"""Where a decode step's time goes: milliseconds per decode step of graph decoding
 (`vlmrl.rollout.graph_decode`) on the model with Qwen3-VL-2B's shapes, bf16 or NF4, LoRA r16 on the
 7 projections (as `gspo_step.py`), for several row counts and both decode attentions ("model":
 transformers' SDPA with its `repeat_kv` copies; "grouped"), with the benchmark's prompts (the

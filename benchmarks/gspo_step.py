@@ -134,7 +134,7 @@ CONFIGS["gpu_profile_vllm"] = {"backend": "transformers", "load_in_4bit": False,
                                "compile": False, "vllm": True}
 VLLM_SETTINGS = {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3,
                  "vllm_enable_sleep_mode": True}
-# Issue 23: the decode step in one CUDA graph (train.graph_decoding, vlmrl.rollout.graph_decode):
+# The decode step in one CUDA graph (train.graph_decoding, vlmrl.rollout.graph_decode):
 # "graph" on the profile's batch shape (NF4, 16 rows per generate call: the memory profile) and in
 # bf16 with all 32 rows of a generation in one call; "merged" (the adapter folded into bf16
 # copies of the weights for decoding) with 32 rows: the speed profile. "compile": the decode
@@ -204,7 +204,7 @@ def device_name() -> str:
     return f"{props.name} ({props.total_memory / 2**30:.0f} GiB)"
 
 
-# ------------------------------------------------------------------ roofline (issue 23)
+# ------------------------------------------------------------------ roofline
 
 def decode_steps_of(completion_ids: list, knobs: dict[str, Any]) -> int:
     """Decode steps one generation batch took: its longest completion per generate call, times

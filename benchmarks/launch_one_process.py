@@ -1,4 +1,4 @@
-"""Issue 22: does the launched path cost time? The train_gspo stage script runs the GPU profile
+"""Does the launched path cost time? The train_gspo stage script runs the GPU profile
 (recipes/mathvista-qwen3-vl-2b.yaml's training settings: NF4 weights, static cache, compiled
 decoding, micro-batches of 8 x 2 accumulation, generations of 32 rows made 16 at a time) on the
 random-init Qwen3-VL-2B-shaped model and the embedded synthetic set, twice in a row in the same

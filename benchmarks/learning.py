@@ -1,4 +1,4 @@
-"""Does the default pipeline learn? The product's central claim (issue 19), measured the way a user
+"""Does the default pipeline learn? The product's central claim, measured the way a user
 would see it: for each seed, a fresh git + DVC copy of the project runs `dvc repro post_eval`
 (prepare_data, sft_cold_start, baseline_eval, train_gspo, post_eval) and the held-out figures of
 baseline_eval and post_eval are compared.
@@ -66,7 +66,7 @@ def read_json(path: Path) -> Any:
 
 
 def train_mechanics(log_rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The per-step facts issue 19 asks of every run: gradients always flow, GSPO's clip acts on
+    """The per-step facts every run must show: gradients always flow, GSPO's clip acts on
     off-policy steps without zeroing them, and most groups have a reward spread."""
     grad_norms = [row["grad_norm"] for row in log_rows if "grad_norm" in row]
     off_policy_clip = [row["clip_ratio_region_mean"] for row in log_rows
@@ -137,7 +137,7 @@ def spread(values: list[float]) -> dict[str, float]:
 
 @dataclasses.dataclass(frozen=True)
 class Claim:
-    """What "it learns" means (issue 37): on every seed format compliance and mean reward rise
+    """What "it learns" means: on every seed format compliance and mean reward rise
     by more than `min_format_gain` / 0, and the mean format gain is at least `min_mean_gain` and
     at least `min_standard_errors` standard errors of the mean (std / sqrt(seeds))."""
     min_format_gain: float = 0.0

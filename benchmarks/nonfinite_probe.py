@@ -1,5 +1,6 @@
-"""Where does a GSPO run first go non-finite? (issue 37: transformers bf16 on data seed 7 logged
-`grad_norm: nan` at step 3 and then died in a CUDA assert.) For one seed, a plain copy of the
+"""Where does a GSPO run first go non-finite? (The case it was written for: transformers bf16 on
+data seed 7 logged `grad_norm: nan` at step 3 and then died in a CUDA assert; what it found is in
+docs/benchmarks-history.md.) For one seed, a plain copy of the
 project runs prepare_data and sft_cold_start as dvc.yaml says, then train_gspo in this process
 with every module's forward output checked for NaN or infinity, autograd's anomaly mode naming
 the first backward function that returns NaN, and per step: the log row and the largest absolute

@@ -3,14 +3,15 @@ and the processes the tests start against it (a serving `vlmrl schedule`, a proc
 
 The tests read the server through the API and never write to it themselves: runs come from
 Prefect's scheduler, writes from Prefect's own client, runner and worker, which retry the 503 that
-the SQLite server sends for a write it lost to another writer. That 503 is what made the served-cron
-test fail now and then (issue 24): it posted `create_flow_run` itself the moment the served
-deployment appeared, when other writers are busy with it (the serving runner updates it, and
-Prefect's scheduler inserts a new cron deployment's runs within 5 s of its creation). SQLite (WAL) fails a transaction that read before another connection's
-commit and writes after it with SQLITE_BUSY_SNAPSHOT at once, whatever the busy timeout, and the
-server answers 503 "try again"; the bare post did not. Reproduced with bare posts against freshly
-served deployments: the server log showed the INSERT INTO flow_run failing, and the runner's own
-update of that deployment failing the same way a moment later. docs/prefect.md, section 4, says the same for users.
+the SQLite server sends for a write it lost to another writer. A bare post of
+`create_flow_run` the moment a served deployment appears fails now and then: other writers are
+busy with it then (the serving runner updates it, and Prefect's scheduler inserts a new cron
+deployment's runs within 5 s of its creation). SQLite (WAL) fails a transaction that read before
+another connection's commit and writes after it with SQLITE_BUSY_SNAPSHOT at once, whatever the
+busy timeout, and the server answers 503 "try again"; a bare post does not retry. Reproduced
+with bare posts against freshly served deployments: the server log showed the INSERT INTO
+flow_run failing, and the runner's own update of that deployment failing the same way a moment
+later. docs/prefect.md, section 4, says the same for users.
 """
 
 from __future__ import annotations

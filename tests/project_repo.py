@@ -1,9 +1,8 @@
 """Tests and benchmarks must run the pipeline the way users do (git + DVC, `dvc repro`) without
 touching the checkout, so they work on a fresh copy of the project's pipeline files.
 
-Imported by tests/conftest.py, and by benchmarks/pipeline.py with tests/ put on sys.path.
-History: `vlmrl.project_copy` until it moved out of the package; its `dvc_env` (the environment
-stages run in) moved to `vlmrl.dvc_env`.
+Imported by tests/conftest.py, and by benchmarks/pipeline.py with tests/ put on sys.path. The
+environment stages run in is `vlmrl.dvc_env`'s: the package's own runs need it too.
 """
 
 from __future__ import annotations

@@ -122,8 +122,8 @@ def test_bertscore_reward_on_a_local_model(tmp_path) -> None:
 
 
 def test_import_path_reward_is_used_by_training_and_evaluation(fresh_repo: Path) -> None:
-    """Done-when of issue 21: a custom reward given by import path reaches TRL's log and the eval
-    records and metrics."""
+    """A custom reward given by import path reaches TRL's log and the eval records and
+    metrics."""
     from conftest import run, stage_command
     from project_repo import update_params
 

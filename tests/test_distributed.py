@@ -1,4 +1,4 @@
-"""Issue 22: train_gspo and the evaluations on several processes through `accelerate launch`, on
+"""train_gspo and the evaluations on several processes through `accelerate launch`, on
 the CPU (gloo): one DVC command either way, rank 0 alone writes to data/, the global batch is what
 params say, the processes train on different rows, a killed run resumes with the same number of
 processes, and a 2-process evaluation gives the very records of one process."""

@@ -90,7 +90,7 @@ def test_same_seed_same_weights() -> None:
 
     rebuilt = Qwen3VLForConditionalGeneration(config).state_dict()
     rebuilt["model.language_model.norm.weight"].fill_(SHAPES["tiny-qwen3-vl"].output_norm_scale)
-    assert SHAPES["tiny-qwen3-vl"].output_norm_scale == 6.0  # lifts the logit ceiling (issue 19)
+    assert SHAPES["tiny-qwen3-vl"].output_norm_scale == 6.0  # lifts the logit ceiling
     for name, tensor in first.items():
         assert torch.equal(tensor, rebuilt[name]), name
     assert embedded_model_dir(NAME, 0) != embedded_model_dir(NAME, 1)

@@ -350,7 +350,7 @@ def test_dvc_repro_export_through_the_pipeline(pipeline_repo: Path) -> None:
     assert {p.name for p in (pipeline_repo / "data/models/gguf").iterdir()} == GGUF_NAMES
 
 
-# ------------------------------------------------------------ issue 25: checks that can fail
+# ------------------------------------------------------------ checks that can fail
 
 
 def garbled_copy(source: Path, target: Path) -> Path:

@@ -1,4 +1,4 @@
-"""The decode loop of `vlmrl.rollout.graph_decode` (the GPU rollout path, issue 23) run eagerly on a
+"""The decode loop of `vlmrl.rollout.graph_decode` (the GPU rollout path) run eagerly on a
 CPU: under greedy decoding it must produce exactly transformers' `generate` tokens, with left
 padding, images (multimodal RoPE) and text-only models; its draw must carry the warpers'
 distribution; what it does not serve must fall back to transformers."""

@@ -1,4 +1,4 @@
-"""benchmarks/gspo_step.py's roofline (issue 23): decode steps per generation batch, the bytes of
+"""benchmarks/gspo_step.py's roofline: decode steps per generation batch, the bytes of
 weights a decode step reads, the fraction of the bandwidth bound, and the docs table written from
 a results file (failed runs listed, ratios against the Unsloth reference and today's profile)."""
 

@@ -10,7 +10,7 @@ writes `The answer is N.` with varied digits, so the reward varies within every 
 first step. A random model cannot serve: its 151,936 random embeddings carry no structure a few
 updates could exploit, so any reward it is trained on stays flat on fresh samples (measured).
 
-Measured (issue 19, loaded machine): p(high digit) 0.536 -> 0.9999 with the reward, 0.536 ->
+Measured (on a loaded machine): p(high digit) 0.536 -> 0.9999 with the reward, 0.536 ->
 0.111 with it negated; with `learning_rate: 0.0` both stay at 0.5359 and the test fails."""
 
 from __future__ import annotations

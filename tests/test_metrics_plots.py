@@ -1,4 +1,4 @@
-"""Issue 24, points 5 and 6: metrics files hold only headline numbers (details and timings apart),
+"""Metrics files hold only headline numbers (details and timings apart),
 the train log is written while training runs, TRL's sample completions go to a file, and
 `dvc metrics show` / `dvc plots show` work on a reproduced repo with data in every plot."""
 

@@ -1,5 +1,5 @@
 """A release names its base model by a name that means the same on every machine, and carries
-no value of the machine that made it (issue 25): the adapter as PEFT saves it does both wrong,
+no value of the machine that made it: the adapter as PEFT saves it does both wrong,
 and `make_adapter_portable`, called by train_gspo on the adapter it saves, puts it right."""
 
 from __future__ import annotations

@@ -148,7 +148,7 @@ def test_applying_a_recipe_keeps_the_comments_on_its_keys(name: str, tmp_path: P
 
 @pytest.mark.slow
 def test_offline_text_recipe_runs_every_stage(tmp_path: Path) -> None:
-    """Done-when of issue 21: the text path through all seven stages, applied the user's way
+    """The text path through all seven stages, applied the user's way
     (`vlmrl recipe`), and `dvc params diff` shows what the recipe changed."""
     from project_repo import make_project_repo, update_params
 

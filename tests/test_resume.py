@@ -1,4 +1,4 @@
-"""Issue 24: resuming keeps the user's training unless a setting that changes the result changed,
+"""Resuming keeps the user's training unless a setting that changes the result changed,
 and even then the old checkpoints are moved aside with the changed keys printed."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 24 point 4: every stage refuses bad params or a corrupt input with one line on stderr
+"""Every stage refuses bad params or a corrupt input with one line on stderr
 that names the key path or the file, and a non-zero exit; the traceback only with VLMRL_DEBUG=1.
 Each stage script runs as DVC runs it (dvc.yaml's command) in a copy of the project whose data is
 prepared; every case fails before a model is loaded."""

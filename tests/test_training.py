@@ -390,7 +390,7 @@ def test_benchmark_vllm_profile_is_skipped_without_vllm(gspo_step, tmp_path) -> 
 
 @pytest.mark.slow
 def test_same_params_same_train_log(fresh_repo: Path) -> None:
-    """Issue 19: two runs of train_gspo with the same params on the same CPU, in separate
+    """Two runs of train_gspo with the same params on the same CPU, in separate
     processes, write the same train log and metrics. The LoRA init is seeded before PEFT draws
     lora_A, and wall-clock figures live in the timings file, not in the log."""
     # A fresh LoRA on the random model with a reward its samples differ in, so the gradient is

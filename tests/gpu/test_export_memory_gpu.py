@@ -1,4 +1,4 @@
-"""Issue 25: merging on a GPU never moves the model to float32 there (an 8B model would need
+"""Merging on a GPU never moves the model to float32 there (an 8B model would need
 32 GB for its weights alone). The transformers merge of a 2B-shaped model with a known adapter
 must peak below 1.5x its bf16 weights in device memory (float32 alone would be 2x), and still
 write base + adapter exactly (weight-space check). Also: the device stack's torch is inside the

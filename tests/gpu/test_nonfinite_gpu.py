@@ -1,4 +1,4 @@
-"""The run that used to die (issue 37): transformers bf16 on data seed 7 with the default params
+"""Regression: transformers bf16 on data seed 7 with the default params
 (the tiny embedded model) logged `grad_norm: nan` at GSPO step 3 and then failed in a CUDA
 device-side assert during the next generation. It must train to the end, with finite weights.
 

@@ -12,7 +12,7 @@ train_gspo for every configuration first (the priority), then `test_downstream` 
 baseline_eval, post_eval, verify_lora, export and upload on each trained copy. Stage logs go to
 $VLMRL_GPU_LOGS (default: a temporary directory).
 
-Training must act, not only run (issue 19): every optimizer step has grad_norm > 0, the clip
+Training must act, not only run: every optimizer step has grad_norm > 0, the clip
 ratio of every off-policy step is strictly between 0 and 1, and every `lora_B` of the trained
 adapter is non-zero and differs from the cold-start adapter it continued.
 
@@ -43,7 +43,7 @@ CONFIGS = {
     "unsloth-4bit": {"model.backend": "unsloth", "model.load_in_4bit": True},
     "transformers-bf16": {"model.backend": "transformers", "model.load_in_4bit": False},
     "transformers-4bit": {"model.backend": "transformers", "model.load_in_4bit": True},
-    # issue 23: rollouts with the decode step in one CUDA graph; training only (test_downstream
+    # rollouts with the decode step in one CUDA graph; training only (test_downstream
     # does not depend on how the rollouts were generated)
     "transformers-bf16-graph": {"model.backend": "transformers", "model.load_in_4bit": False,
                                 "train.graph_decoding": "merged"},
