@@ -498,3 +498,16 @@ def test_train_params_take_expandable_segments_as_a_switch() -> None:
                                    ).expandable_segments is False
     with pytest.raises(ParamsError, match="expandable_segments"):
         TrainParams.from_params({**section, "expandable_segments": "sometimes"})
+
+
+def test_graph_decoding_needs_the_transformers_backend() -> None:
+    """Unsloth loads its own model classes, which graph decoding cannot route: one line before
+    anything loads instead of a TypeError from the rollout package."""
+    from vlmrl.params import ParamsError
+    from vlmrl.training import check_graph_backend
+
+    check_graph_backend("eager", "unsloth")
+    check_graph_backend("graph", "transformers")
+    with pytest.raises(ParamsError, match=r"^params\.yaml train\.graph_decoding: merged needs "
+                                          r"model\.backend transformers, not unsloth"):
+        check_graph_backend("merged", "unsloth")

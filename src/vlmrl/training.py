@@ -264,6 +264,7 @@ def train(*, train_set: Path, params: Params, adapter_out: Path, checkpoints: Pa
                                                  answer_format(params))
     distributed = distributed_settings(train_params)
     check_distributed(distributed, model_params)
+    check_graph_backend(train_params.graph_decoding, backend_for(model_params).name)
     config = build_grpo_config(split_batch(train_params.grpo, distributed.num_processes),
                                output_dir=checkpoints, save_steps=train_params.save_steps,
                                reward_weights=reward_weights, model_settings=model_params)
@@ -320,6 +321,15 @@ def check_distributed(distributed: DistributedParams, model_params: ModelParams)
     """Settings the launched path does not support, named before anything loads."""
     if distributed.strategy != "none":
         check_strategy(distributed, backend_for(model_params).name, model_params.load_in_4bit)
+
+
+def check_graph_backend(graph_decoding: str, backend: str) -> None:
+    """Graph decoding routes the policy's `generate` through the class it was loaded as
+    (`vlmrl.rollout.generation.rollout_class`); Unsloth loads its own classes."""
+    if graph_decoding != "eager" and backend != "transformers":
+        raise ParamsError(f"params.yaml train.graph_decoding: {graph_decoding} needs "
+                          f"model.backend transformers, not {backend} (it loads its own model "
+                          "classes); set train.graph_decoding: eager for it")
 
 
 def rows_report(rows_per_process: list[list[Any]]) -> dict[str, Any]:
