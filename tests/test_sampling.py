@@ -20,8 +20,8 @@ from vlmrl.models.sampling import (
     draw,
     top_k_settings,
 )
-from vlmrl.rollout.generation import rollout_class, sample_top_k_on_cpu
 from vlmrl.params import EvalParams
+from vlmrl.rollout.generation import rollout_class, sample_top_k_on_cpu
 
 
 def transformers_probs(scores: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:

@@ -28,8 +28,12 @@ import torch
 import transformers
 import trl
 
+from vlmrl.chunked_generation import (
+    allow_compiling_bnb_4bit,
+    compileable_quantizer,
+    generate_in_chunks,
+)
 from vlmrl.data_parallel import load_optimizer_state_on_cpu, write_gathered_files
-from vlmrl.chunked_generation import allow_compiling_bnb_4bit, compileable_quantizer, generate_in_chunks
 from vlmrl.logprob_fallback import TorchChunkedLogProb, kernel_cannot_run
 from vlmrl.models.backend import avoid_cudnn_attention
 from vlmrl.nonfinite import NonFiniteGuard
