@@ -472,6 +472,8 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
     from vlmrl.rollout.generation import rollout_class
     from vlmrl.training import build_grpo_config, make_trainer
 
+    # before anything initialises CUDA (building the GRPO config does): torch reads it then
+    use_expandable_segments(knobs.get("expandable_segments", False))
     detector = _KVDropDetector()
     logging.getLogger("transformers").addHandler(detector)
 
@@ -492,7 +494,6 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
                                reward_weights=reward_weights, model_settings=settings)
     dataset = load_from_disk(str(train_set))
 
-    use_expandable_segments(knobs.get("expandable_segments", False))
     _reset_peak()
     load_started = time.perf_counter()
     model, processor, backend = load_policy(settings, LoraParams(**LORA), config.seed,

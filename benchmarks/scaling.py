@@ -266,6 +266,9 @@ def worker(args: argparse.Namespace) -> None:
     work = Path(tempfile.mkdtemp(prefix=f"scaling-{args.worker}-"))
     record: dict[str, Any] = {"rank": rank}
     try:
+        from vlmrl.launch import use_expandable_segments
+
+        use_expandable_segments(Params(raw).train.expandable_segments)  # before CUDA starts
         import torch
 
         if torch.cuda.is_available():

@@ -94,3 +94,16 @@ def test_a_plain_class_is_refused_with_the_fix_named() -> None:
     plain, _, _ = load_policy(MODEL, LORA, 0)
     with pytest.raises(TypeError, match=r"model_class=vlmrl.rollout.generation.rollout_class"):
         sample_top_k_on_cpu(plain, SamplingSettings(1.0, 20))
+
+
+def test_a_checkpoint_of_no_loadable_kind_is_named(tmp_path) -> None:
+    """The class a policy is loaded as comes from transformers' public model mappings; a
+    checkpoint in none of them is one line naming model.name, not a KeyError."""
+    import transformers
+
+    from vlmrl.models.loading import checkpoint_class
+    from vlmrl.params import ParamsError
+
+    transformers.ViTConfig().save_pretrained(tmp_path)
+    with pytest.raises(ParamsError, match=r"^params\.yaml model\.name: .* \(ViTConfig\) is no "):
+        checkpoint_class(str(tmp_path))

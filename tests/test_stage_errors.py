@@ -213,6 +213,19 @@ def test_trl_config_values_are_checked_against_the_field_types() -> None:
             config_values(trl.GRPOConfig, {key: value}, "train.grpo")
 
 
+def test_numeric_text_stays_text_where_the_field_is_text() -> None:
+    """Only a value its field refuses is read as a float written as text: a run name "001" stays
+    "001", and a refused value is named as written."""
+    import trl
+
+    from vlmrl.trainer_config import config_values
+
+    assert config_values(trl.GRPOConfig, {"run_name": "001"}, "train.grpo") == {"run_name": "001"}
+    with pytest.raises(ParamsError, match=r"^params\.yaml train\.grpo\.max_steps: must be a valid "
+                                          r"integer, got '10'$"):
+        config_values(trl.GRPOConfig, {"max_steps": "10"}, "train.grpo")
+
+
 def test_stage_outputs_leave_no_stale_or_half_written_output(tmp_path: Path) -> None:
     from vlmrl.outputs import stage_outputs
 

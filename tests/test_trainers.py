@@ -74,6 +74,35 @@ def test_a_changed_signature_fails_in_one_line(monkeypatch) -> None:
         grpo_trainer(max_nonfinite_steps=3, model=None)
 
 
+def test_a_pass_through_wrapper_is_checked_for_the_method_it_wraps(monkeypatch) -> None:
+    """Unsloth's replacement of trl.GRPOTrainer wraps `_generate_and_score_completions` in a
+    `(self, *args, **kwargs)` function without functools.wraps: the check reads the method it
+    wraps, further up the class's MRO, and names the class when that one is re-signed."""
+
+    class Concrete(trl.GRPOTrainer):
+        def _generate_and_score_completions(self, inputs):
+            raise AssertionError("never called")
+
+    def wrapped(self, *args, **kwargs):
+        raise AssertionError("never called")
+
+    wrapper = type("UnslothGRPOTrainer", (Concrete,),
+                   {"_generate_and_score_completions": wrapped})
+    check_private_names(wrapper, GRPO_NAMES)
+
+    class Resigned(trl.GRPOTrainer):
+        def _generate_and_score_completions(self, inputs, mode):
+            raise AssertionError("never called")
+
+    monkeypatch.setattr(trl, "GRPOTrainer", type("UnslothGRPOTrainer", (Resigned,),
+                                                  {"_generate_and_score_completions": wrapped}))
+    with pytest.raises(UpstreamChangedError, match=(
+            r"^trl\.GRPOTrainer\._generate_and_score_completions takes \(self, inputs, mode\), "
+            r"not the \(self, inputs\) it was written for: .* \(the class checked: "
+            r"test_trainers\.UnslothGRPOTrainer\)$")):
+        grpo_trainer(max_nonfinite_steps=3, model=None)
+
+
 def test_a_removed_module_name_fails_in_one_line(monkeypatch) -> None:
     monkeypatch.delattr(trl_utils, "_ChunkedLogProbFunction")
     with pytest.raises(UpstreamChangedError,

@@ -511,3 +511,39 @@ def test_graph_decoding_needs_the_transformers_backend() -> None:
     with pytest.raises(ParamsError, match=r"^params\.yaml train\.graph_decoding: merged needs "
                                           r"model\.backend transformers, not unsloth"):
         check_graph_backend("merged", "unsloth")
+
+
+def test_train_sets_the_allocator_before_building_the_config(tmp_path: Path, monkeypatch) -> None:
+    """`train()` called in process (benchmarks, probes) sets PYTORCH_CUDA_ALLOC_CONF before the
+    GRPO config is built: TrainingArguments picks the device there, which initialises CUDA, and
+    the allocator reads the variable then."""
+    import os
+
+    import yaml
+    from conftest import ROOT
+
+    import vlmrl.training as training
+    from vlmrl.params import Params
+
+    seen: list[str | None] = []
+
+    class Built(Exception):
+        pass
+
+    def config_probe(*args, **kwargs):
+        seen.append(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+        raise Built
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setattr(training, "build_grpo_config", config_probe)
+    train_set = tmp_path / "train"
+    train_set.mkdir()
+    (train_set / "dataset_info.json").write_text("{}")
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    raw["train"]["expandable_segments"] = True
+    params = Params(raw)
+    with pytest.raises(Built):
+        training.train(train_set=train_set, params=params, adapter_out=tmp_path / "adapter",
+                       checkpoints=tmp_path / "checkpoints")
+    assert seen == ["expandable_segments:True"]

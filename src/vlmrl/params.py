@@ -293,7 +293,7 @@ class TrainParams(Section):
     max_generation_rows: PositiveInteger | None = None
     distributed: dict[str, Any] = {}  # checked by vlmrl.launch.DistributedParams
     graph_decoding: Literal["eager", "graph", "merged"] = "eager"  # GPU rollouts: vlmrl.rollout.graph_decode
-    expandable_segments: Boolean = True  # the CUDA allocator's: vlmrl.training.use_expandable_segments
+    expandable_segments: Boolean = True  # the CUDA allocator's: vlmrl.launch.use_expandable_segments
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"  # graph decoding's cache: vlmrl.rollout.decode_attention
     max_nonfinite_steps: PositiveInteger = 3  # skipped non-finite steps in a row that stop it
     lora: LoraParams

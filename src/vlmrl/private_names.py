@@ -65,8 +65,10 @@ def check_private_names(trainer_class: type, names: Iterable[PrivateName]) -> No
     """Raises UpstreamChangedError, in one line, for the first name of `names` that `trainer_class`
     (for TRAINER rows) or its module lacks, or whose parameters differ from those expected."""
     for row in names:
-        owner = trainer_class if row.owner == TRAINER else importlib.import_module(row.owner)
-        found = getattr(owner, row.name, _MISSING)  # None is a value (TRL's kernel without Triton)
+        if row.owner == TRAINER:
+            found = _defined(trainer_class, row.name)
+        else:  # None is a value (TRL's kernel without Triton)
+            found = getattr(importlib.import_module(row.owner), row.name, _MISSING)
         if found is _MISSING:
             problem = "is missing"
         elif row.parameters is not None and _parameters(found) != row.parameters:
@@ -78,7 +80,37 @@ def check_private_names(trainer_class: type, names: Iterable[PrivateName]) -> No
         raise UpstreamChangedError(
             f"{row.shown_as}.{row.name} {problem}: vlmrl's trainer subclass "
             f"(vlmrl.private_names) was tested with {tested}, found {installed_versions()}; "
-            f"install the tested versions or update the subclass")
+            f"install the tested versions or update the subclass{_not_trl(row, trainer_class)}")
+
+
+def _not_trl(row: PrivateName, trainer_class: type) -> str:
+    """Where the class checked is not TRL's own (Unsloth replaces trl.GRPOTrainer), its name."""
+    if row.owner != TRAINER or trainer_class.__module__.split(".")[0] == "trl":
+        return ""
+    return f" (the class checked: {trainer_class.__module__}.{trainer_class.__qualname__})"
+
+
+def _defined(trainer_class: type, name: str) -> object:
+    """`name` as the first class in `trainer_class`'s MRO defines it with its own signature: a
+    pass-through wrapper `(self, *args, **kwargs)` (Unsloth wraps some of GRPOTrainer's methods
+    so, without functools.wraps) is skipped for the method it wraps further up."""
+    first = _MISSING
+    for cls in trainer_class.__mro__:
+        if name not in cls.__dict__:
+            continue
+        found = getattr(trainer_class, name) if first is _MISSING else cls.__dict__[name]
+        first = found if first is _MISSING else first
+        if not _passes_through(cls.__dict__[name]):
+            return cls.__dict__[name]
+    return first
+
+
+def _passes_through(function: object) -> bool:
+    try:
+        kinds = [p.kind for p in inspect.signature(function).parameters.values()]
+    except (TypeError, ValueError):
+        return False
+    return kinds[1:] == [inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD]
 
 
 def _parameters(function: object) -> tuple[str, ...] | None:

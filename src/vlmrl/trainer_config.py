@@ -60,9 +60,10 @@ def config_values(config_class: type, values: Mapping[str, Any], key_path: str) 
         if key in PIPELINE_KEYS.get(key_path, ()):
             raise ParamsError(f"params.yaml {key_path}.{key} is set by the pipeline (dvc.yaml "
                               "paths or other params sections); remove it")
-        if isinstance(value, str):
-            value = float_text(value)
         problem = type_problem(hints[key], value)
+        number = float_text(value) if problem and isinstance(value, str) else value
+        if number is not value and type_problem(hints[key], number) is None:
+            value, problem = number, None  # a float the YAML reader left as text
         if problem:
             raise ParamsError(f"params.yaml {key_path}.{key}: must be {problem}, got {value!r}")
         checked[key] = value

@@ -256,6 +256,11 @@ def train(*, train_set: Path, params: Params, adapter_out: Path, checkpoints: Pa
     pass-through SFT: a fresh adapter). Read after the params are checked, so a params error is
     reported first. `callbacks`: more trainer callbacks (a probe's, a benchmark's)."""
     model_params, train_params, rewards = params.model, params.train, params.rewards
+    # before anything here initialises CUDA (building the GRPO config does): torch reads it then
+    if use_expandable_segments(train_params.expandable_segments) and cuda_initialised():
+        warnings.warn("train.expandable_segments: CUDA was initialised before it was set, so "
+                      "this run's allocator keeps fixed segments; the train_gspo stage sets it "
+                      "before importing torch", stacklevel=2)
     backend_for(model_params)  # Unsloth, when chosen, must patch TRL before its config is built
     if not (train_set / "dataset_info.json").is_file():
         raise FileNotFoundError(f"{train_set}: no prepared train set; the prepare_data stage "
@@ -278,10 +283,6 @@ def train(*, train_set: Path, params: Params, adapter_out: Path, checkpoints: Pa
                                                            train_params.resume),
                                lambda: newest_checkpoint(checkpoints))
 
-    if use_expandable_segments(train_params.expandable_segments) and cuda_initialised():
-        warnings.warn("train.expandable_segments: CUDA was initialised before it was set, so "
-                      "this run's allocator keeps fixed segments; the train_gspo stage sets it "
-                      "before importing torch", stacklevel=2)
     model, processor, _backend = load_policy(model_params, train_params.lora, config.seed,
                                              init_adapter, model_class=rollout_class)
     dataset = policy_dataset(load_from_disk(str(train_set)), processor)

@@ -209,9 +209,15 @@ def load_transformers_model(path: str, settings: ModelParams, device: str | None
 def checkpoint_class(path: str) -> type:
     """The transformers class that `load_transformers_model` loads the checkpoint as (what
     `AutoModelForCausalLM` or `AutoModelForImageTextToText` picks for its config)."""
-    classes = (MODEL_FOR_CAUSAL_LM_MAPPING if is_text_checkpoint(path)
-               else MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING)
-    return classes[type(AutoConfig.from_pretrained(path))]
+    text = is_text_checkpoint(path)
+    classes = MODEL_FOR_CAUSAL_LM_MAPPING if text else MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+    config = AutoConfig.from_pretrained(path)
+    try:
+        return classes[type(config)]
+    except KeyError:
+        kind = "causal language model" if text else "image-text-to-text model"
+        raise ParamsError(f"params.yaml model.name: {path} ({type(config).__name__}) is no "
+                          f"{kind} transformers can load") from None
 
 
 def attach_adapter(model, adapter: Path | str) -> PeftModel:
