@@ -522,7 +522,7 @@ def test_train_sets_the_allocator_before_building_the_config(tmp_path: Path, mon
     import yaml
     from conftest import ROOT
 
-    import vlmrl.training as training
+    from vlmrl import training
     from vlmrl.params import Params
 
     seen: list[str | None] = []
