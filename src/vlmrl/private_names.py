@@ -1,5 +1,5 @@
-"""The private TRL and transformers names the trainer subclasses (vlmrl.trainers) override or
-read, in one table, and the check that runs when a trainer is made. A private name carries no
+"""The private TRL and transformers names the trainer subclasses (vlmrl.trainers) and GRPO's
+graph decoding (vlmrl.rollout) override, call or read, in one table, and the check that runs when a trainer is made. A private name carries no
 promise: renamed or re-signed upstream, an override of it would never be called (chunked
 generation would stop capping memory, a resume on CPU processes would stop loading the optimizer
 state) and nothing would fail. The check turns that into one line naming the class, the name and
