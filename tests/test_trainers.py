@@ -5,12 +5,14 @@ bitsandbytes 4-bit policy's quantizer is copied, not its class changed."""
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import pytest
 import trl
 import trl.trainer.utils as trl_utils
 from datasets import load_from_disk
+from transformers.generation.utils import GenerationMixin
 
 from vlmrl.data import load_raw_records, prepare, to_dataset
 from vlmrl.errors import UserError, one_line
@@ -108,6 +110,48 @@ def test_a_removed_module_name_fails_in_one_line(monkeypatch) -> None:
     with pytest.raises(UpstreamChangedError,
                        match=r"^trl\.trainer\.utils\._ChunkedLogProbFunction is missing: "):
         sft_trainer(max_nonfinite_steps=3, model=None)
+
+
+# Private names of other libraries the package reads (the table covers TRL and transformers).
+OTHER_LIBRARIES = {"_exit": "os", "_dynamo": "torch"}
+
+
+def private_names_read(package: Path) -> set[str]:
+    """Private attributes the package's source reads on anything but `self` or `cls`, as
+    `x._name` or `getattr(x, "_name", ...)`."""
+    found = set()
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                    and not node.attr.startswith("__")
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+                found.add(node.attr)
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                  and node.func.id in ("getattr", "hasattr") and len(node.args) > 1
+                  and isinstance(node.args[1], ast.Constant)
+                  and str(node.args[1].value).startswith("_")
+                  and not str(node.args[1].value).startswith("__")):
+                found.add(node.args[1].value)
+    return found
+
+
+def test_every_private_name_the_package_reads_is_in_the_table() -> None:
+    """A private TRL or transformers name called or read outside the table would go unchecked
+    (graph decoding's position helper and attention attribute among them)."""
+    import vlmrl
+
+    read = private_names_read(Path(vlmrl.__file__).parent)
+    listed = {row.name for row in GRPO_NAMES + SFT_NAMES}
+    assert read - set(OTHER_LIBRARIES) <= listed, sorted(read - set(OTHER_LIBRARIES) - listed)
+    assert "_prepare_position_ids_for_generation" in read  # the scan sees calls on expressions
+
+
+def test_a_removed_generation_helper_fails_in_one_line(monkeypatch) -> None:
+    monkeypatch.delattr(GenerationMixin, "_prepare_position_ids_for_generation")
+    with pytest.raises(UpstreamChangedError, match=(
+            r"^transformers\.GenerationMixin\._prepare_position_ids_for_generation is missing: "
+            r".*tested with trl 1\.15\.x and transformers 5\.17\.x")):
+        grpo_trainer(max_nonfinite_steps=3, model=None)
 
 
 def test_a_bnb_4bit_quantizer_is_copied_with_compiling_allowed() -> None:

@@ -1,5 +1,5 @@
-"""The private TRL and transformers names the trainer subclasses (vlmrl.trainers) override or
-read, in one table, and the check that runs when a trainer is made. A private name carries no
+"""The private TRL and transformers names the trainer subclasses (vlmrl.trainers) and GRPO's
+graph decoding (vlmrl.rollout) override, call or read, in one table, and the check that runs when a trainer is made. A private name carries no
 promise: renamed or re-signed upstream, an override of it would never be called (chunked
 generation would stop capping memory, a resume on CPU processes would stop loading the optimizer
 state) and nothing would fail. The check turns that into one line naming the class, the name and
@@ -23,9 +23,10 @@ _MISSING = object()
 
 @dataclasses.dataclass(frozen=True)
 class PrivateName:
-    """A name relied on: `owner` (a module path, or TRAINER for the trainer class being extended,
-    which may be Unsloth's replacement of TRL's), what `owner` is called in messages, and the
-    parameter names the override was written for (None: an attribute read, not a method)."""
+    """A name relied on: `owner` (a module path, `module:Class` for a class of that module, or
+    TRAINER for the trainer class being extended, which may be Unsloth's replacement of TRL's),
+    what `owner` is called in messages, and the parameter names the override or call was written
+    for (None: an attribute read, not a method)."""
     owner: str
     shown_as: str
     name: str
@@ -34,6 +35,15 @@ class PrivateName:
 
 CHUNKED_LOGPROB = PrivateName("trl.trainer.utils", "trl.trainer.utils", "_ChunkedLogProbFunction",
                               None)
+# Read by GRPO's graph decoding (vlmrl.rollout): a renamed position helper would fail deep
+# inside the first rollout, and a renamed attention attribute would read as None, leaving the
+# grouped decode attention silently unused.
+ROLLOUT_NAMES = (
+    PrivateName("transformers.generation.utils:GenerationMixin", "transformers.GenerationMixin",
+                "_prepare_position_ids_for_generation", ("self", "inputs_tensor", "model_kwargs")),
+    PrivateName("transformers:PretrainedConfig", "transformers.PretrainedConfig",
+                "_attn_implementation", None),
+)
 GRPO_NAMES = (
     PrivateName(TRAINER, "trl.GRPOTrainer", "_generate_single_turn",
                 ("self", "prompt_ids", "images", "multimodal_fields", "num_generations",
@@ -43,6 +53,7 @@ GRPO_NAMES = (
     PrivateName(TRAINER, "transformers.Trainer", "_load_optimizer_and_scheduler",
                 ("self", "checkpoint")),
     CHUNKED_LOGPROB,
+    *ROLLOUT_NAMES,
 )
 SFT_NAMES = (CHUNKED_LOGPROB,)
 
@@ -63,12 +74,12 @@ def installed_versions() -> str:
 
 def check_private_names(trainer_class: type, names: Iterable[PrivateName]) -> None:
     """Raises UpstreamChangedError, in one line, for the first name of `names` that `trainer_class`
-    (for TRAINER rows) or its module lacks, or whose parameters differ from those expected."""
+    (for TRAINER rows) or its owner lacks, or whose parameters differ from those expected."""
     for row in names:
         if row.owner == TRAINER:
             found = _defined(trainer_class, row.name)
-        else:  # None is a value (TRL's kernel without Triton)
-            found = getattr(importlib.import_module(row.owner), row.name, _MISSING)
+        else:  # None is a value (TRL 1.15's kernel without Triton)
+            found = getattr(_owner(row, trainer_class), row.name, _MISSING)
         if found is _MISSING:
             problem = "is missing"
         elif row.parameters is not None and _parameters(found) != row.parameters:
@@ -111,6 +122,15 @@ def _passes_through(function: object) -> bool:
     except (TypeError, ValueError):
         return False
     return kinds[1:] == [inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD]
+
+
+def _owner(row: PrivateName, trainer_class: type) -> object:
+    """What `row.owner` names (a class missing from its module: an object without the name)."""
+    if row.owner == TRAINER:
+        return trainer_class
+    module, _, class_name = row.owner.partition(":")
+    found = importlib.import_module(module)
+    return getattr(found, class_name, None) if class_name else found
 
 
 def _parameters(function: object) -> tuple[str, ...] | None:
