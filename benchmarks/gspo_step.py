@@ -61,6 +61,8 @@ Tables from stored results, anywhere (nothing measured, no GPU needed):
   python benchmarks/gspo_step.py --from-json RESULTS --doc-block NAME   # one file's full table
   python benchmarks/gspo_step.py --from-json A.json B.json ... --doc-block speed --readme README.md
       # the speed summary: each (model, tokens, configuration) from the first file that has it
+  python benchmarks/gspo_step.py --merge CALL1.json CALL2.json ... --out RESULTS
+      # several device calls' results in one file (each call records its command line)
 """
 
 from __future__ import annotations
@@ -646,6 +648,30 @@ def summarize(runs: dict[str, Any], model: str = MODEL) -> dict[str, list[dict[s
     return results
 
 
+def this_command() -> str:
+    """The command line of this run, as typed from the project root."""
+    return " ".join(["python benchmarks/gspo_step.py", *sys.argv[1:]])
+
+
+def merge_results(files: list[dict[str, Any]], names: list[Path]) -> dict[str, Any]:
+    """One results file from several device calls' (`--merge`): every run (a run measured in
+    several: the last file's), every call's record (command, device, runs), the settings of the
+    last file. Calls on different devices are refused: their figures do not compare."""
+    devices = {str(name): results.get("device") for name, results in zip(names, files)}
+    if len(set(devices.values())) > 1:
+        raise SystemExit(f"--merge: the files were measured on different devices {devices}; "
+                         "merge only one device's calls")
+    merged: dict[str, Any] = {key: value for key, value in files[-1].items()
+                              if key not in ("runs", "device_calls")}
+    merged["runs"], merged["device_calls"] = {}, []
+    for name, results in zip(names, files):
+        merged["runs"].update(results.get("runs", {}))
+        calls = results.get("device_calls") or [{"command": None, "source": str(name),
+                                                 "runs": sorted(results.get("runs", {}))}]
+        merged["device_calls"] += [call for call in calls if call not in merged["device_calls"]]
+    return merged
+
+
 def load_results(path: Path) -> dict[str, Any]:
     if path.is_file():
         return json.loads(path.read_text())
@@ -927,6 +953,10 @@ def main() -> int:
     parser.add_argument("--from-json", type=Path, nargs="+", metavar="RESULTS",
                         help="measure nothing: write the table of these stored results into "
                              "--doc (default docs/benchmarks.md)")
+    parser.add_argument("--merge", type=Path, nargs="+", metavar="RESULTS",
+                        help="measure nothing: combine these results files (one per device "
+                             "call, each with the command it ran) into --out; a run measured in "
+                             "several takes the last file's")
     parser.add_argument("--readme", type=Path,
                         help="with --doc-block speed: also the summary's sentence into this "
                              "file's speed-readme block")
@@ -954,6 +984,11 @@ def main() -> int:
         args.result.write_text(json.dumps(result))
         return 0
 
+    if args.merge:
+        save_results(args.out, merge_results([load_results(path) for path in args.merge],
+                                             args.merge))
+        print(f"{len(args.merge)} results files merged into {args.out}")
+        return 0
     if args.from_json:
         write_from_json(args.from_json, args.doc or ROOT / "docs" / "benchmarks.md",
                         args.doc_block, args.readme)
@@ -980,6 +1015,9 @@ def main() -> int:
     results.update(device=device_name(), versions=versions(), model=MODEL,
                    num_generations=NUM_GENERATIONS,
                    completions_per_optimizer_step=PER_DEVICE_BATCH * GRAD_ACCUM, lora=LORA)
+    call = {"command": this_command(), "device": results["device"],
+            "bandwidth_bytes_per_s": results["bandwidth_bytes_per_s"], "runs": []}
+    results.setdefault("device_calls", []).append(call)
     for length in [int(x) for x in args.lengths.split(",")]:
         for config in [c.strip() for c in args.configs.split(",") if c.strip()]:
             if config not in CONFIGS:
@@ -1017,6 +1055,7 @@ def main() -> int:
             result["model"] = args.model
             result["bandwidth_fraction"] = bandwidth_fraction(result, results["bandwidth_bytes_per_s"])
             results["runs"][key] = result
+            call["runs"].append(key)
             save_results(args.out, results)
             print(json.dumps({k: v for k, v in result.items()
                               if k not in ("generation_calls", "settings", "per_step")}),
