@@ -81,6 +81,23 @@ def fresh_repo(tmp_path) -> Path:
     return make_project_repo(tmp_path / "repo", TEST_PARAMS)
 
 
+@pytest.fixture(scope="session")
+def train_set(tmp_path_factory):
+    """A tiny prepared train split (8 synthetic problems of 64 px and 4 reading ones) for tests
+    that build a trainer in process."""
+    from datasets import load_from_disk
+
+    from vlmrl.data import load_raw_records, prepare, to_dataset
+    from vlmrl.params import DataParams
+
+    root = tmp_path_factory.mktemp("train-set")
+    settings = DataParams(synthetic_size=8, synthetic_read_size=4, eval_size=2, image_size=64,
+                          seed=1)
+    to_dataset(prepare(load_raw_records(settings), settings).train).save_to_disk(
+        str(root / "train"))
+    return load_from_disk(str(root / "train"))
+
+
 def stage_command(name: str, root: Path = ROOT) -> list[str]:
     """dvc.yaml's command for stage `name` as argv (vlmrl's tests/project_repo.py)."""
     return _stage_command(name, root)

@@ -11,13 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import dvc_repro, make_project_repo, run
-from datasets import load_from_disk
 from safetensors.torch import load_file
 
-from vlmrl.data import load_raw_records, prepare, to_dataset
 from vlmrl.models.loading import load_policy
 from vlmrl.nonfinite import NonFiniteTrainingError
-from vlmrl.params import DataParams, Params
+from vlmrl.params import Params
 from vlmrl.rollout.generation import rollout_class
 from vlmrl.training import build_grpo_config, make_trainer
 
@@ -32,16 +30,6 @@ GRPO = {"learning_rate": 1.0e-2, "lr_scheduler_type": "linear", "max_steps": 4,
 
 def length_reward(completions, **columns) -> list[float]:
     return [float(len(str(c))) for c in completions]
-
-
-@pytest.fixture(scope="module")
-def train_set(tmp_path_factory):
-    root = tmp_path_factory.mktemp("nonfinite")
-    settings = DataParams(synthetic_size=8, synthetic_read_size=4, eval_size=2, image_size=64,
-                          seed=1)
-    to_dataset(prepare(load_raw_records(settings), settings).train).save_to_disk(
-        str(root / "train"))
-    return load_from_disk(str(root / "train"))
 
 
 def poison_gradient_at(model, steps: set[int], counter: list[int]) -> None:

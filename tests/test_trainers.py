@@ -11,13 +11,11 @@ from pathlib import Path
 import pytest
 import trl
 import trl.trainer.utils as trl_utils
-from datasets import load_from_disk
 from transformers.generation.utils import GenerationMixin
 
-from vlmrl.data import load_raw_records, prepare, to_dataset
 from vlmrl.errors import UserError, one_line
 from vlmrl.models.loading import load_policy
-from vlmrl.params import DataParams, Params
+from vlmrl.params import Params
 from vlmrl.private_names import (
     GRPO_NAMES,
     SFT_NAMES,
@@ -166,16 +164,6 @@ def test_a_bnb_4bit_quantizer_is_copied_with_compiling_allowed() -> None:
     assert vars(copy) == vars(original) and original.is_compileable is False
     assert Bnb4BitHfQuantizer(BitsAndBytesConfig(load_in_4bit=True)).is_compileable is False
     assert compileable_quantizer(copy) is copy and compileable_quantizer(None) is None
-
-
-@pytest.fixture(scope="module")
-def train_set(tmp_path_factory):
-    root = tmp_path_factory.mktemp("trainers")
-    settings = DataParams(synthetic_size=8, synthetic_read_size=4, eval_size=2, image_size=64,
-                          seed=1)
-    to_dataset(prepare(load_raw_records(settings), settings).train).save_to_disk(
-        str(root / "train"))
-    return load_from_disk(str(root / "train"))
 
 
 def answer_length(completions, **columns) -> list[float]:

@@ -11,6 +11,8 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from vlmrl.private_names import installed_version
+
 # The versions compiling bitsandbytes 4-bit decoding was measured with (benchmarks/gspo_step.py):
 # a later transformers may compile 4-bit models itself, or break in ways forcing it would hide.
 BNB_PATCH_VERSIONS = {"transformers": "5.17", "bitsandbytes": "0.50"}
@@ -80,15 +82,8 @@ def allow_compiling_bnb_4bit(versions: Mapping[str, str | None] | None = None) -
     """Whether a bitsandbytes 4-bit model's decoding may be compiled: only under the versions of
     BNB_PATCH_VERSIONS (warns and says no otherwise), and never without bitsandbytes.
     `versions` (package -> installed version or None) defaults to what is installed."""
-    from importlib.metadata import PackageNotFoundError, version
-
     if versions is None:
-        versions = {}
-        for package in BNB_PATCH_VERSIONS:
-            try:
-                versions[package] = version(package)
-            except PackageNotFoundError:
-                versions[package] = None
+        versions = {package: installed_version(package) for package in BNB_PATCH_VERSIONS}
     if versions.get("bitsandbytes") is None:
         return False  # no 4-bit model can exist
     mismatched = {package: found for package, found in versions.items()

@@ -62,14 +62,16 @@ class UpstreamChangedError(UserError):
     """A private TRL or transformers name the trainer subclasses rely on is gone or re-signed."""
 
 
+def installed_version(package: str) -> str | None:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
 def installed_versions() -> str:
-    found = []
-    for package in TESTED_VERSIONS:
-        try:
-            found.append(f"{package} {version(package)}")
-        except PackageNotFoundError:
-            found.append(f"{package} not installed")
-    return ", ".join(found)
+    return ", ".join(f"{package} {installed_version(package) or 'not installed'}"
+                     for package in TESTED_VERSIONS)
 
 
 def check_private_names(trainer_class: type, names: Iterable[PrivateName]) -> None:
@@ -107,12 +109,10 @@ def _defined(trainer_class: type, name: str) -> object:
     so, without functools.wraps) is skipped for the method it wraps further up."""
     first = _MISSING
     for cls in trainer_class.__mro__:
-        if name not in cls.__dict__:
-            continue
-        found = getattr(trainer_class, name) if first is _MISSING else cls.__dict__[name]
-        first = found if first is _MISSING else first
-        if not _passes_through(cls.__dict__[name]):
-            return cls.__dict__[name]
+        if name in cls.__dict__:
+            first = getattr(trainer_class, name) if first is _MISSING else first
+            if not _passes_through(cls.__dict__[name]):
+                return cls.__dict__[name]
     return first
 
 

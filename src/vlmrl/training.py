@@ -261,7 +261,7 @@ def train(*, train_set: Path, params: Params, adapter_out: Path, checkpoints: Pa
         warnings.warn("train.expandable_segments: CUDA was initialised before it was set, so "
                       "this run's allocator keeps fixed segments; the train_gspo stage sets it "
                       "before importing torch", stacklevel=2)
-    backend_for(model_params)  # Unsloth, when chosen, must patch TRL before its config is built
+    backend = backend_for(model_params)  # Unsloth, when chosen, patches TRL before its config
     if not (train_set / "dataset_info.json").is_file():
         raise FileNotFoundError(f"{train_set}: no prepared train set; the prepare_data stage "
                                 "makes it")
@@ -269,7 +269,7 @@ def train(*, train_set: Path, params: Params, adapter_out: Path, checkpoints: Pa
                                                  answer_format(params))
     distributed = distributed_settings(train_params)
     check_distributed(distributed, model_params)
-    check_graph_backend(train_params.graph_decoding, backend_for(model_params).name)
+    check_graph_backend(train_params.graph_decoding, backend.name)
     config = build_grpo_config(split_batch(train_params.grpo, distributed.num_processes),
                                output_dir=checkpoints, save_steps=train_params.save_steps,
                                reward_weights=reward_weights, model_settings=model_params)
