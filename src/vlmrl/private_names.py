@@ -18,6 +18,7 @@ from vlmrl.errors import UserError
 # What the subclasses were written and tested against.
 TESTED_VERSIONS = {"trl": "1.15.x", "transformers": "5.17.x"}
 TRAINER = "<trainer>"  # the owner of a row that is looked up on the class being extended
+INSTANCE = "<trainer instance>"  # an attribute its constructor sets: checked once it has run
 _MISSING = object()
 
 
@@ -49,6 +50,14 @@ GRPO_NAMES = (
                 ("self", "prompt_ids", "images", "multimodal_fields", "num_generations",
                  "has_tool_images")),
     PrivateName(TRAINER, "trl.GRPOTrainer", "_generate_and_score_completions", ("self", "inputs")),
+    PrivateName(TRAINER, "trl.GRPOTrainer", "_prepare_inputs", ("self", "generation_batch")),
+    PrivateName(TRAINER, "trl.GRPOTrainer", "_get_per_token_logps_and_entropies",
+                ("self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size",
+                 "compute_entropy", "compute_aux_loss", "pixel_values", "image_grid_thw",
+                 "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
+                 "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")),
+    PrivateName(INSTANCE, "trl.GRPOTrainer", "_step", None),
+    PrivateName(INSTANCE, "trl.GRPOTrainer", "_buffered_inputs", None),
     PrivateName(TRAINER, "transformers.Trainer", "_save_rng_state", ("self", "output_dir")),
     PrivateName(TRAINER, "transformers.Trainer", "_load_optimizer_and_scheduler",
                 ("self", "checkpoint")),
@@ -74,11 +83,17 @@ def installed_versions() -> str:
                      for package in TESTED_VERSIONS)
 
 
-def check_private_names(trainer_class: type, names: Iterable[PrivateName]) -> None:
+def check_private_names(trainer_class: type, names: Iterable[PrivateName],
+                        trainer: object | None = None) -> None:
     """Raises UpstreamChangedError, in one line, for the first name of `names` that `trainer_class`
-    (for TRAINER rows) or its owner lacks, or whose parameters differ from those expected."""
+    (for TRAINER rows), `trainer` (for INSTANCE rows, skipped without it) or its owner lacks, or
+    whose parameters differ from those expected."""
     for row in names:
-        if row.owner == TRAINER:
+        if row.owner == INSTANCE:
+            if trainer is None:
+                continue
+            found = getattr(trainer, row.name, _MISSING)
+        elif row.owner == TRAINER:
             found = _defined(trainer_class, row.name)
         else:  # None is a value (TRL 1.15's kernel without Triton)
             found = getattr(_owner(row, trainer_class), row.name, _MISSING)

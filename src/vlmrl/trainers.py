@@ -71,6 +71,7 @@ class CheckedTrainer:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         check_private_names(self.extends, self.PRIVATE_NAMES)
         super().__init__(*args, **kwargs)
+        check_private_names(self.extends, self.PRIVATE_NAMES, trainer=self)
 
     def train(self, *args: Any, **kwargs: Any):
         with log_prob_kernel_for_this_machine():
@@ -120,6 +121,80 @@ class ChunkedGeneration:
             self.chunks_announced = True
         return generate_in_chunks(generate, rows, prompt_ids, images, multimodal_fields,
                                   num_generations, has_tool_images)
+
+
+class OldLogProbsWhereNeeded:
+    """Old log-probabilities only for the micro-batches that are trained off-policy. Where one
+    generation serves several optimizer steps (steps_per_generation above
+    gradient_accumulation_steps), TRL scores every row of it with the policy of generation time
+    (`old_per_token_logps`), a forward pass over the whole generation batch; but the rows of the
+    first optimizer step are trained before any update, where TRL's loss takes the current
+    log-probabilities, detached, as the old ones (its path when generation and steps are
+    aligned). So the generation-time pass is skipped, and once the batch is shuffled and split
+    into micro-batches, only those used after the first update (or again, with num_iterations >
+    1) are scored, still before any update. Served where TRL's own trainer is extended, KL-free
+    (`beta` 0) and without vLLM's importance sampling; otherwise TRL scores every row."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.skip_old_logps = False
+        self.old_logps_rows = 0  # rows scored by this class (what TRL would score: all of them)
+
+    def old_logps_where_needed(self) -> bool:
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        return (self.extends.__module__.startswith("trl.") and self.beta == 0.0
+                and self.args.gradient_accumulation_steps % generate_every != 0
+                and not (self.use_vllm and self.vllm_importance_sampling_correction))
+
+    def off_policy(self, index: int) -> bool:
+        """Whether micro-batch `index` of a generation is trained after an update of the policy
+        that generated it."""
+        return self.num_iterations > 1 or index >= self.args.gradient_accumulation_steps
+
+    def _prepare_inputs(self, generation_batch):
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        generating = self.model.training and (self._step % generate_every == 0
+                                              or self._buffered_inputs is None)
+        if not generating or not self.old_logps_where_needed():
+            return super()._prepare_inputs(generation_batch)
+        self.skip_old_logps = True
+        try:
+            inputs = super()._prepare_inputs(generation_batch)
+        finally:
+            self.skip_old_logps = False
+        for index, batch in enumerate(self._buffered_inputs):
+            if self.off_policy(index):
+                batch["old_per_token_logps"] = self.old_logps(batch)
+        return inputs
+
+    def _get_per_token_logps_and_entropies(self, *args: Any, **kwargs: Any):
+        if self.skip_old_logps:  # generation time's only scoring pass here: the old log-probs
+            self.skip_old_logps = False
+            return None, None, None
+        return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+
+    def old_logps(self, batch: dict[str, Any]) -> torch.Tensor:
+        """The micro-batch's per-token log-probabilities under the current policy, as TRL's loss
+        computes them (the same inputs), without gradients or checkpointing."""
+        from trl.models.utils import disable_gradient_checkpointing
+
+        completion_ids = batch["completion_ids"]
+        input_ids = torch.cat([batch["prompt_ids"], completion_ids], dim=1)
+        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+        self.old_logps_rows += input_ids.shape[0]
+        forward = {key: batch.get(key) for key in MULTIMODAL_INPUTS}
+        with torch.no_grad(), disable_gradient_checkpointing(
+                self.model, self.args.gradient_checkpointing_kwargs):
+            logps, _, _ = super()._get_per_token_logps_and_entropies(
+                self.model, input_ids, attention_mask, completion_ids.size(1),
+                batch_size=input_ids.shape[0], **forward)
+        return logps
+
+
+# The inputs TRL's loss passes to the model beside the ids (GRPOTrainer._compute_loss).
+MULTIMODAL_INPUTS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask",
+                     "spatial_shapes", "num_tiles", "image_sizes", "token_type_ids",
+                     "mm_token_type_ids", "image_position_ids")
 
 
 class DataParallelRun:
@@ -223,7 +298,8 @@ def _subclass(base: type, names: tuple[PrivateName, ...], mixins: tuple[type, ..
 def grpo_class() -> type:
     """The GRPO subclass of what `trl.GRPOTrainer` is now."""
     return _subclass(trl.GRPOTrainer, GRPO_NAMES,
-                     (ChunkedGeneration, DataParallelRun, RestorableRun, CompletionsTableToFile),
+                     (ChunkedGeneration, OldLogProbsWhereNeeded, DataParallelRun, RestorableRun,
+                      CompletionsTableToFile),
                      (TrainerLogToStdout,))
 
 
