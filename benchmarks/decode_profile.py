@@ -26,12 +26,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gspo_step  # the benchmark's model, data and LoRA settings
 
 
+MODEL = gspo_step.MODEL  # --model: another embedded shape
+KV_CACHE_DTYPE = "auto"  # --kv-cache-dtype
+
+
 def load(four_bit: bool):
     from vlmrl.models.loading import load_policy
     from vlmrl.params import LoraParams, ModelParams, load_params
 
     params = load_params(gspo_step.ROOT / "params.yaml")
-    settings = ModelParams.from_params({**params.section("model"), "name": gspo_step.MODEL,
+    settings = ModelParams.from_params({**params.section("model"), "name": MODEL,
                                         "backend": "transformers", "load_in_4bit": four_bit,
                                         "dtype": "auto", "seed": 0})
     model, processor, _ = load_policy(settings, LoraParams(**gspo_step.LORA), 0)
@@ -68,7 +72,7 @@ def ms_per_step(model, batch, attention: str, new_tokens: int, cache_len: int,
     from vlmrl.rollout.graph_decode import GraphDecoding
 
     decoding = GraphDecoding(model=model, original=model.generate, attention=attention,
-                             nf4_kernel=nf4_kernel)
+                             nf4_kernel=nf4_kernel, kv_cache_dtype=KV_CACHE_DTYPE)
     decoding._decode(config(model, new_tokens, cache_len, compiled), batch)  # capture
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -89,7 +93,7 @@ def kernels(model, batch, attention: str, cache_len: int, nf4_kernel: bool, comp
     from vlmrl.rollout.graph_decode import GraphDecoding
 
     decoding = GraphDecoding(model=model, original=model.generate, attention=attention,
-                             nf4_kernel=nf4_kernel)
+                             nf4_kernel=nf4_kernel, kv_cache_dtype=KV_CACHE_DTYPE)
     decoding._decode(config(model, 4, cache_len, compiled), batch)  # capture
     totals: list[dict] = []
     for new_tokens in (1, 9):
@@ -106,10 +110,10 @@ def kernels(model, batch, attention: str, cache_len: int, nf4_kernel: bool, comp
              "calls_per_step": round(count / 8, 1)} for key, (time, count) in ranked]
 
 
-SWEEP = [(128, 64, 4, 3, 4, True), (128, 64, 4, 3, 1, True), (128, 64, 4, 3, 0.5, True),
-         (64, 64, 4, 3, 1, True), (128, 64, 4, 4, 1, True), (128, 64, 8, 4, 1, True),
-         (256, 64, 8, 3, 1, True), (64, 128, 4, 3, 1, False), (128, 64, 4, 3, 2, True)]
-# Tiles(block_n, block_k, warps, stages, programs_per_sm, scale_after)
+SWEEP = [(128, 4, 3, 4), (128, 4, 3, 2), (128, 4, 3, 1), (64, 4, 3, 4), (64, 4, 3, 2),
+         (64, 4, 4, 1), (256, 8, 3, 1), (256, 8, 3, 2), (128, 8, 4, 2), (32, 4, 4, 4),
+         (64, 2, 4, 4)]
+# Tiles(block_n, warps, stages, programs_per_sm); the K tile is one scale block
 
 
 def kernel_times(call, calls: int = 20) -> dict:
@@ -183,19 +187,25 @@ def main() -> int:
                         help="profile the kernels of the graph's decode steps at the most rows")
     parser.add_argument("--compiles", default="off",
                         help="the decode step's forward pass eager (off) or under torch.compile (on)")
+    parser.add_argument("--model", default=gspo_step.MODEL,
+                        help="the embedded shape (embedded:qwen3-vl-8b-shape: the 8B recipe's)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
+                        help="train.kv_cache_dtype of the decoding measured")
     parser.add_argument("--out", type=Path, default=Path("decode_profile.json"))
     args = parser.parse_args()
+    global MODEL, KV_CACHE_DTYPE
+    MODEL, KV_CACHE_DTYPE = args.model, args.kv_cache_dtype
     import os
 
     from vlmrl.models.embedded import ensure_embedded_model
 
     work = Path(tempfile.gettempdir()) / "gspo-bench"
     os.environ.setdefault("VLMRL_CACHE", str(work / "cache"))
-    ensure_embedded_model(gspo_step.MODEL, seed=0, device="cuda")
+    ensure_embedded_model(MODEL, seed=0, device="cuda")
     train_set = gspo_step.prepare_train_set(work, 64)
     bandwidth = gspo_step.copy_bandwidth()
     results: dict = {"device": gspo_step.device_name(), "bandwidth_bytes_per_s": bandwidth,
-                     "runs": []}
+                     "model": MODEL, "kv_cache_dtype": KV_CACHE_DTYPE, "runs": []}
     for dtype in args.dtypes.split(","):
         model, processor = load(dtype == "nf4")
         weights = gspo_step.decode_weight_bytes(model)

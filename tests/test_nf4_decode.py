@@ -16,7 +16,7 @@ from vlmrl.rollout.nf4_decode import TILES, Tiles, k_splits, kernel_available, s
 def test_k_splits_divide_k_and_fill_the_sms(out_features, in_features):
     sms = 132
     splits = k_splits(out_features, in_features, TILES, sms)
-    k_tiles = in_features // TILES.block_k
+    k_tiles = in_features // 64  # bitsandbytes' block size: the kernel's K tile
     assert k_tiles % splits == 0
     programs = -(-out_features // TILES.block_n) * splits
     assert programs >= TILES.programs_per_sm * sms or splits == k_tiles
@@ -47,11 +47,11 @@ class TwoProjections(torch.nn.Module):
 
 def with_quant_state(layer: torch.nn.Linear) -> torch.nn.Linear:
     """A plain Linear posing as a Linear4bit to `PackedNF4.of`: its weight carries the quant state
-    (shape, block size, block scales) that the kernel's operator receives."""
+    (shape, block size, the 16 NF4 values, block scales) that the kernel's operator receives."""
     out_features, in_features = layer.weight.shape
     layer.weight.quant_state = SimpleNamespace(
         shape=(out_features, in_features), blocksize=64, nested=False,
-        absmax=torch.rand(out_features * in_features // 64))
+        code=torch.linspace(-1.0, 1.0, 16), absmax=torch.rand(out_features * in_features // 64))
     return layer
 
 

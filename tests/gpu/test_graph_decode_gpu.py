@@ -297,10 +297,13 @@ def test_merged_copies_decode_like_the_adapter():
 @pytest.mark.parametrize("rows", [1, 16, 33])
 def test_nf4_kernel_is_as_exact_as_bitsandbytes_and_peft(rows):
     """`vlmrl.rollout.nf4_decode` on the 2B shape's projections, with and without an adapter (the
-    LoRA here covers q, v and down; k and the MLP's gate are bare), for the shipped tiles
-    (scale after) and the variant that scales the weights first: against a float32 product of the NF4 values times their block scales
-    (unrounded) and the adapter, its error is no larger than bitsandbytes + PEFT's; and the
-    layer's place in the model under `active()` computes `nf4_matmul` with the shipped tiles."""
+    LoRA here covers q, v and down; k and the MLP's gate are bare), for the shipped tiles and
+    another tile shape: the block scales it undoes in the kernel are bitsandbytes' own; against a
+    float32 product of the NF4 values times their block scales (unrounded) and the adapter, its
+    error is no larger than bitsandbytes + PEFT's; and the layer's place in the model under
+    `active()` computes `nf4_matmul` with the shipped tiles."""
+    from bitsandbytes.functional import dequantize_blockwise
+
     from vlmrl.rollout.nf4_decode import TILES, NF4Decode, PackedNF4, Tiles, _adapter, nf4_matmul
 
     model, _ = load(four_bit=True)
@@ -317,7 +320,10 @@ def test_nf4_kernel_is_as_exact_as_bitsandbytes_and_peft(rows):
         out_features, in_features = state.shape
         x = torch.randn(rows, in_features, dtype=torch.bfloat16, device="cuda")
         weight = PackedNF4.of(base)
-        scales, packed = weight.scales, weight.packed.view(-1)
+        assert state.nested  # as train_gspo loads the policy (bnb_4bit_use_double_quant)
+        theirs_scales = dequantize_blockwise(state.absmax, state.state2) + state.offset
+        torch.testing.assert_close(weight.scales(), theirs_scales.float(), rtol=1e-6, atol=0)
+        scales, packed = weight.scales(), weight.packed.view(-1)
         values = torch.stack([state.code[(packed >> 4).long()], state.code[(packed & 15).long()]], 1)
         dense = (values.reshape(-1, state.blocksize) * scales[:, None]).reshape(out_features, in_features)
         exact = x.float() @ dense.t()
@@ -331,10 +337,10 @@ def test_nf4_kernel_is_as_exact_as_bitsandbytes_and_peft(rows):
                 wired = model.get_submodule(names[id(module)])(x)  # the layer's place
             assert torch.equal(wired, nf4_matmul(x, weight, lora or None, TILES)), kind
             their_error = (theirs - exact).abs().max().item()
-            for tiles in (TILES, Tiles(block_n=64, block_k=128, scale_after=False)):
+            for tiles in (TILES, Tiles(block_n=64, programs_per_sm=1)):
                 ours = nf4_matmul(x, weight, lora or None, tiles).float()
                 our_error = (ours - exact).abs().max().item()
-                print(f"{kind} bare={bare} rows={rows} scale_after={tiles.scale_after}: "
+                print(f"{kind} bare={bare} rows={rows} {tiles}: "
                       f"bnb+PEFT {their_error:.2e}, kernel {our_error:.2e}")
                 assert our_error <= their_error * 1.25 + 1e-6, (kind, tiles)
                 assert our_error < 1e-2 * exact.abs().max().item(), (kind, tiles)

@@ -3,20 +3,18 @@ weight; bitsandbytes does it by writing the whole weight out in bf16 (`dequantiz
 dequantizing the nested block scales) and reading it back for a bf16 matrix product, and PEFT adds
 the adapter in float32 with a clone, two casts, two products, a scale and an add: about ten kernels
 and five times the weight's bytes per projection. Here two Triton launches do it: the first reads
-the packed 4-bit weight once, decodes it in registers (bitsandbytes' own `dequantize_nf4_tree`),
-with K split over the SMs so that a few rows still keep the GPU busy, and its first column tile
-also computes the adapter's `x A^T`; the second adds the splits in a fixed order (replays give
-equal bits) plus `s (x A^T) B^T` and rounds once to bf16. Block scales are dequantized once per
-weight and kept (float32, 1/16 of the 4-bit bytes): the base weights are frozen. The adapter is
+the packed 4-bit weight once and decodes it in registers, with K split over the SMs so that a few
+rows still keep the GPU busy, and its first column tile also computes the adapter's `x A^T`; the
+second adds the splits in a fixed order (replays give equal bits) plus `s (x A^T) B^T` and rounds
+once to bf16. Decoding is a table lookup per 4-bit code (the 16 NF4 values) times the block's
+scale, rounded to bf16: bitsandbytes' own bf16 weights, multiplied as its bf16 product does. The
+block scales are read as bitsandbytes keeps them (8-bit codes of the nested quantization, undone
+per block in the kernel), so the kernel adds no memory beyond its partial sums. The adapter is
 read where it lives (`lora_A.weight`, `lora_B.weight`), so a CUDA graph captured over it sees every
-optimizer step. Values: the shipped tiles (`scale_after`) take a K tile of one scale block,
-multiply the unrounded NF4 values (tf32) against x's even and odd columns and apply the block
-scale to the product, so the weights are never rounded to bf16; `Tiles(scale_after=False)`
-decodes the weight to bitsandbytes' bf16 values first. Both accumulate in float32 and add the
-adapter before the one rounding (PEFT rounds it first). The operator `vlmrl::nf4_matmul` wraps
-it for torch.compile. Measured speed and exactness: docs/benchmarks.md. Dropout is not applied (as in
-`MergedLoRA` and vLLM): with `train.lora.dropout` above 0 the layers of a module in training mode
-keep PEFT's forward."""
+optimizer step; it is added in float32 before the one rounding (PEFT rounds it first). The
+operator `vlmrl::nf4_matmul` wraps it for torch.compile. Measured speed and exactness:
+docs/benchmarks.md. Dropout is not applied (as in `MergedLoRA` and vLLM): with
+`train.lora.dropout` above 0 the layers of a module in training mode keep PEFT's forward."""
 
 from __future__ import annotations
 
@@ -42,76 +40,54 @@ def kernel_available() -> bool:
 def _kernel():
     import triton
     import triton.language as tl
-    from bitsandbytes.backends.triton.kernels_4bit import dequantize_nf4_tree
 
     @triton.jit
-    def nf4_lora_matmul(x_ptr, w_ptr, absmax_ptr, a_ptr, part_ptr, xa_part_ptr, M, N,
-                        K, rank, stride_x, K_SPLIT: tl.constexpr,
-                        SCALE_AFTER: tl.constexpr,
+    def nf4_lora_matmul(x_ptr, w_ptr, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset,
+                        a_ptr, part_ptr, xa_part_ptr, M, N, K, rank, stride_x,
+                        K_SPLIT: tl.constexpr, NESTED: tl.constexpr, BLOCK2: tl.constexpr,
                         HAS_LORA: tl.constexpr, QBLOCK: tl.constexpr, R: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """One [rows, BLOCK_N] tile of x W^T over K_SPLIT of K (program_id 1 says which), in
-        float32 to the partial sums part[split]; the first column tile also writes its split's
-        share of x A^T (float32, as PEFT) to xa_part[split]."""
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """One [rows, BLOCK_N] tile of x W^T over K_SPLIT of K (program_id 1 says which), one
+        scale block per step, in float32 to the partial sums part[split]; the first column tile
+        also writes its split's share of x A^T (float32, as PEFT) to xa_part[split]."""
         split = tl.program_id(1)
         first_tile = tl.program_id(0) == 0
         rows = tl.arange(0, BLOCK_M)
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < M
         col_ok = cols < N
-        half = tl.arange(0, BLOCK_K // 2)
-        depth = tl.arange(0, BLOCK_K)
+        pairs = tl.arange(0, QBLOCK // 2)  # byte j holds weights 2j (high nibble) and 2j + 1
         ranks = tl.arange(0, R)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         xa = tl.zeros((BLOCK_M, R), dtype=tl.float32)
-        pairs = tl.arange(0, BLOCK_K // 2)
-        for k0 in range(split * K_SPLIT, (split + 1) * K_SPLIT, BLOCK_K):
-            if SCALE_AFTER:  # K tile = one scale block: weights 2j and 2j+1 against x's columns
-                even = k0 + 2 * pairs
-                x_even = tl.load(x_ptr + rows[:, None] * stride_x + even[None, :],
-                                 mask=row_ok[:, None], other=0.0).to(tl.float32)
-                x_odd = tl.load(x_ptr + rows[:, None] * stride_x + (even + 1)[None, :],
-                                mask=row_ok[:, None], other=0.0).to(tl.float32)
-                packed = tl.load(w_ptr + cols[:, None] * (K // 2) + (k0 // 2 + pairs)[None, :],
-                                 mask=col_ok[:, None], other=0)
-                codes = tl.dot(x_even, tl.trans(dequantize_nf4_tree(packed >> 4)),
-                               input_precision="tf32")
-                codes += tl.dot(x_odd, tl.trans(dequantize_nf4_tree(packed & 0xF)),
-                                input_precision="tf32")
-                scale = tl.load(absmax_ptr + cols * (K // QBLOCK) + k0 // QBLOCK, mask=col_ok,
-                                other=0.0)
-                acc += codes * scale[None, :]
-                if HAS_LORA:  # noqa: SIM102  (a compile-time branch around a run-time one)
-                    if first_tile:
-                        a_even = tl.load(a_ptr + ranks[:, None] * K + even[None, :],
-                                         mask=ranks[:, None] < rank, other=0.0).to(tl.float32)
-                        a_odd = tl.load(a_ptr + ranks[:, None] * K + (even + 1)[None, :],
-                                        mask=ranks[:, None] < rank, other=0.0).to(tl.float32)
-                        xa += tl.dot(x_even, tl.trans(a_even), input_precision="ieee")
-                        xa += tl.dot(x_odd, tl.trans(a_odd), input_precision="ieee")
-            else:
-                x = tl.load(x_ptr + rows[:, None] * stride_x + (k0 + depth)[None, :],
+        for step in range(0, K_SPLIT, QBLOCK):
+            k0 = split * K_SPLIT + step
+            even = k0 + 2 * pairs
+            x_even = tl.load(x_ptr + rows[:, None] * stride_x + even[None, :],
+                             mask=row_ok[:, None], other=0.0)
+            x_odd = tl.load(x_ptr + rows[:, None] * stride_x + (even + 1)[None, :],
                             mask=row_ok[:, None], other=0.0)
-                packed = tl.load(w_ptr + cols[:, None] * (K // 2) + (k0 // 2 + half)[None, :],
-                                 mask=col_ok[:, None], other=0)
-                weight = tl.interleave(dequantize_nf4_tree(packed >> 4),
-                                       dequantize_nf4_tree(packed & 0xF))
-                if BLOCK_K == QBLOCK:  # one scale per column in this tile
-                    scale = tl.load(absmax_ptr + cols * (K // QBLOCK) + k0 // QBLOCK, mask=col_ok,
-                                    other=0.0)
-                    weight = (weight * scale[:, None]).to(tl.bfloat16)
-                else:
-                    blocks = tl.arange(0, BLOCK_K // QBLOCK)
-                    scale = tl.load(absmax_ptr + cols[:, None] * (K // QBLOCK)
-                                    + (k0 // QBLOCK + blocks)[None, :], mask=col_ok[:, None], other=0.0)
-                    weight = tl.reshape(weight, (BLOCK_N, BLOCK_K // QBLOCK, QBLOCK)) * scale[:, :, None]
-                    weight = tl.reshape(weight, (BLOCK_N, BLOCK_K)).to(tl.bfloat16)
-                acc += tl.dot(x, tl.trans(weight))
-                if HAS_LORA:  # noqa: SIM102  (a compile-time branch around a run-time one)
-                    if first_tile:
-                        a = tl.load(a_ptr + ranks[:, None] * K + (k0 + depth)[None, :],
+            packed = tl.load(w_ptr + cols[:, None] * (K // 2) + (k0 // 2 + pairs)[None, :],
+                             mask=col_ok[:, None], other=0).to(tl.int32)
+            block = cols * (K // QBLOCK) + k0 // QBLOCK
+            if NESTED:  # bitsandbytes' double quantization: an 8-bit code per block
+                quantized = tl.load(absmax_ptr + block, mask=col_ok, other=0).to(tl.int32)
+                scale = (tl.load(code2_ptr + quantized)
+                         * tl.load(absmax2_ptr + block // BLOCK2, mask=col_ok, other=0.0)) + offset
+            else:
+                scale = tl.load(absmax_ptr + block, mask=col_ok, other=0.0)
+            high = tl.load(code_ptr + (packed >> 4))
+            low = tl.load(code_ptr + (packed & 0xF))
+            acc += tl.dot(x_even, tl.trans((high * scale[:, None]).to(tl.bfloat16)))
+            acc += tl.dot(x_odd, tl.trans((low * scale[:, None]).to(tl.bfloat16)))
+            if HAS_LORA:  # noqa: SIM102  (a compile-time branch around a run-time one)
+                if first_tile:
+                    a_even = tl.load(a_ptr + ranks[:, None] * K + even[None, :],
+                                     mask=ranks[:, None] < rank, other=0.0).to(tl.float32)
+                    a_odd = tl.load(a_ptr + ranks[:, None] * K + (even + 1)[None, :],
                                     mask=ranks[:, None] < rank, other=0.0).to(tl.float32)
-                        xa += tl.dot(x.to(tl.float32), tl.trans(a), input_precision="ieee")
+                    xa += tl.dot(x_even.to(tl.float32), tl.trans(a_even), input_precision="ieee")
+                    xa += tl.dot(x_odd.to(tl.float32), tl.trans(a_odd), input_precision="ieee")
         tl.store(part_ptr + split * M * N + rows[:, None] * N + cols[None, :], acc,
                  mask=row_ok[:, None] & col_ok[None, :])
         if HAS_LORA:  # noqa: SIM102  (a compile-time branch around a run-time one)
@@ -148,25 +124,24 @@ def _kernel():
 
 @dataclass(frozen=True)
 class Tiles:
-    """The kernel's tile shape; `programs_per_sm` is how many programs per SM it aims for when it
-    splits K."""
+    """The kernel's tile shape (its K tile is one scale block); `programs_per_sm` is how many
+    programs per SM it aims for when it splits K."""
 
     block_n: int = 64
-    block_k: int = 128
     warps: int = 4
     stages: int = 3
     programs_per_sm: float = 4
-    scale_after: bool = False  # K tile = block size; codes (tf32) times x, then the block scale
 
 
-TILES = Tiles(block_n=128, block_k=64, scale_after=True)  # measured fastest at 16 rows
+TILES = Tiles(block_n=128)  # measured fastest at 32 rows: docs/benchmarks.md
 
 
-def k_splits(out_features: int, in_features: int, tiles: Tiles, sms: int) -> int:
-    """The fewest splits of K (a divisor of its tile count) that give every SM
+def k_splits(out_features: int, in_features: int, tiles: Tiles, sms: int,
+             blocksize: int = 64) -> int:
+    """The fewest splits of K (a divisor of its count of scale blocks) that give every SM
     `programs_per_sm` programs, or all of them."""
     column_blocks = -(-out_features // tiles.block_n)
-    k_tiles = in_features // tiles.block_k
+    k_tiles = in_features // blocksize
     divisors = [d for d in range(1, k_tiles + 1) if k_tiles % d == 0]
     wanted = tiles.programs_per_sm * sms
     return next((d for d in divisors if column_blocks * d >= wanted), divisors[-1])
@@ -174,43 +149,56 @@ def k_splits(out_features: int, in_features: int, tiles: Tiles, sms: int) -> int
 
 def servable(layer) -> bool:
     """Whether a bitsandbytes Linear4bit can take the kernel: NF4, bf16 compute, no bias, a block
-    size that divides the kernel's K tile, an input width that the K tile divides."""
+    size of 32 to 256 that divides its input width."""
     weight = getattr(layer, "weight", None)
     state = getattr(weight, "quant_state", None)
     if state is None or state.quant_type != "nf4" or getattr(layer, "bias", None) is not None:
         return False
     in_features = tuple(state.shape)[1]
-    return (state.dtype == torch.bfloat16 and TILES.block_k % state.blocksize == 0
-            and in_features % TILES.block_k == 0 and weight.is_cuda)
-
-
-def block_scales(layer) -> torch.Tensor:
-    """The layer's float32 scale per block of `blocksize` weights, the nested quantization undone."""
-    state = layer.weight.quant_state
-    if not state.nested:
-        return state.absmax.float().contiguous()
-    from bitsandbytes.functional import dequantize_blockwise
-
-    return (dequantize_blockwise(state.absmax, state.state2) + state.offset).float().contiguous()
+    return (state.dtype == torch.bfloat16 and state.blocksize in (32, 64, 128, 256)
+            and in_features % state.blocksize == 0 and weight.is_cuda
+            and (not state.nested or state.state2.absmax.dtype == torch.float32))
 
 
 @dataclass(frozen=True)
 class PackedNF4:
-    """What the kernel reads of a Linear4bit: its packed 4-bit weight (a plain tensor, not
-    bitsandbytes' Parameter subclass), the block scales (`block_scales`) and the shape."""
+    """What the kernel reads of a Linear4bit, all of it bitsandbytes' own tensors: the packed
+    4-bit weight (a plain tensor, not bitsandbytes' Parameter subclass), the 16 NF4 values
+    (`code`), the block scales (`absmax`: float32, or with nested quantization 8-bit codes that
+    `code2`, `absmax2` per `block2` blocks and `offset` undo) and the shape."""
 
     packed: torch.Tensor
-    scales: torch.Tensor
+    code: torch.Tensor
+    absmax: torch.Tensor
     out_features: int
     in_features: int
     blocksize: int
+    absmax2: torch.Tensor | None = None
+    code2: torch.Tensor | None = None
+    offset: float = 0.0
+    block2: int = 256
 
     @classmethod
     def of(cls, layer) -> PackedNF4:
         state = layer.weight.quant_state
         out_features, in_features = tuple(state.shape)
-        return cls(layer.weight.data, block_scales(layer), out_features, in_features,
-                   state.blocksize)
+        device = layer.weight.device
+        code = state.code.to(device=device, dtype=torch.float32).contiguous()
+        if not state.nested:
+            return cls(layer.weight.data, code, state.absmax.float().contiguous(), out_features,
+                       in_features, state.blocksize)
+        nested = state.state2
+        return cls(layer.weight.data, code, state.absmax.contiguous(), out_features, in_features,
+                   state.blocksize, nested.absmax.contiguous(),
+                   nested.code.to(device=device, dtype=torch.float32).contiguous(),
+                   float(state.offset), nested.blocksize)
+
+    def scales(self) -> torch.Tensor:
+        """The float32 scale of every block, as bitsandbytes dequantizes it (for tests)."""
+        if self.absmax2 is None:
+            return self.absmax
+        return (self.code2[self.absmax.long()]
+                * self.absmax2.repeat_interleave(self.block2)[:self.absmax.numel()] + self.offset)
 
 
 def nf4_matmul(x: torch.Tensor, weight: PackedNF4, lora: tuple | None = None,
@@ -223,20 +211,21 @@ def nf4_matmul(x: torch.Tensor, weight: PackedNF4, lora: tuple | None = None,
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
     rows = flat.shape[0]
-    splits = k_splits(out_features, in_features, tiles, _sm_count(x.device))
+    splits = k_splits(out_features, in_features, tiles, _sm_count(x.device), weight.blocksize)
     parts = torch.empty(splits, rows, out_features, dtype=torch.float32, device=x.device)
     a, b, scaling = lora if lora is not None else (flat, flat, 1.0)
     rank = a.shape[0] if lora is not None else 1
     r_tile = max(16, triton.next_power_of_2(rank))
     xa_parts = torch.empty(splits, rows, r_tile, dtype=torch.float32, device=x.device)
     block_m = max(16, triton.next_power_of_2(rows))
+    nested = weight.absmax2 is not None
     kernel[(triton.cdiv(out_features, tiles.block_n), splits)](
-        flat, weight.packed, weight.scales, a, parts, xa_parts, rows, out_features,
-        in_features, rank, flat.stride(0), K_SPLIT=in_features // splits,
-        SCALE_AFTER=tiles.scale_after and tiles.block_k == weight.blocksize,
+        flat, weight.packed, weight.code, weight.absmax,
+        weight.absmax2 if nested else weight.absmax, weight.code2 if nested else weight.code,
+        float(weight.offset), a, parts, xa_parts, rows, out_features, in_features, rank,
+        flat.stride(0), K_SPLIT=in_features // splits, NESTED=nested, BLOCK2=weight.block2,
         HAS_LORA=lora is not None, QBLOCK=weight.blocksize, R=r_tile, BLOCK_M=block_m,
-        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.warps,
-        num_stages=tiles.stages)
+        BLOCK_N=tiles.block_n, num_warps=tiles.warps, num_stages=tiles.stages)
     out = torch.empty(rows, out_features, dtype=torch.bfloat16, device=x.device)
     sum_splits[(triton.cdiv(out_features, 64),)](
         parts, xa_parts, b, out, rows, out_features, rank, float(scaling), SPLITS=splits,
@@ -245,17 +234,21 @@ def nf4_matmul(x: torch.Tensor, weight: PackedNF4, lora: tuple | None = None,
 
 
 @torch.library.custom_op("vlmrl::nf4_matmul", mutates_args=())
-def nf4_matmul_op(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
-                  lora_a: torch.Tensor | None, lora_b: torch.Tensor | None, scaling: float,
-                  out_features: int, blocksize: int) -> torch.Tensor:
+def nf4_matmul_op(x: torch.Tensor, packed: torch.Tensor, code: torch.Tensor,
+                  absmax: torch.Tensor, absmax2: torch.Tensor | None, code2: torch.Tensor | None,
+                  offset: float, block2: int, lora_a: torch.Tensor | None,
+                  lora_b: torch.Tensor | None, scaling: float, out_features: int,
+                  blocksize: int) -> torch.Tensor:
     """`nf4_matmul` with the shipped tiles as one operator, which torch.compile calls as it is
     (it does not trace into the Triton launches) and a CUDA graph captures."""
-    weight = PackedNF4(packed, scales, out_features, x.shape[-1], blocksize)
+    weight = PackedNF4(packed, code, absmax, out_features, x.shape[-1], blocksize, absmax2, code2,
+                       offset, block2)
     return nf4_matmul(x, weight, None if lora_a is None else (lora_a, lora_b, scaling))
 
 
 @nf4_matmul_op.register_fake
-def _(x, packed, scales, lora_a, lora_b, scaling, out_features, blocksize):
+def _(x, packed, code, absmax, absmax2, code2, offset, block2, lora_a, lora_b, scaling,
+      out_features, blocksize):
     return x.new_empty(*x.shape[:-1], out_features)
 
 
@@ -298,7 +291,9 @@ class NF4DecodeLinear(torch.nn.Module):
             return self.layer(x, *args, **kwargs)
         a, b, scaling = lora or (None, None, 1.0)
         weight = self.packed
-        return torch.ops.vlmrl.nf4_matmul(x, weight.packed, weight.scales, a, b, float(scaling),
+        return torch.ops.vlmrl.nf4_matmul(x, weight.packed, weight.code, weight.absmax,
+                                          weight.absmax2, weight.code2, weight.offset,
+                                          weight.block2, a, b, float(scaling),
                                           weight.out_features, weight.blocksize)
 
 
