@@ -155,6 +155,11 @@ CONFIGS["gpu_profile_graph_merged"] = {**CONFIGS["gpu_profile_graph_bf16"], "gra
 CONFIGS["gpu_profile_graph_rows32"] = {**CONFIGS["gpu_profile_graph"], "max_generation_rows": 32}
 CONFIGS["gpu_profile_graph_fp8"] = {**CONFIGS["gpu_profile_graph_rows32"],
                                     "kv_cache_dtype": "fp8"}
+# The float8 profile as it stood before issue 41 (the NF4 kernel's tree decode and float32
+# block scales, old log-probs for every row): the same knobs run on the library exported from
+# that commit (`--baseline-src`), so one device call measures it beside the new one.
+CONFIGS["gpu_profile_graph_fp8_before"] = {**CONFIGS["gpu_profile_graph_fp8"], "library": "baseline"}
+BASELINE_COMMIT = "f4681fd"
 GPU_PROFILE = "gpu_profile_mb8_spg4_rows16"
 CONFIGS["gpu_profile"] = CONFIGS[GPU_PROFILE]
 for _name, _knobs in CONFIGS.items():  # equal work: 16 completions per optimizer step
@@ -620,6 +625,20 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
 
 # ------------------------------------------------------------------ driver
 
+def worker_env(knobs: dict[str, Any], baseline_src: Path | None) -> dict[str, str]:
+    """The environment of a worker: the library of BASELINE_COMMIT first on the path for a
+    configuration measured on it."""
+    env = dict(os.environ)
+    if knobs.get("library") != "baseline":
+        return env
+    if baseline_src is None or not (baseline_src / "vlmrl").is_dir():
+        raise SystemExit(f"--baseline-src must be the src/ of {BASELINE_COMMIT} (with vlmrl/ in "
+                         f"it), not {baseline_src}")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(baseline_src.resolve()),
+                                                      env.get("PYTHONPATH")]))
+    return env
+
+
 def result_key(config: str, length: int, model: str = MODEL) -> str:
     key = f"{config}@{length}"
     return key if model == MODEL else f"{key}@{model.removeprefix('embedded:')}"
@@ -960,6 +979,9 @@ def main() -> int:
     parser.add_argument("--readme", type=Path,
                         help="with --doc-block speed: also the summary's sentence into this "
                              "file's speed-readme block")
+    parser.add_argument("--baseline-src", type=Path,
+                        help="the src/ of commit BASELINE_COMMIT, for the *_before configs: "
+                             "git archive BASELINE_COMMIT src | tar -x -C DIR (then DIR/src)")
     parser.add_argument("--worker", nargs=2, metavar=("CONFIG", "LENGTH"), help=argparse.SUPPRESS)
     parser.add_argument("--train-set", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -1039,7 +1061,8 @@ def main() -> int:
             print(f"== {key}", flush=True)
             run_started = time.perf_counter()
             try:
-                subprocess.run(command, timeout=min(args.run_timeout_s, left - 10), check=False)
+                subprocess.run(command, timeout=min(args.run_timeout_s, left - 10), check=False,
+                               env=worker_env(CONFIGS[config], args.baseline_src))
             except subprocess.TimeoutExpired:
                 pass
             if result_file.is_file():
@@ -1051,6 +1074,8 @@ def main() -> int:
                 if result_file.with_suffix(".partial").is_file():
                     result["partial"] = json.loads(result_file.with_suffix(".partial").read_text())
             result["wall_seconds"] = round(time.perf_counter() - run_started, 1)
+            if CONFIGS[config].get("library") == "baseline":
+                result["library_commit"] = BASELINE_COMMIT
             result["device"] = results["device"]
             result["model"] = args.model
             result["bandwidth_fraction"] = bandwidth_fraction(result, results["bandwidth_bytes_per_s"])

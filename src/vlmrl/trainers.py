@@ -185,7 +185,7 @@ class OldLogProbsWhereNeeded:
         forward = {key: batch.get(key) for key in MULTIMODAL_INPUTS}
         with torch.no_grad(), disable_gradient_checkpointing(
                 self.model, self.args.gradient_checkpointing_kwargs):
-            logps, _, _ = super()._get_per_token_logps_and_entropies(
+            logps, _, _ = self._get_per_token_logps_and_entropies(
                 self.model, input_ids, attention_mask, completion_ids.size(1),
                 batch_size=input_ids.shape[0], **forward)
         return logps
