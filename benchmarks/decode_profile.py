@@ -25,7 +25,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gspo_step  # the benchmark's model, data and LoRA settings
 
-
 MODEL = gspo_step.MODEL  # --model: another embedded shape
 KV_CACHE_DTYPE = "auto"  # --kv-cache-dtype
 

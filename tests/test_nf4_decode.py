@@ -47,11 +47,11 @@ class TwoProjections(torch.nn.Module):
 
 def with_quant_state(layer: torch.nn.Linear) -> torch.nn.Linear:
     """A plain Linear posing as a Linear4bit to `PackedNF4.of`: its weight carries the quant state
-    (shape, block size, the 16 NF4 values, block scales) that the kernel's operator receives."""
+    (shape, block size, block scales) that the kernel's operator receives."""
     out_features, in_features = layer.weight.shape
     layer.weight.quant_state = SimpleNamespace(
         shape=(out_features, in_features), blocksize=64, nested=False,
-        code=torch.linspace(-1.0, 1.0, 16), absmax=torch.rand(out_features * in_features // 64))
+        absmax=torch.rand(out_features * in_features // 64))
     return layer
 
 

@@ -6,10 +6,12 @@ and five times the weight's bytes per projection. Here two Triton launches do it
 the packed 4-bit weight once and decodes it in registers, with K split over the SMs so that a few
 rows still keep the GPU busy, and its first column tile also computes the adapter's `x A^T`; the
 second adds the splits in a fixed order (replays give equal bits) plus `s (x A^T) B^T` and rounds
-once to bf16. Decoding is a table lookup per 4-bit code (the 16 NF4 values) times the block's
-scale, rounded to bf16: bitsandbytes' own bf16 weights, multiplied as its bf16 product does. The
-block scales are read as bitsandbytes keeps them (8-bit codes of the nested quantization, undone
-per block in the kernel), so the kernel adds no memory beyond its partial sums. The adapter is
+once to bf16. Each K tile is one scale block: the unrounded NF4 values (bitsandbytes'
+`dequantize_nf4_tree`, selects in registers) multiply x's even and odd columns (tf32) and the
+block scale multiplies the product, so the weights are never rounded to bf16. The block scales
+are read as bitsandbytes keeps them (8-bit codes of the nested quantization, undone per block and
+column in the kernel), so the kernel adds no memory beyond its partial sums; a table lookup of
+the NF4 values in place of the selects measured slower (docs/benchmarks-history.md). The adapter is
 read where it lives (`lora_A.weight`, `lora_B.weight`), so a CUDA graph captured over it sees every
 optimizer step; it is added in float32 before the one rounding (PEFT rounds it first). The
 operator `vlmrl::nf4_matmul` wraps it for torch.compile. Measured speed and exactness:
@@ -40,9 +42,10 @@ def kernel_available() -> bool:
 def _kernel():
     import triton
     import triton.language as tl
+    from bitsandbytes.backends.triton.kernels_4bit import dequantize_nf4_tree
 
     @triton.jit
-    def nf4_lora_matmul(x_ptr, w_ptr, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset,
+    def nf4_lora_matmul(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset,
                         a_ptr, part_ptr, xa_part_ptr, M, N, K, rank, stride_x,
                         K_SPLIT: tl.constexpr, NESTED: tl.constexpr, BLOCK2: tl.constexpr,
                         HAS_LORA: tl.constexpr, QBLOCK: tl.constexpr, R: tl.constexpr,
@@ -68,7 +71,7 @@ def _kernel():
             x_odd = tl.load(x_ptr + rows[:, None] * stride_x + (even + 1)[None, :],
                             mask=row_ok[:, None], other=0.0)
             packed = tl.load(w_ptr + cols[:, None] * (K // 2) + (k0 // 2 + pairs)[None, :],
-                             mask=col_ok[:, None], other=0).to(tl.int32)
+                             mask=col_ok[:, None], other=0)
             block = cols * (K // QBLOCK) + k0 // QBLOCK
             if NESTED:  # bitsandbytes' double quantization: an 8-bit code per block
                 quantized = tl.load(absmax_ptr + block, mask=col_ok, other=0).to(tl.int32)
@@ -76,10 +79,12 @@ def _kernel():
                          * tl.load(absmax2_ptr + block // BLOCK2, mask=col_ok, other=0.0)) + offset
             else:
                 scale = tl.load(absmax_ptr + block, mask=col_ok, other=0.0)
-            high = tl.load(code_ptr + (packed >> 4))
-            low = tl.load(code_ptr + (packed & 0xF))
-            acc += tl.dot(x_even, tl.trans((high * scale[:, None]).to(tl.bfloat16)))
-            acc += tl.dot(x_odd, tl.trans((low * scale[:, None]).to(tl.bfloat16)))
+            # unrounded NF4 values (tf32) against x's even and odd columns, then the block scale
+            codes = tl.dot(x_even.to(tl.float32), tl.trans(dequantize_nf4_tree(packed >> 4)),
+                           input_precision="tf32")
+            codes += tl.dot(x_odd.to(tl.float32), tl.trans(dequantize_nf4_tree(packed & 0xF)),
+                            input_precision="tf32")
+            acc += codes * scale[None, :]
             if HAS_LORA:  # noqa: SIM102  (a compile-time branch around a run-time one)
                 if first_tile:
                     a_even = tl.load(a_ptr + ranks[:, None] * K + even[None, :],
@@ -133,7 +138,10 @@ class Tiles:
     programs_per_sm: float = 4
 
 
-TILES = Tiles(block_n=128)  # measured fastest at 32 rows: docs/benchmarks.md
+TILES = Tiles(block_n=128)  # measured fastest at 16 and 32 rows: docs/benchmarks-history.md
+# Columns per program of the sum of the splits: narrow, so that a projection of 1024 columns still
+# spreads its partial sums (splits x rows x 16 floats a program) over most SMs.
+SUM_BLOCK_N = 16
 
 
 def k_splits(out_features: int, in_features: int, tiles: Tiles, sms: int,
@@ -163,12 +171,11 @@ def servable(layer) -> bool:
 @dataclass(frozen=True)
 class PackedNF4:
     """What the kernel reads of a Linear4bit, all of it bitsandbytes' own tensors: the packed
-    4-bit weight (a plain tensor, not bitsandbytes' Parameter subclass), the 16 NF4 values
-    (`code`), the block scales (`absmax`: float32, or with nested quantization 8-bit codes that
-    `code2`, `absmax2` per `block2` blocks and `offset` undo) and the shape."""
+    4-bit weight (a plain tensor, not bitsandbytes' Parameter subclass), the block scales
+    (`absmax`: float32, or with nested quantization 8-bit codes that `code2`, `absmax2` per
+    `block2` blocks and `offset` undo) and the shape."""
 
     packed: torch.Tensor
-    code: torch.Tensor
     absmax: torch.Tensor
     out_features: int
     in_features: int
@@ -182,15 +189,13 @@ class PackedNF4:
     def of(cls, layer) -> PackedNF4:
         state = layer.weight.quant_state
         out_features, in_features = tuple(state.shape)
-        device = layer.weight.device
-        code = state.code.to(device=device, dtype=torch.float32).contiguous()
         if not state.nested:
-            return cls(layer.weight.data, code, state.absmax.float().contiguous(), out_features,
+            return cls(layer.weight.data, state.absmax.float().contiguous(), out_features,
                        in_features, state.blocksize)
         nested = state.state2
-        return cls(layer.weight.data, code, state.absmax.contiguous(), out_features, in_features,
+        return cls(layer.weight.data, state.absmax.contiguous(), out_features, in_features,
                    state.blocksize, nested.absmax.contiguous(),
-                   nested.code.to(device=device, dtype=torch.float32).contiguous(),
+                   nested.code.to(device=layer.weight.device, dtype=torch.float32).contiguous(),
                    float(state.offset), nested.blocksize)
 
     def scales(self) -> torch.Tensor:
@@ -220,34 +225,33 @@ def nf4_matmul(x: torch.Tensor, weight: PackedNF4, lora: tuple | None = None,
     block_m = max(16, triton.next_power_of_2(rows))
     nested = weight.absmax2 is not None
     kernel[(triton.cdiv(out_features, tiles.block_n), splits)](
-        flat, weight.packed, weight.code, weight.absmax,
-        weight.absmax2 if nested else weight.absmax, weight.code2 if nested else weight.code,
+        flat, weight.packed, weight.absmax,
+        weight.absmax2 if nested else weight.absmax, weight.code2 if nested else weight.absmax,
         float(weight.offset), a, parts, xa_parts, rows, out_features, in_features, rank,
         flat.stride(0), K_SPLIT=in_features // splits, NESTED=nested, BLOCK2=weight.block2,
         HAS_LORA=lora is not None, QBLOCK=weight.blocksize, R=r_tile, BLOCK_M=block_m,
         BLOCK_N=tiles.block_n, num_warps=tiles.warps, num_stages=tiles.stages)
     out = torch.empty(rows, out_features, dtype=torch.bfloat16, device=x.device)
-    sum_splits[(triton.cdiv(out_features, 64),)](
+    sum_splits[(triton.cdiv(out_features, SUM_BLOCK_N),)](
         parts, xa_parts, b, out, rows, out_features, rank, float(scaling), SPLITS=splits,
-        HAS_LORA=lora is not None, R=r_tile, BLOCK_M=block_m, BLOCK_N=64)
+        HAS_LORA=lora is not None, R=r_tile, BLOCK_M=block_m, BLOCK_N=SUM_BLOCK_N)
     return out.view(*x.shape[:-1], out_features)
 
 
 @torch.library.custom_op("vlmrl::nf4_matmul", mutates_args=())
-def nf4_matmul_op(x: torch.Tensor, packed: torch.Tensor, code: torch.Tensor,
-                  absmax: torch.Tensor, absmax2: torch.Tensor | None, code2: torch.Tensor | None,
-                  offset: float, block2: int, lora_a: torch.Tensor | None,
-                  lora_b: torch.Tensor | None, scaling: float, out_features: int,
-                  blocksize: int) -> torch.Tensor:
+def nf4_matmul_op(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
+                  absmax2: torch.Tensor | None, code2: torch.Tensor | None, offset: float,
+                  block2: int, lora_a: torch.Tensor | None, lora_b: torch.Tensor | None,
+                  scaling: float, out_features: int, blocksize: int) -> torch.Tensor:
     """`nf4_matmul` with the shipped tiles as one operator, which torch.compile calls as it is
     (it does not trace into the Triton launches) and a CUDA graph captures."""
-    weight = PackedNF4(packed, code, absmax, out_features, x.shape[-1], blocksize, absmax2, code2,
+    weight = PackedNF4(packed, absmax, out_features, x.shape[-1], blocksize, absmax2, code2,
                        offset, block2)
     return nf4_matmul(x, weight, None if lora_a is None else (lora_a, lora_b, scaling))
 
 
 @nf4_matmul_op.register_fake
-def _(x, packed, code, absmax, absmax2, code2, offset, block2, lora_a, lora_b, scaling,
+def _(x, packed, absmax, absmax2, code2, offset, block2, lora_a, lora_b, scaling,
       out_features, blocksize):
     return x.new_empty(*x.shape[:-1], out_features)
 
@@ -291,7 +295,7 @@ class NF4DecodeLinear(torch.nn.Module):
             return self.layer(x, *args, **kwargs)
         a, b, scaling = lora or (None, None, 1.0)
         weight = self.packed
-        return torch.ops.vlmrl.nf4_matmul(x, weight.packed, weight.code, weight.absmax,
+        return torch.ops.vlmrl.nf4_matmul(x, weight.packed, weight.absmax,
                                           weight.absmax2, weight.code2, weight.offset,
                                           weight.block2, a, b, float(scaling),
                                           weight.out_features, weight.blocksize)
