@@ -155,6 +155,13 @@ CONFIGS["gpu_profile_graph_merged"] = {**CONFIGS["gpu_profile_graph_bf16"], "gra
 CONFIGS["gpu_profile_graph_rows32"] = {**CONFIGS["gpu_profile_graph"], "max_generation_rows": 32}
 CONFIGS["gpu_profile_graph_fp8"] = {**CONFIGS["gpu_profile_graph_rows32"],
                                     "kv_cache_dtype": "fp8"}
+# The float8 profile trained in micro-batches of 4 (the same 16 completions per optimizer step, one
+# generation of 32 rows for two steps): the checkpointed activations of half the rows, for the 8B
+# shape's peak.
+CONFIGS["gpu_profile_graph_fp8_mb4"] = {**CONFIGS["gpu_profile_graph_fp8"],
+                                        "per_device_train_batch_size": 4,
+                                        "gradient_accumulation_steps": 4,
+                                        "steps_per_generation": 8}
 # The float8 profile as it stood before issue 41 (the NF4 kernel's tree decode and float32
 # block scales, old log-probs for every row): the same knobs run on the library exported from
 # that commit (`--baseline-src`), so one device call measures it beside the new one.
