@@ -18,12 +18,19 @@ from vlmrl.models.loading import load_policy
 from vlmrl.params import Params
 from vlmrl.private_names import (
     GRPO_NAMES,
+    OLD_LOGPS_NAMES,
     SFT_NAMES,
     TRAINER,
     UpstreamChangedError,
     check_private_names,
 )
-from vlmrl.trainers import grpo_class, grpo_trainer, sft_class, sft_trainer
+from vlmrl.trainers import (
+    OldLogProbsWhereNeeded,
+    grpo_class,
+    grpo_trainer,
+    sft_class,
+    sft_trainer,
+)
 from vlmrl.training import build_grpo_config, make_trainer
 
 LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
@@ -32,11 +39,12 @@ PARAMS = Params({"model": {"name": "embedded:tiny-qwen3-vl"},
 
 
 def test_the_installed_trl_and_transformers_have_every_name() -> None:
-    check_private_names(trl.GRPOTrainer, GRPO_NAMES)
+    check_private_names(trl.GRPOTrainer, GRPO_NAMES + OLD_LOGPS_NAMES)
     check_private_names(trl.SFTTrainer, SFT_NAMES)
 
 
-@pytest.mark.parametrize(("make", "table"), [(grpo_class, GRPO_NAMES), (sft_class, SFT_NAMES)])
+@pytest.mark.parametrize(("make", "table"), [(grpo_class, GRPO_NAMES + OLD_LOGPS_NAMES),
+                                             (sft_class, SFT_NAMES)])
 def test_every_private_method_the_subclass_overrides_is_in_the_table(make, table) -> None:
     """A private override missing from the table would go unchecked."""
     subclass = make()
@@ -103,6 +111,29 @@ def test_a_pass_through_wrapper_is_checked_for_the_method_it_wraps(monkeypatch) 
         grpo_trainer(max_nonfinite_steps=3, model=None)
 
 
+def test_unsloths_replacement_keeps_its_own_scoring(monkeypatch) -> None:
+    """Unsloth's GRPOTrainer scores with its own `_get_per_token_logps_and_entropies` (another
+    signature, seen on the GPU): its subclass leaves scoring alone and checks none of the names
+    only the old-log-prob switch relies on; TRL's own gets the switch and checks them."""
+
+    class Scoring(trl.GRPOTrainer):
+        def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask,
+                                               logits_to_keep, batch_size=None,
+                                               compute_entropy=False, compute_efficient=False,
+                                               *args, **kwargs):
+            raise AssertionError("never called")
+
+    replacement = type("UnslothGRPOTrainer", (Scoring,), {"__module__": "unsloth_compiled_cache"})
+    assert OldLogProbsWhereNeeded in grpo_class().__mro__
+    monkeypatch.setattr(trl, "GRPOTrainer", replacement)
+    subclass = grpo_class()
+    assert OldLogProbsWhereNeeded not in subclass.__mro__
+    assert not set(OLD_LOGPS_NAMES) & set(subclass.PRIVATE_NAMES)
+    check_private_names(replacement, subclass.PRIVATE_NAMES)
+    with pytest.raises(UpstreamChangedError, match=r"_get_per_token_logps_and_entropies takes"):
+        check_private_names(replacement, OLD_LOGPS_NAMES)
+
+
 def test_a_removed_module_name_fails_in_one_line(monkeypatch) -> None:
     monkeypatch.delattr(trl_utils, "_ChunkedLogProbFunction")
     with pytest.raises(UpstreamChangedError,
@@ -139,7 +170,7 @@ def test_every_private_name_the_package_reads_is_in_the_table() -> None:
     import vlmrl
 
     read = private_names_read(Path(vlmrl.__file__).parent)
-    listed = {row.name for row in GRPO_NAMES + SFT_NAMES}
+    listed = {row.name for row in GRPO_NAMES + OLD_LOGPS_NAMES + SFT_NAMES}
     assert read - set(OTHER_LIBRARIES) <= listed, sorted(read - set(OTHER_LIBRARIES) - listed)
     assert "_prepare_position_ids_for_generation" in read  # the scan sees calls on expressions
 

@@ -50,6 +50,15 @@ GRPO_NAMES = (
                 ("self", "prompt_ids", "images", "multimodal_fields", "num_generations",
                  "has_tool_images")),
     PrivateName(TRAINER, "trl.GRPOTrainer", "_generate_and_score_completions", ("self", "inputs")),
+    PrivateName(TRAINER, "transformers.Trainer", "_save_rng_state", ("self", "output_dir")),
+    PrivateName(TRAINER, "transformers.Trainer", "_load_optimizer_and_scheduler",
+                ("self", "checkpoint")),
+    CHUNKED_LOGPROB,
+    *ROLLOUT_NAMES,
+)
+# Old log-probabilities only where needed (vlmrl.trainers.OldLogProbsWhereNeeded): on TRL's own
+# GRPOTrainer only (Unsloth's replacement scores with its own signature and is left as it is).
+OLD_LOGPS_NAMES = (
     PrivateName(TRAINER, "trl.GRPOTrainer", "_prepare_inputs", ("self", "generation_batch")),
     PrivateName(TRAINER, "trl.GRPOTrainer", "_get_per_token_logps_and_entropies",
                 ("self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size",
@@ -58,11 +67,6 @@ GRPO_NAMES = (
                  "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")),
     PrivateName(INSTANCE, "trl.GRPOTrainer", "_step", None),
     PrivateName(INSTANCE, "trl.GRPOTrainer", "_buffered_inputs", None),
-    PrivateName(TRAINER, "transformers.Trainer", "_save_rng_state", ("self", "output_dir")),
-    PrivateName(TRAINER, "transformers.Trainer", "_load_optimizer_and_scheduler",
-                ("self", "checkpoint")),
-    CHUNKED_LOGPROB,
-    *ROLLOUT_NAMES,
 )
 SFT_NAMES = (CHUNKED_LOGPROB,)
 

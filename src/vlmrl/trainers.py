@@ -37,7 +37,13 @@ from vlmrl.data_parallel import load_optimizer_state_on_cpu, write_gathered_file
 from vlmrl.logprob_fallback import TorchChunkedLogProb, kernel_cannot_run
 from vlmrl.models.backend import avoid_cudnn_attention
 from vlmrl.nonfinite import NonFiniteGuard
-from vlmrl.private_names import GRPO_NAMES, SFT_NAMES, PrivateName, check_private_names
+from vlmrl.private_names import (
+    GRPO_NAMES,
+    OLD_LOGPS_NAMES,
+    SFT_NAMES,
+    PrivateName,
+    check_private_names,
+)
 from vlmrl.train_logs import start_completions_table
 
 TRAINED_ROW_COLUMN = "pid"  # the column `trained_rows` records of every row trained on
@@ -142,8 +148,7 @@ class OldLogProbsWhereNeeded:
 
     def old_logps_where_needed(self) -> bool:
         generate_every = self.args.steps_per_generation * self.num_iterations
-        return (self.extends.__module__.startswith("trl.") and self.beta == 0.0
-                and self.args.gradient_accumulation_steps % generate_every != 0
+        return (self.beta == 0.0 and self.args.gradient_accumulation_steps % generate_every != 0
                 and not (self.use_vllm and self.vllm_importance_sampling_correction))
 
     def off_policy(self, index: int) -> bool:
@@ -296,10 +301,13 @@ def _subclass(base: type, names: tuple[PrivateName, ...], mixins: tuple[type, ..
 
 
 def grpo_class() -> type:
-    """The GRPO subclass of what `trl.GRPOTrainer` is now."""
-    return _subclass(trl.GRPOTrainer, GRPO_NAMES,
-                     (ChunkedGeneration, OldLogProbsWhereNeeded, DataParallelRun, RestorableRun,
-                      CompletionsTableToFile),
+    """The GRPO subclass of what `trl.GRPOTrainer` is now (TRL's own, or Unsloth's replacement,
+    which does not take `OldLogProbsWhereNeeded`)."""
+    base = trl.GRPOTrainer
+    trls_own = base.__module__.startswith("trl.")
+    return _subclass(base, GRPO_NAMES + (OLD_LOGPS_NAMES if trls_own else ()),
+                     (ChunkedGeneration, *((OldLogProbsWhereNeeded,) if trls_own else ()),
+                      DataParallelRun, RestorableRun, CompletionsTableToFile),
                      (TrainerLogToStdout,))
 
 
