@@ -5,7 +5,8 @@ transformers' SDPA with its `repeat_kv` copies; "grouped"), with the benchmark's
 project's synthetic 512 px images, each prompt repeated 4 times as TRL does) and TRL's sampling
 (temperature 1, top-k 20, top-p 0.8), a static cache of 1408 slots (longest prompt + 1024). With
 `--kernels`, the CUDA kernels of a few replayed decode steps, by total time (torch.profiler). Prints a table
-and writes `--out` JSON.
+and writes `--out` JSON; `--from-json FILE... --doc DOC` writes the kernel table of stored runs
+into DOC (no GPU).
 
   PYTHONPATH=src python benchmarks/decode_profile.py --rows 16,32 --out /tmp/decode_profile.json
 """
@@ -24,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gspo_step  # the benchmark's model, data and LoRA settings
+from doc_blocks import render_results, write_doc_block
 
 MODEL = gspo_step.MODEL  # --model: another embedded shape
 KV_CACHE_DTYPE = "auto"  # --kv-cache-dtype
@@ -171,6 +173,44 @@ def kernel_sweep(model, rows_list: list[int], bandwidth: float) -> list[dict]:
     return found
 
 
+KERNEL_GROUPS = (("NF4 projections", ("nf4_lora_matmul",)), ("sum of the splits", ("sum_splits",)),
+                 ("attention over the cache", ("partial_attention", "merge_shares")),
+                 ("LM head", ("nvjet",)))
+
+
+def kernel_rows(results: dict) -> list[str]:
+    """One row per profiled run of a results file: milliseconds per decode step, and each group of
+    KERNEL_GROUPS' kernel time per step with its share of the step (the rest: the other kernels
+    and the gaps between them)."""
+    rows = []
+    for run in results["runs"]:
+        if "kernels" not in run:
+            continue
+        total = run["ms_per_step"]
+        shares = []
+        for _, prefixes in KERNEL_GROUPS:
+            ms = sum(k["ms_per_step"] for k in run["kernels"] if k["kernel"].startswith(prefixes))
+            shares.append(f"{ms:.2f} ({100 * ms / total:.0f}%)")
+        rows.append(f"| {results['model'].removeprefix('embedded:')} | {run['rows']} | "
+                    f"{results['kv_cache_dtype']} | {run['ms_per_step']:.2f} | "
+                    f"{run['tokens_per_s']} | {100 * run['bound_fraction']:.1f} | "
+                    + " | ".join(shares) + " |")
+    return rows
+
+
+def kernel_table(files: list[Path]) -> str:
+    header = " | ".join(f"{name}, ms (share)" for name, _ in KERNEL_GROUPS)
+    lines = ["Written by `benchmarks/decode_profile.py --from-json ... --doc`: one decode step "
+             "of the compiled graph (NF4 kernel, grouped attention), timed over 256 steps, its "
+             "kernels profiled over 8 replayed steps (share: of the step); % of bound: the weights' bytes per step against the copy "
+             "bandwidth measured in the same call.", "",
+             f"| model | rows | KV cache | ms / step | tok/s | % of bound | {header} |",
+             "| --- | ---: | --- | ---: | ---: | ---: |" + " ---: |" * len(KERNEL_GROUPS)]
+    for path in files:
+        lines += render_results(path, kernel_rows)
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="16,32")
@@ -191,7 +231,13 @@ def main() -> int:
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
                         help="train.kv_cache_dtype of the decoding measured")
     parser.add_argument("--out", type=Path, default=Path("decode_profile.json"))
+    parser.add_argument("--from-json", type=Path, nargs="+", metavar="RESULTS",
+                        help="measure nothing: write the kernel table of these results into --doc")
+    parser.add_argument("--doc", type=Path, default=gspo_step.ROOT / "docs" / "benchmarks.md")
     args = parser.parse_args()
+    if args.from_json:
+        write_doc_block(args.doc, kernel_table(args.from_json), Path(__file__).name, ":kernels")
+        return 0
     global MODEL, KV_CACHE_DTYPE
     MODEL, KV_CACHE_DTYPE = args.model, args.kv_cache_dtype
     import os

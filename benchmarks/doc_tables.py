@@ -27,8 +27,15 @@ DOCS = {"{doc}": "docs/benchmarks.md", "{history}": "docs/benchmarks-history.md"
         "{readme}": "README.md"}
 
 
+def results_spec(name: str) -> str:
+    """`name` (a results file's stem, or `stem::CONFIG,...`) as gspo_step.py's --from-json
+    takes it."""
+    stem, marker, configs = name.partition("::")
+    return f"{RESULTS}/{stem}.json{marker}{configs}"
+
+
 def gspo_step_block(block: str, *files: str, doc: str = "{history}") -> list[str]:
-    return ["gspo_step.py", "--from-json", *(f"{RESULTS}/{name}.json" for name in files),
+    return ["gspo_step.py", "--from-json", *(results_spec(name) for name in files),
             "--doc-block", block, "--doc", doc]
 
 
@@ -36,13 +43,19 @@ def gspo_step_block(block: str, *files: str, doc: str = "{history}") -> list[str
 # stand for the files in DOCS (or their copies under --check).
 TABLES: tuple[list[str], ...] = (
     # docs/benchmarks.md: the current tables
-    [*gspo_step_block("speed", "gspo_step_fp8_cache_256", "gspo_step_fp8_cache",
-                      "gspo_step_8b_today", doc="{doc}"), "--readme", "{readme}"],
+    [*gspo_step_block("speed", "gspo_step_issue41_2b", "gspo_step_issue41_8b",
+                      "gspo_step_fp8_cache::unsloth_4bit",
+                      "gspo_step_8b_today::gpu_profile_mb8_spg4_rows16", doc="{doc}"),
+     "--readme", "{readme}"],
     ["learning.py", "--summary", f"{RESULTS}/learning.json", f"{RESULTS}/learning_gpu_bf16.json",
      f"{RESULTS}/learning_gpu_nf4.json", f"{RESULTS}/learning_gpu_unsloth.json", "--doc", "{doc}"],
     ["scaling.py", "--render", f"{RESULTS}/scaling.json", "--out", f"{RESULTS}/scaling.json",
      "--doc", "{doc}"],
     ["pipeline.py", "--render", f"{RESULTS}/pipeline.json", "--doc", "{doc}"],
+    ["decode_profile.py", "--from-json", f"{RESULTS}/decode_profile_fp8_2b.json",
+     f"{RESULTS}/decode_profile_fp8_8b.json", "--doc", "{doc}"],
+    gspo_step_block("issue41-2b", "gspo_step_issue41_2b", doc="{doc}"),
+    gspo_step_block("issue41-8b", "gspo_step_issue41_8b", doc="{doc}"),
     gspo_step_block("fp8-cache-256", "gspo_step_fp8_cache_256", doc="{doc}"),
     gspo_step_block("fp8-cache", "gspo_step_fp8_cache", doc="{doc}"),
     gspo_step_block("8b-today", "gspo_step_8b_today", doc="{doc}"),

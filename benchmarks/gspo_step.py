@@ -746,6 +746,7 @@ def doc_markers(block: str) -> tuple[str, str]:
 
 DOC_START, DOC_END = doc_markers("roofline")
 REFERENCE, TODAY = "unsloth_4bit", GPU_PROFILE
+FLOAT8_BEFORE = "gpu_profile_graph_fp8_before"
 
 
 def roofline_table(results: dict[str, Any]) -> str:
@@ -851,22 +852,36 @@ SPEED_BLOCK = "speed"
 def measured_runs(results: dict[str, Any]) -> list[dict[str, Any]]:
     """The runs of one results file that finished, each with the fields the speed summary
     reads (a missing one raises KeyError, which `render_results` names)."""
+    calls = {key: index for index, call in enumerate(results.get("device_calls", []))
+             for key in call.get("runs", [])}
     runs = []
-    for run in results["runs"].values():
+    for name, run in results["runs"].items():
         if run.get("error"):
             continue
         runs.append({key: run[key] for key in (
             "config", "completion_length", "seconds_per_step", "generated_tokens_per_second",
-            "peak_allocated_gib", "peak_reserved_gib")} | {"model": run.get("model", MODEL)})
+            "peak_allocated_gib", "peak_reserved_gib")}
+            | {"model": run.get("model", MODEL), "bound": run.get("bandwidth_fraction"),
+               "call": calls.get(name)})
     return runs
+
+
+def results_source(spec: Path) -> tuple[Path, set[str] | None]:
+    """`FILE` (every run of it) or `FILE::CONFIG,CONFIG` (those configurations' runs only: a
+    file measured before a configuration's library changed keeps only the runs still current)."""
+    path, _, configs = str(spec).partition("::")
+    return Path(path), set(configs.split(",")) if configs else None
 
 
 def speed_rows(files: list[Path]) -> list[dict[str, Any]]:
     """Each (model, tokens, configuration) from the first file that measured it, tagged with
     that file; sorted by model, tokens and `CONFIGS` order."""
     chosen: dict[tuple[str, int, str], dict[str, Any]] = {}
-    for path in files:
+    for spec in files:
+        path, configs = results_source(spec)
         for run in render_results(path, measured_runs):
+            if configs is not None and run["config"] not in configs:
+                continue
             key = (run["model"], run["completion_length"], run["config"])
             chosen.setdefault(key, {**run, "file": path.name})
     order = {name: index for index, name in enumerate(CONFIGS)}
@@ -876,13 +891,14 @@ def speed_rows(files: list[Path]) -> list[dict[str, Any]]:
 
 def speed_ratio(run: dict[str, Any], rows: list[dict[str, Any]], config: str) -> str:
     """Generated tokens/s over `config`'s at the same model and tokens; a dagger where that run
-    is from another results file, i.e. another machine."""
+    is from another results file or another device call of it, i.e. another machine."""
     base = next((r for r in rows if r["config"] == config and r["model"] == run["model"]
                  and r["completion_length"] == run["completion_length"]), None)
     if base is None:
         return "-"
     ratio = run["generated_tokens_per_second"] / base["generated_tokens_per_second"]
-    return f"{ratio:.2f}x" + ("" if base["file"] == run["file"] else " †")
+    same_call = (base["file"], base.get("call")) == (run["file"], run.get("call"))
+    return f"{ratio:.2f}x" + ("" if same_call else " †")
 
 
 def speed_table(files: list[Path]) -> str:
@@ -890,20 +906,26 @@ def speed_table(files: list[Path]) -> str:
     generated tokens per second and peak memory of the Unsloth reference, today's profile and
     the profiles beside them, with the speed against the first two."""
     rows = speed_rows(files)
-    machines = sorted({render_results(path, machine_line) for path in files})
+    machines = sorted({render_results(results_source(spec)[0], machine_line) for spec in files})
     lines = [(f"{'; '.join(machines)}; 16 completions per optimizer step, LoRA r16. Written by "
               "`benchmarks/gspo_step.py --from-json ... --doc-block speed`; † against a run of "
-              "another results file, i.e. another machine of the same kind."), "",
-             ("| model | tokens | configuration | s / step | generated tok/s | peak GiB "
-              "(reserved) | vs unsloth_4bit | vs today's profile | results file |"),
-             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+              "another results file or device call, i.e. another machine of the same kind. % of "
+              "bound: the "
+              "decode steps' weight reads against the copy bandwidth measured in the same call."),
+             "",
+             ("| model | tokens | configuration | s / step | generated tok/s | % of bound | "
+              "peak GiB (reserved) | vs unsloth_4bit | vs today's profile | vs float8 before | "
+              "results file |"),
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for run in rows:
+        bound = run.get("bound")
         lines.append(
             f"| {model_name(run)} | {run['completion_length']} | `{run['config']}` | "
             f"{run['seconds_per_step']:.2f} | {run['generated_tokens_per_second']:.0f} | "
+            f"{_fmt(100 * bound if bound else None, '.1f')} | "
             f"{run['peak_allocated_gib']:.2f} ({run['peak_reserved_gib']:.2f}) | "
             f"{speed_ratio(run, rows, REFERENCE)} | {speed_ratio(run, rows, TODAY)} | "
-            f"`{run['file']}` |")
+            f"{speed_ratio(run, rows, FLOAT8_BEFORE)} | `{run['file']}` |")
     return "\n".join(lines)
 
 
@@ -942,7 +964,7 @@ def write_from_json(files: list[Path], doc: Path, block: str, readme: Path | Non
         raise SystemExit(f"--doc-block {block}: one results file, got {len(files)} (only the "
                          f"{SPEED_BLOCK!r} block merges several)")
     start, end = doc_markers(block)
-    replace_between(doc, start, end, render_results(files[0], roofline_table))
+    replace_between(doc, start, end, render_results(results_source(files[0])[0], roofline_table))
 
 
 def print_steps(key: str, rows: list[dict[str, Any]]) -> None:
@@ -978,7 +1000,8 @@ def main() -> int:
                              "summary of every --from-json file)")
     parser.add_argument("--from-json", type=Path, nargs="+", metavar="RESULTS",
                         help="measure nothing: write the table of these stored results into "
-                             "--doc (default docs/benchmarks.md)")
+                             "--doc (default docs/benchmarks.md); RESULTS::CONFIG,... takes "
+                             "only those configurations' runs of a file (speed block)")
     parser.add_argument("--merge", type=Path, nargs="+", metavar="RESULTS",
                         help="measure nothing: combine these results files (one per device "
                              "call, each with the command it ran) into --out; a run measured in "

@@ -69,14 +69,17 @@ PHASES = ("generation", "old_logps", "forward", "backward", "all_reduce", "wait"
 PHASE_TITLES = {"generation": "generation", "old_logps": "old log-probs", "forward": "forward",
                 "backward": "backward", "all_reduce": "all-reduce", "wait":
                 "waiting for the slower rank", "other": "other"}
+# The 8B runs' steps as measured (micro-batches of 8, two per optimizer step, four per
+# generation), whatever micro-batch the 8B recipe trains in.
+SHARDED_STEPS = {"gradient_accumulation_steps": 2, "steps_per_generation": 4}
 RUNS: dict[str, dict[str, Any]] = {
     "one": {"recipe": RECIPE_2B, "model": MODEL_2B, "processes": 1, "batch": 8},
     "strong": {"recipe": RECIPE_2B, "model": MODEL_2B, "processes": 2, "batch": 8},
     "weak": {"recipe": RECIPE_2B, "model": MODEL_2B, "processes": 2, "batch": 16},
     "8b_one": {"recipe": RECIPE_8B, "model": MODEL_8B, "processes": 1, "batch": 8,
-               "sharded": True},
+               "sharded": True, "grpo": SHARDED_STEPS},
     "8b_sharded": {"recipe": RECIPE_8B, "model": MODEL_8B, "processes": 2, "batch": 8,
-                   "sharded": True},
+                   "sharded": True, "grpo": SHARDED_STEPS},
 }
 
 
@@ -108,6 +111,7 @@ def run_params(name: str, length: int, total_steps: int, sharded_strategy: str =
         "train.grpo.log_completions": False, "train.grpo.report_to": "none",
         "train.grpo.generation_kwargs": {"max_cache_len": (512 + length + 63) // 64 * 64,
                                          "disable_compile": False}}
+    overrides.update({f"train.grpo.{key}": value for key, value in run.get("grpo", {}).items()})
     eager = {"model.load_in_4bit": False, "train.graph_decoding": "eager",
              "train.kv_cache_dtype": "auto", "train.grpo.optim": "adamw_torch",
              "train.grpo.cache_implementation": None,

@@ -112,6 +112,23 @@ def test_the_global_batch_is_split_among_processes() -> None:
         split_batch(grpo, 3)
 
 
+def test_micro_batches_are_merged_where_the_processes_outnumber_their_rows() -> None:
+    """The 8B recipe's micro-batch of 4 on 8 processes: two accumulation steps become one
+    micro-batch of 8, one row per process; the optimizer and generation batches stay 16 and 32."""
+    grpo = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 4,
+            "steps_per_generation": 8, "num_generations": 4}
+    assert split_batch(grpo, 4) == {**grpo, "per_device_train_batch_size": 1}
+    split = split_batch(grpo, 8)
+    assert split == {**grpo, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 2,
+                     "steps_per_generation": 4}
+    rows = split["per_device_train_batch_size"] * 8
+    assert rows * split["gradient_accumulation_steps"] == 4 * 4  # the optimizer batch
+    assert rows * split["steps_per_generation"] == 4 * 8  # the generation batch
+    with pytest.raises(ParamsError, match=r"gradient_accumulation_steps and "
+                                          r"steps_per_generation by 2"):
+        split_batch({**grpo, "gradient_accumulation_steps": 3}, 8)
+
+
 def test_rows_report_counts_prompts_two_processes_share() -> None:
     report = rows_report([["a", "a", "b", "b"], ["b", "b", "c", "c"]])
     assert report == {"rows_per_process": [4, 4], "prompts_per_process": [2, 2],

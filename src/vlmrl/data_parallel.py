@@ -8,6 +8,7 @@ module stays light."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -39,14 +40,29 @@ def split_global_batch(args: Mapping[str, Any], num_processes: int, default: int
                        section: str) -> dict[str, Any]:
     """Trainer `args` whose `per_device_train_batch_size` (`default` where unset) is the batch of
     all processes together, with each of `num_processes` processes given its share (as
-    accelerate's `split_batches`), so the optimizer batch means the same at any process count."""
+    accelerate's `split_batches`), so the optimizer batch (x `gradient_accumulation_steps`) and
+    GRPO's generation batch (x `steps_per_generation`) mean the same at any process count. Where
+    the processes outnumber what the micro-batch splits into (a micro-batch of 4 on 8 processes),
+    micro-batches of successive accumulation steps are merged first: 4 x 4 steps becomes 8 x 2,
+    split 1 x 2 per process."""
     batch = int(args.get("per_device_train_batch_size", default))
-    if batch % num_processes:
+    merge = num_processes // math.gcd(batch, num_processes)  # micro-batches taken as one
+    accumulation = int(args.get("gradient_accumulation_steps") or 1)
+    generation = args.get("steps_per_generation")
+    if accumulation % merge or (generation is not None and int(generation) % merge):
+        steps = ("gradient_accumulation_steps"
+                 + (" and steps_per_generation" if generation is not None else ""))
         raise ParamsError(
             f"params.yaml {section}.per_device_train_batch_size ({batch}) is the batch of all "
             f"processes together and must be divisible by train.distributed.num_processes "
-            f"({num_processes})")
-    return {**args, "per_device_train_batch_size": batch // num_processes}
+            f"({num_processes}), or {section}.{steps} by {merge} (micro-batches merged so that "
+            f"it is)")
+    split = {**args, "per_device_train_batch_size": batch * merge // num_processes}
+    if merge > 1:
+        split["gradient_accumulation_steps"] = accumulation // merge
+        if generation is not None:
+            split["steps_per_generation"] = int(generation) // merge
+    return split
 
 
 def gather_lists(local: list[T]) -> list[list[T]]:
