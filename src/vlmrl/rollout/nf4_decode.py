@@ -11,7 +11,7 @@ once to bf16. Each K tile is one scale block: the unrounded NF4 values (bitsandb
 block scale multiplies the product, so the weights are never rounded to bf16. The block scales
 are read as bitsandbytes keeps them (8-bit codes of the nested quantization, undone per block and
 column in the kernel), so the kernel adds no memory beyond its partial sums; a table lookup of
-the NF4 values in place of the selects measured slower (docs/benchmarks-history.md). The adapter is
+the NF4 values in place of the selects measured slower (docs/benchmarks.md). The adapter is
 read where it lives (`lora_A.weight`, `lora_B.weight`), so a CUDA graph captured over it sees every
 optimizer step; it is added in float32 before the one rounding (PEFT rounds it first). The
 operator `vlmrl::nf4_matmul` wraps it for torch.compile. Measured speed and exactness:
@@ -138,7 +138,7 @@ class Tiles:
     programs_per_sm: float = 4
 
 
-TILES = Tiles(block_n=128)  # measured fastest at 16 and 32 rows: docs/benchmarks-history.md
+TILES = Tiles(block_n=128)  # the sweeps of docs/benchmarks-history.md (NF4 decode kernel)
 # Columns per program of the sum of the splits: narrow, so that a projection of 1024 columns still
 # spreads its partial sums (splits x rows x 16 floats a program) over most SMs.
 SUM_BLOCK_N = 16
