@@ -44,6 +44,7 @@ def gspo_step_block(block: str, *files: str, doc: str = "{history}") -> list[str
 TABLES: tuple[list[str], ...] = (
     # docs/benchmarks.md: the current tables
     [*gspo_step_block("speed", "gspo_step_issue41_2b", "gspo_step_issue41_8b",
+                      "gspo_step_issue41_8b_mb8",
                       "gspo_step_fp8_cache::unsloth_4bit",
                       "gspo_step_8b_today::gpu_profile_mb8_spg4_rows16", doc="{doc}"),
      "--readme", "{readme}"],
@@ -56,6 +57,7 @@ TABLES: tuple[list[str], ...] = (
      f"{RESULTS}/decode_profile_fp8_8b.json", "--doc", "{doc}"],
     gspo_step_block("issue41-2b", "gspo_step_issue41_2b", doc="{doc}"),
     gspo_step_block("issue41-8b", "gspo_step_issue41_8b", doc="{doc}"),
+    gspo_step_block("issue41-8b-mb8", "gspo_step_issue41_8b_mb8", doc="{doc}"),
     gspo_step_block("fp8-cache-256", "gspo_step_fp8_cache_256", doc="{doc}"),
     gspo_step_block("fp8-cache", "gspo_step_fp8_cache", doc="{doc}"),
     gspo_step_block("8b-today", "gspo_step_8b_today", doc="{doc}"),

@@ -852,17 +852,14 @@ SPEED_BLOCK = "speed"
 def measured_runs(results: dict[str, Any]) -> list[dict[str, Any]]:
     """The runs of one results file that finished, each with the fields the speed summary
     reads (a missing one raises KeyError, which `render_results` names)."""
-    calls = {key: index for index, call in enumerate(results.get("device_calls", []))
-             for key in call.get("runs", [])}
     runs = []
-    for name, run in results["runs"].items():
+    for run in results["runs"].values():
         if run.get("error"):
             continue
         runs.append({key: run[key] for key in (
             "config", "completion_length", "seconds_per_step", "generated_tokens_per_second",
             "peak_allocated_gib", "peak_reserved_gib")}
-            | {"model": run.get("model", MODEL), "bound": run.get("bandwidth_fraction"),
-               "call": calls.get(name)})
+            | {"model": run.get("model", MODEL), "bound": run.get("bandwidth_fraction")})
     return runs
 
 
@@ -891,14 +888,13 @@ def speed_rows(files: list[Path]) -> list[dict[str, Any]]:
 
 def speed_ratio(run: dict[str, Any], rows: list[dict[str, Any]], config: str) -> str:
     """Generated tokens/s over `config`'s at the same model and tokens; a dagger where that run
-    is from another results file or another device call of it, i.e. another machine."""
+    is from another results file, i.e. another machine."""
     base = next((r for r in rows if r["config"] == config and r["model"] == run["model"]
                  and r["completion_length"] == run["completion_length"]), None)
     if base is None:
         return "-"
     ratio = run["generated_tokens_per_second"] / base["generated_tokens_per_second"]
-    same_call = (base["file"], base.get("call")) == (run["file"], run.get("call"))
-    return f"{ratio:.2f}x" + ("" if same_call else " †")
+    return f"{ratio:.2f}x" + ("" if base["file"] == run["file"] else " †")
 
 
 def speed_table(files: list[Path]) -> str:
@@ -909,8 +905,7 @@ def speed_table(files: list[Path]) -> str:
     machines = sorted({render_results(results_source(spec)[0], machine_line) for spec in files})
     lines = [(f"{'; '.join(machines)}; 16 completions per optimizer step, LoRA r16. Written by "
               "`benchmarks/gspo_step.py --from-json ... --doc-block speed`; † against a run of "
-              "another results file or device call, i.e. another machine of the same kind. % of "
-              "bound: the "
+              "another results file, i.e. another machine of the same kind. % of bound: the "
               "decode steps' weight reads against the copy bandwidth measured in the same call."),
              "",
              ("| model | tokens | configuration | s / step | generated tok/s | % of bound | "
@@ -963,6 +958,9 @@ def write_from_json(files: list[Path], doc: Path, block: str, readme: Path | Non
     if len(files) != 1:
         raise SystemExit(f"--doc-block {block}: one results file, got {len(files)} (only the "
                          f"{SPEED_BLOCK!r} block merges several)")
+    if results_source(files[0])[1] is not None:
+        raise SystemExit(f"--doc-block {block}: a whole results file, not {files[0]} (only the "
+                         f"{SPEED_BLOCK!r} block takes some configurations of a file)")
     start, end = doc_markers(block)
     replace_between(doc, start, end, render_results(results_source(files[0])[0], roofline_table))
 
@@ -1048,6 +1046,10 @@ def main() -> int:
     if args.doc:
         write_doc_table(load_results(args.out), args.doc, args.doc_block)
         return 0
+    for config in [c.strip() for c in args.configs.split(",") if c.strip()]:
+        if config not in CONFIGS:
+            raise SystemExit(f"unknown config {config!r}; known: {', '.join(CONFIGS)}")
+        worker_env(CONFIGS[config], args.baseline_src)  # a missing --baseline-src: before the setup
     started = time.perf_counter()
     from vlmrl.models.embedded import ensure_embedded_model
 
@@ -1072,8 +1074,6 @@ def main() -> int:
     results.setdefault("device_calls", []).append(call)
     for length in [int(x) for x in args.lengths.split(",")]:
         for config in [c.strip() for c in args.configs.split(",") if c.strip()]:
-            if config not in CONFIGS:
-                raise SystemExit(f"unknown config {config!r}; known: {', '.join(CONFIGS)}")
             config = GPU_PROFILE if config == "gpu_profile" else config
             left = args.budget_s - (time.perf_counter() - started)
             key = result_key(config, length, args.model)

@@ -98,19 +98,32 @@ def test_gspo_step_speed_summary_compares_within_a_file_and_marks_other_machines
     rows = [line for line in doc.read_text().splitlines() if line.startswith("| qwen3")]
     # the first file's 2B@1024 trio, one machine; its 8B float8 row against the second file's
     # today's profile (another machine: marked)
-    assert ("| qwen3-vl-2b-shape | 1024 | `gpu_profile_graph_fp8` | 6.90 | 2374 | 4.73 (5.23) | "
-            "21.23x | 3.60x | `gspo_step_fp8_cache.json` |") in rows
-    assert ("| qwen3-vl-8b-shape | 1024 | `gpu_profile_graph_fp8` | 16.72 | 980 | 12.90 (13.65) | "
-            "- | 2.95x † | `gspo_step_fp8_cache.json` |") in rows
+    assert ("| qwen3-vl-2b-shape | 1024 | `gpu_profile_graph_fp8` | 6.90 | 2374 | 5.4 | "
+            "4.73 (5.23) | 21.23x | 3.60x | - | `gspo_step_fp8_cache.json` |") in rows
+    assert ("| qwen3-vl-8b-shape | 1024 | `gpu_profile_graph_fp8` | 16.72 | 980 | 7.3 | "
+            "12.90 (13.65) | - | 2.95x † | - | `gspo_step_fp8_cache.json` |") in rows
     # 2B@256 Unsloth: the first file has none, so the second file's, against the first's profile
     assert any(row.startswith("| qwen3-vl-2b-shape | 256 | `unsloth_4bit` | 34.50 |")
-               and row.endswith("| 1.00x | 0.18x † | `gspo_step_8b_today.json` |") for row in rows)
+               and row.endswith("| 1.00x | 0.18x † | - | `gspo_step_8b_today.json` |")
+               for row in rows)
     assert "qwen3-vl-8b-shape, 1024 tokens: `gpu_profile_mb8_spg4_rows16` 49.29 s per step" in (
         readme.read_text())
     broken = without(RESULTS / "gspo_step_8b_today.json", tmp_path, "runs",
                      "unsloth_4bit@256", "peak_reserved_gib")
     fails_naming(["benchmarks/gspo_step.py", "--from-json", files[0], str(broken), "--doc-block",
                   "speed", "--doc", str(doc)], str(broken), "'peak_reserved_gib'")
+
+
+def test_gspo_step_speed_summary_takes_only_the_named_configurations_of_a_file(
+        tmp_path: Path) -> None:
+    """`FILE::CONFIG,...`: an older file contributes only those runs (its float8 rows measured
+    the library before issue 41 under the current name)."""
+    doc = marked_doc(tmp_path, ("<!-- gspo_step speed: start -->", "<!-- gspo_step speed: end -->"))
+    source = f"{RESULTS / 'gspo_step_fp8_cache.json'}::unsloth_4bit"
+    run([sys.executable, "benchmarks/gspo_step.py", "--from-json", source, "--doc-block", "speed",
+         "--doc", str(doc)], ROOT)
+    rows = [line for line in doc.read_text().splitlines() if line.startswith("| qwen3")]
+    assert [row.split(" | ")[2] for row in rows] == ["`unsloth_4bit`"]
 
 
 def test_gspo_step_from_json_writes_one_files_block(tmp_path: Path) -> None:

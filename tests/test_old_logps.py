@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from vlmrl.models.loading import load_policy
 from vlmrl.params import Params
+from vlmrl.private_names import UpstreamChangedError
 from vlmrl.trainers import OldLogProbsWhereNeeded
 from vlmrl.training import build_grpo_config, make_trainer
 
@@ -59,11 +61,27 @@ def test_only_off_policy_micro_batches_are_scored_and_as_trl_scores_them(
                                    rtol=1e-5, atol=1e-5)
 
 
-def test_several_iterations_score_every_micro_batch(train_set, tmp_path: Path) -> None:
-    """With num_iterations 2 every micro-batch is trained again after an update."""
-    trainer, batches = buffered_generation(train_set, tmp_path, num_iterations=2)
+@pytest.mark.parametrize("grpo", [{"num_iterations": 2}, {"steps_per_generation": 3}],
+                         ids=["two-iterations", "generation-inside-a-step"])
+def test_other_shapes_are_scored_by_trl_itself(train_set, tmp_path: Path, grpo) -> None:
+    """Every micro-batch trained again after an update (num_iterations 2), or generations that
+    start inside an optimizer step (3 micro-batches a generation, 2 a step): TRL's own pass
+    scores every row, none is left to the switch."""
+    trainer, batches = buffered_generation(train_set, tmp_path, **grpo)
     assert all("old_per_token_logps" in batch for batch in batches)
-    assert trainer.old_logps_rows == 16
+    assert trainer.old_logps_rows == 0
+
+
+def test_a_trl_that_no_longer_scores_at_generation_fails_in_one_line(
+        train_set, tmp_path: Path, monkeypatch) -> None:
+    """Were TRL's generation to stop making the scoring pass the switch skips (here: the pass
+    never reaches the switch), the off-policy rows would silently go unscored: the trainer says
+    so instead."""
+    monkeypatch.setattr(OldLogProbsWhereNeeded, "_get_per_token_logps_and_entropies",
+                        lambda self, *args, **kwargs: super(OldLogProbsWhereNeeded, self)
+                        ._get_per_token_logps_and_entropies(*args, **kwargs))
+    with pytest.raises(UpstreamChangedError, match=r"no longer scores old log-probabilities"):
+        buffered_generation(train_set, tmp_path)
 
 
 def test_aligned_steps_score_nothing(train_set, tmp_path: Path) -> None:

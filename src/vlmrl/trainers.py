@@ -3,7 +3,8 @@ every behaviour the project changes held in overridden methods of the subclass (
 assigned onto TRL's objects from outside):
 - the non-finite guard (vlmrl.nonfinite) and, where TRL's Triton log-prob kernel cannot run,
   the plain-torch one (vlmrl.logprob_fallback);
-- GRPO only: generation in chunks of rows and compiled decoding (vlmrl.chunked_generation), the rows each
+- GRPO only: generation in chunks of rows and compiled decoding (vlmrl.chunked_generation), old
+  log-probabilities only for the micro-batches trained off-policy, the rows each
   process trained on, every rank's RNG state written by rank 0, an optimizer state resumed on
   CPU processes, a finished run restored from its checkpoint, and TRL's sample completions table
   written to a file instead of stdout.
@@ -41,7 +42,9 @@ from vlmrl.private_names import (
     GRPO_NAMES,
     OLD_LOGPS_NAMES,
     SFT_NAMES,
+    TESTED_VERSIONS,
     PrivateName,
+    UpstreamChangedError,
     check_private_names,
 )
 from vlmrl.train_logs import start_completions_table
@@ -131,15 +134,18 @@ class ChunkedGeneration:
 
 class OldLogProbsWhereNeeded:
     """Old log-probabilities only for the micro-batches that are trained off-policy. Where one
-    generation serves several optimizer steps (steps_per_generation above
-    gradient_accumulation_steps), TRL scores every row of it with the policy of generation time
-    (`old_per_token_logps`), a forward pass over the whole generation batch; but the rows of the
-    first optimizer step are trained before any update, where TRL's loss takes the current
-    log-probabilities, detached, as the old ones (its path when generation and steps are
-    aligned). So the generation-time pass is skipped, and once the batch is shuffled and split
-    into micro-batches, only those used after the first update (or again, with num_iterations >
-    1) are scored, still before any update. Served where TRL's own trainer is extended, KL-free
-    (`beta` 0) and without vLLM's importance sampling; otherwise TRL scores every row."""
+    generation serves several optimizer steps (steps_per_generation a multiple of
+    gradient_accumulation_steps above it), TRL scores every row of it with the policy of
+    generation time (`old_per_token_logps`), a forward pass over the whole generation batch; but
+    the micro-batches of the first optimizer step are trained before any update, where TRL's loss
+    takes the current log-probabilities, detached, as the old ones (its path when generation and
+    steps are aligned: the ratio is then exactly 1, where TRL's two passes differed by rounding).
+    So the generation-time pass is skipped, and once the batch is shuffled and split into
+    micro-batches (TRL's `_buffered_inputs`, a checked private name, whose dicts get the key),
+    those used after the first update are scored, still before any update. Served where TRL's
+    own trainer is extended (`grpo_class`), KL-free (`beta` 0), with each generation trained on
+    once and starting at an optimizer step, and without vLLM's importance sampling; otherwise TRL
+    scores every row as it does."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -147,16 +153,18 @@ class OldLogProbsWhereNeeded:
         self.old_logps_rows = 0  # rows scored by this class (what TRL would score: all of them)
 
     def old_logps_where_needed(self) -> bool:
-        generate_every = self.args.steps_per_generation * self.num_iterations
-        return (self.beta == 0.0 and self.args.gradient_accumulation_steps % generate_every != 0
+        accumulation, generation = (self.args.gradient_accumulation_steps,
+                                    self.args.steps_per_generation)
+        return (self.beta == 0.0 and self.num_iterations == 1 and generation > accumulation
+                and generation % accumulation == 0
                 and not (self.use_vllm and self.vllm_importance_sampling_correction))
 
     def off_policy(self, index: int) -> bool:
         """Whether micro-batch `index` of a generation is trained after an update of the policy
-        that generated it."""
-        return self.num_iterations > 1 or index >= self.args.gradient_accumulation_steps
+        that generated it (where `old_logps_where_needed`)."""
+        return index >= self.args.gradient_accumulation_steps
 
-    def _prepare_inputs(self, generation_batch):
+    def _prepare_inputs(self, generation_batch: Any) -> dict[str, Any]:
         generate_every = self.args.steps_per_generation * self.num_iterations
         generating = self.model.training and (self._step % generate_every == 0
                                               or self._buffered_inputs is None)
@@ -165,6 +173,11 @@ class OldLogProbsWhereNeeded:
         self.skip_old_logps = True
         try:
             inputs = super()._prepare_inputs(generation_batch)
+            if self.skip_old_logps:
+                raise UpstreamChangedError(
+                    "trl.GRPOTrainer._generate_and_score_completions no longer scores old "
+                    "log-probabilities where vlmrl's trainer subclass skips them "
+                    f"(OldLogProbsWhereNeeded); tested with trl {TESTED_VERSIONS['trl']}")
         finally:
             self.skip_old_logps = False
         for index, batch in enumerate(self._buffered_inputs):
@@ -172,11 +185,11 @@ class OldLogProbsWhereNeeded:
                 batch["old_per_token_logps"] = self.old_logps(batch)
         return inputs
 
-    def _get_per_token_logps_and_entropies(self, *args: Any, **kwargs: Any):
-        if self.skip_old_logps:  # generation time's only scoring pass here: the old log-probs
-            self.skip_old_logps = False
+    def _get_per_token_logps_and_entropies(self, model: Any, *args: Any, **kwargs: Any) -> tuple:
+        if self.skip_old_logps and model is self.model and not torch.is_grad_enabled():
+            self.skip_old_logps = False  # generation time's scoring pass: the old log-probs
             return None, None, None
-        return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
 
     def old_logps(self, batch: dict[str, Any]) -> torch.Tensor:
         """The micro-batch's per-token log-probabilities under the current policy, as TRL's loss

@@ -138,7 +138,9 @@ class Tiles:
     programs_per_sm: float = 4
 
 
-TILES = Tiles(block_n=128)  # the sweeps of docs/benchmarks-history.md (NF4 decode kernel)
+# The tiles the sweeps of the kernel before its scales moved inside it chose (NF4 decode kernel in
+# docs/benchmarks-history.md); this kernel's own sweep is not stored.
+TILES = Tiles(block_n=128)
 # Columns per program of the sum of the splits: narrow, so that a projection of 1024 columns still
 # spreads its partial sums (splits x rows x 16 floats a program) over most SMs.
 SUM_BLOCK_N = 16
@@ -156,14 +158,14 @@ def k_splits(out_features: int, in_features: int, tiles: Tiles, sms: int,
 
 
 def servable(layer) -> bool:
-    """Whether a bitsandbytes Linear4bit can take the kernel: NF4, bf16 compute, no bias, a block
-    size of 32 to 256 that divides its input width."""
+    """Whether a bitsandbytes Linear4bit can take the kernel: NF4, bf16 compute, no bias, the block
+    size of 64 the kernel is tested with (bitsandbytes' default), dividing its input width."""
     weight = getattr(layer, "weight", None)
     state = getattr(weight, "quant_state", None)
     if state is None or state.quant_type != "nf4" or getattr(layer, "bias", None) is not None:
         return False
     in_features = tuple(state.shape)[1]
-    return (state.dtype == torch.bfloat16 and state.blocksize in (32, 64, 128, 256)
+    return (state.dtype == torch.bfloat16 and state.blocksize == 64
             and in_features % state.blocksize == 0 and weight.is_cuda
             and (not state.nested or state.state2.absmax.dtype == torch.float32))
 
