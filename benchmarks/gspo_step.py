@@ -162,6 +162,7 @@ CONFIGS["gpu_profile_graph_fp8_mb4"] = {**CONFIGS["gpu_profile_graph_fp8"],
                                         "per_device_train_batch_size": 4,
                                         "gradient_accumulation_steps": 4,
                                         "steps_per_generation": 8}
+RECIPE_8B_PROFILE = "gpu_profile_graph_fp8_mb4"  # recipes/mathvista-qwen3-vl-8b.yaml's
 # The float8 profile as it stood before issue 41 (the NF4 kernel's tree decode and float32
 # block scales, old log-probs for every row): the same knobs run on the library exported from
 # that commit (`--baseline-src`), so one device call measures it beside the new one.

@@ -297,14 +297,14 @@ def gspo_step():
 
 def test_readme_gpu_profile_is_the_benchmarked_one_and_valid(gspo_step) -> None:
     """The recipe the README's GPU command applies must be the configuration
-    benchmarks/gspo_step.py measured as the GPU profile, and must pass the stage's own params
-    checks."""
+    benchmarks/gspo_step.py measured as the 8B recipe's profile (RECIPE_8B_PROFILE), and must
+    pass the stage's own params checks."""
     import yaml
     from conftest import ROOT
 
     from vlmrl.training import generation_rows
 
-    profile = gspo_step.CONFIGS[gspo_step.GPU_PROFILE]
+    profile = gspo_step.CONFIGS[gspo_step.RECIPE_8B_PROFILE]
     overrides = readme_gpu_overrides()
     assert overrides["model.backend"] == profile["backend"]
     assert overrides["model.load_in_4bit"] is profile["load_in_4bit"]
@@ -312,6 +312,9 @@ def test_readme_gpu_profile_is_the_benchmarked_one_and_valid(gspo_step) -> None:
                 "steps_per_generation"):
         assert overrides[f"train.grpo.{key}"] == profile[key], key
     assert overrides["train.max_generation_rows"] == profile["max_generation_rows"]
+    assert overrides["train.graph_decoding"] == profile["graph"]
+    assert overrides["train.kv_cache_dtype"] == profile["kv_cache_dtype"]
+    assert overrides["train.expandable_segments"] is profile["expandable_segments"]
     assert overrides["train.grpo.cache_implementation"] == "static"
     # the profile's memory figures were measured with it; the tiny default turns it off
     assert overrides["train.grpo.gradient_checkpointing"] is True
@@ -330,7 +333,7 @@ def test_readme_gpu_profile_is_the_benchmarked_one_and_valid(gspo_step) -> None:
     train = Params(params).train
     config = build_grpo_config(train.grpo, output_dir=Path("/tmp/x"), save_steps=50,
                                reward_weights=[1.0], model_settings=ModelParams(name="x"))
-    assert generation_rows(train.max_generation_rows, config) == 16
+    assert generation_rows(train.max_generation_rows, config) == 32  # the generation in one call
     assert config.generation_batch_size == 2 * 16  # one generation for two optimizer steps
 
 
