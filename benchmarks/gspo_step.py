@@ -1047,7 +1047,8 @@ def main() -> int:
     if args.doc:
         write_doc_table(load_results(args.out), args.doc, args.doc_block)
         return 0
-    for config in [c.strip() for c in args.configs.split(",") if c.strip()]:
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    for config in configs:
         if config not in CONFIGS:
             raise SystemExit(f"unknown config {config!r}; known: {', '.join(CONFIGS)}")
         worker_env(CONFIGS[config], args.baseline_src)  # a missing --baseline-src: before the setup
@@ -1074,7 +1075,7 @@ def main() -> int:
             "bandwidth_bytes_per_s": results["bandwidth_bytes_per_s"], "runs": []}
     results.setdefault("device_calls", []).append(call)
     for length in [int(x) for x in args.lengths.split(",")]:
-        for config in [c.strip() for c in args.configs.split(",") if c.strip()]:
+        for config in configs:
             config = GPU_PROFILE if config == "gpu_profile" else config
             left = args.budget_s - (time.perf_counter() - started)
             key = result_key(config, length, args.model)
