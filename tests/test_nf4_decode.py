@@ -38,8 +38,8 @@ def test_no_kernel_without_cuda_or_for_a_plain_linear():
 class TwoProjections(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.up = torch.nn.Linear(64, 32, bias=False)
-        self.down = torch.nn.Linear(32, 64, bias=False)
+        self.up = torch.nn.Linear(64, 128, bias=False)
+        self.down = torch.nn.Linear(128, 64, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(torch.relu(self.up(x)))
@@ -102,7 +102,7 @@ def test_active_puts_wrappers_in_the_layers_places_and_restores_them(lora_model)
         lora_up.scaling["default"]
     assert len(calls) == 4
     for out_features, lora in calls[0::2]:
-        assert out_features == 32 and torch.equal(lora[0], a) and torch.equal(lora[1], b)
+        assert out_features == 128 and torch.equal(lora[0], a) and torch.equal(lora[1], b)
         assert lora[2] == s
     assert [(o, lora) for o, lora in calls[1::2]] == [(64, None)] * 2
 
@@ -134,3 +134,70 @@ def test_active_restores_the_layers_when_the_step_fails(lora_model):
     with pytest.raises(RuntimeError, match="step failed"), nf4.active():
         raise RuntimeError("step failed")
     assert model.get_submodule("base_model.model.up") is up
+
+
+def run_ptx(asm: str, registers: dict[str, int]) -> dict[str, int]:
+    """The straight-line b32 PTX the NF4 lookup uses (mov, and, or, shr, prmt), run on Python
+    ints: `prmt.b32 d, a, b, c` puts in byte i of d the byte of (b:a) that selector nibble i of c
+    picks, its sign replicated where the nibble's top bit is set (PTX ISA, prmt, default mode)."""
+    registers = dict(registers)
+
+    def value(operand: str) -> int:
+        return registers[operand] if operand in registers else int(operand, 0)
+
+    for line in asm.strip("{}\n").splitlines():
+        op, _, operands = line.rstrip(";").partition(" ")
+        if op.startswith(".reg"):
+            continue
+        out, *args = [part.strip() for part in operands.split(",")]
+        a, *rest = [value(arg) for arg in args]
+        if op == "mov.b32":
+            result = a
+        elif op == "and.b32":
+            result = a & rest[0]
+        elif op == "or.b32":
+            result = a | rest[0]
+        elif op == "shr.b32":
+            result = a >> rest[0]
+        elif op == "prmt.b32":
+            source, selector = a | rest[0] << 32, rest[1]
+            result = 0
+            for i in range(4):
+                nibble = selector >> 4 * i & 0xF
+                byte = source >> 8 * (nibble & 7) & 0xFF
+                if nibble & 8:
+                    byte = 0xFF if byte & 0x80 else 0
+                result |= byte << 8 * i
+        else:
+            raise AssertionError(f"unexpected instruction {line!r}")
+        registers[out] = result & 0xFFFFFFFF
+    return registers
+
+
+def test_the_nf4_lookup_gives_every_bytes_two_fp16_values():
+    """Every byte value in each of the four places of the packed word: the high nibble's NF4 value
+    lands in the first output's fp16 of that place, the low nibble's in the second's."""
+    from vlmrl.rollout.nf4_decode import NF4_CODES, nf4_lookup_asm
+
+    asm = nf4_lookup_asm()
+    fp16_bits = [int(v) & 0xFFFF for v in
+                 torch.tensor(NF4_CODES, dtype=torch.float16).view(torch.int16)]
+    generator = torch.Generator().manual_seed(0)
+    for place in range(4):
+        for byte in range(256):
+            others = torch.randint(0, 256, (4,), generator=generator).tolist()
+            others[place] = byte
+            word = sum(b << 8 * i for i, b in enumerate(others))
+            out = run_ptx(asm, {"$4": word})
+            high = (out["$0"] | out["$1"] << 32) >> 16 * place & 0xFFFF
+            low = (out["$2"] | out["$3"] << 32) >> 16 * place & 0xFFFF
+            assert (high, low) == (fp16_bits[byte >> 4], fp16_bits[byte & 0xF]), (place, byte)
+
+
+def test_the_fp16_code_book_is_tf32s_rounding_of_bitsandbytes_float32_one():
+    from vlmrl.rollout.nf4_decode import NF4_CODES
+
+    codes = torch.tensor(NF4_CODES, dtype=torch.float32)
+    bits = codes.view(torch.int32).to(torch.int64)
+    tf32 = ((bits + 0x1000) & 0xFFFFE000).to(torch.int32).view(torch.float32)  # round to nearest
+    assert torch.equal(codes.to(torch.float16).float(), tf32)

@@ -300,11 +300,20 @@ def test_nf4_kernel_is_as_exact_as_bitsandbytes_and_peft(rows):
     LoRA here covers q, v and down; k and the MLP's gate are bare), for the shipped tiles and
     another tile shape: the block scales it undoes in the kernel are bitsandbytes' own; against a
     float32 product of the NF4 values times their block scales (unrounded) and the adapter, its
-    error is no larger than bitsandbytes + PEFT's; and the layer's place in the model under
+    error is no larger than bitsandbytes + PEFT's, also for a row of x beyond fp16's range;
+    and the layer's place in the model under
     `active()` computes `nf4_matmul` with the shipped tiles."""
     from bitsandbytes.functional import dequantize_blockwise
 
-    from vlmrl.rollout.nf4_decode import TILES, NF4Decode, PackedNF4, Tiles, _adapter, nf4_matmul
+    from vlmrl.rollout.nf4_decode import (
+        NF4_CODES,
+        TILES,
+        NF4Decode,
+        PackedNF4,
+        Tiles,
+        _adapter,
+        nf4_matmul,
+    )
 
     model, _ = load(four_bit=True)
     nf4 = NF4Decode(model)
@@ -319,8 +328,11 @@ def test_nf4_kernel_is_as_exact_as_bitsandbytes_and_peft(rows):
         state = base.weight.quant_state
         out_features, in_features = state.shape
         x = torch.randn(rows, in_features, dtype=torch.bfloat16, device="cuda")
+        if rows > 1:  # a row beyond fp16's range, which the kernel's product runs in
+            x[-1] *= 2.0 ** 17
         weight = PackedNF4.of(base)
         assert state.nested  # as train_gspo loads the policy (bnb_4bit_use_double_quant)
+        assert torch.equal(torch.tensor(NF4_CODES), state.code.cpu())  # the kernel's code book
         theirs_scales = dequantize_blockwise(state.absmax, state.state2) + state.offset
         torch.testing.assert_close(weight.scales(), theirs_scales.float(), rtol=1e-6, atol=0)
         scales, packed = weight.scales(), weight.packed.view(-1)

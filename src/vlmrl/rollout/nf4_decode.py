@@ -6,15 +6,17 @@ and five times the weight's bytes per projection. Here two Triton launches do it
 the packed 4-bit weight once and decodes it in registers, with K split over the SMs so that a few
 rows still keep the GPU busy, and its first column tile also computes the adapter's `x A^T`; the
 second adds the splits in a fixed order (replays give equal bits) plus `s (x A^T) B^T` and rounds
-once to bf16. Each K tile is one scale block: the unrounded NF4 values (bitsandbytes'
-`dequantize_nf4_tree`, selects in registers) multiply x's even and odd columns (tf32) and the
-block scale multiplies the product, so the weights are never rounded to bf16. The block scales
-are read as bitsandbytes keeps them (8-bit codes of the nested quantization, undone per block and
-column in the kernel), so the kernel adds no memory beyond its partial sums; a table lookup of
-the NF4 values in place of the selects measured slower (docs/benchmarks.md). The adapter is
-read where it lives (`lora_A.weight`, `lora_B.weight`), so a CUDA graph captured over it sees every
-optimizer step; it is added in float32 before the one rounding (PEFT rounds it first). The
-operator `vlmrl::nf4_matmul` wraps it for torch.compile. Measured speed and exactness:
+once to bf16. Each K tile is one scale block. The codes become fp16 NF4 values by byte
+permutes (`prmt`, a table lookup in registers: bitsandbytes' selects cost several times the
+instructions), and the product runs in fp16 with the weight as the tensor cores' register
+operand: the values are tf32's rounding of the float32 code book, x is exact in fp16 once each
+row is scaled by a power of two that keeps it in range, and the block scale and that power of
+two multiply the float32 product, so the weights are never rounded to bf16. The scales' 8-bit
+codes (nested quantization) are copied once in K-tile-major order, a byte per 64 weights, so
+that a program reads its columns' codes in one coalesced load, and are undone in the kernel.
+The adapter is read where it lives (`lora_A.weight`, `lora_B.weight`), so a CUDA graph captured
+over it sees every optimizer step; it is added in float32 before the one rounding (PEFT rounds
+it first). The operator `vlmrl::nf4_matmul` wraps it for torch.compile. Measured speed and exactness:
 docs/benchmarks.md. Dropout is not applied (as in `MergedLoRA` and vLLM): with
 `train.lora.dropout` above 0 the layers of a module in training mode keep PEFT's forward."""
 
@@ -28,6 +30,11 @@ from dataclasses import dataclass
 import torch
 
 MAX_ROWS = 64  # rows per call served by the kernel; more rows (prefill) take bitsandbytes' path
+# bitsandbytes' NF4 code book (`bitsandbytes.functional.get_4bit_type("nf4")`), by 4-bit code
+NF4_CODES = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+             -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+             0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+             0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0)
 
 
 def kernel_available() -> bool:
@@ -42,17 +49,31 @@ def kernel_available() -> bool:
 def _kernel():
     import triton
     import triton.language as tl
-    from bitsandbytes.backends.triton.kernels_4bit import dequantize_nf4_tree
+
+    lookup = tl.constexpr(nf4_lookup_asm())
 
     @triton.jit
-    def nf4_lora_matmul(x_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset,
+    def nf4_values(packed):
+        """The fp16 NF4 values of the high (even) and low (odd) nibbles of each byte."""
+        return tl.inline_asm_elementwise(lookup, "=r,=r,=r,=r,r", [packed],
+                                         dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+
+    @triton.jit
+    def fp16_shift(largest):
+        """The power of two (its exponent) that brings `largest` below 2**15."""
+        exponent = ((largest.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        return tl.maximum(exponent - 14, 0)
+
+    @triton.jit
+    def nf4_lora_matmul(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset,
                         a_ptr, part_ptr, xa_part_ptr, M, N, K, rank, stride_x,
                         K_SPLIT: tl.constexpr, NESTED: tl.constexpr, BLOCK2: tl.constexpr,
                         HAS_LORA: tl.constexpr, QBLOCK: tl.constexpr, R: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """One [rows, BLOCK_N] tile of x W^T over K_SPLIT of K (program_id 1 says which), one
-        scale block per step, in float32 to the partial sums part[split]; the first column tile
-        also writes its split's share of x A^T (float32, as PEFT) to xa_part[split]."""
+        """One [BLOCK_N, rows] tile of W x^T over K_SPLIT of K (program_id 1 says which), one
+        scale block per step, in float32 to the partial sums part[split] (stored as x W^T);
+        the first column tile also writes its split's share of x A^T (float32, as PEFT) to
+        xa_part[split]."""
         split = tl.program_id(1)
         first_tile = tl.program_id(0) == 0
         rows = tl.arange(0, BLOCK_M)
@@ -60,41 +81,41 @@ def _kernel():
         row_ok = rows < M
         col_ok = cols < N
         pairs = tl.arange(0, QBLOCK // 2)  # byte j holds weights 2j (high nibble) and 2j + 1
+        within = tl.arange(0, QBLOCK)
         ranks = tl.arange(0, R)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         xa = tl.zeros((BLOCK_M, R), dtype=tl.float32)
         for step in range(0, K_SPLIT, QBLOCK):
             k0 = split * K_SPLIT + step
-            even = k0 + 2 * pairs
-            x_even = tl.load(x_ptr + rows[:, None] * stride_x + even[None, :],
-                             mask=row_ok[:, None], other=0.0)
-            x_odd = tl.load(x_ptr + rows[:, None] * stride_x + (even + 1)[None, :],
-                            mask=row_ok[:, None], other=0.0)
+            x = tl.load(x_ptr + rows[:, None] * stride_x + (k0 + within)[None, :],
+                        mask=row_ok[:, None], other=0.0).to(tl.float32)
             packed = tl.load(w_ptr + cols[:, None] * (K // 2) + (k0 // 2 + pairs)[None, :],
                              mask=col_ok[:, None], other=0)
-            block = cols * (K // QBLOCK) + k0 // QBLOCK
+            # the block scales' codes are read K tile by K tile (`codes_ptr`: [K // QBLOCK, N])
             if NESTED:  # bitsandbytes' double quantization: an 8-bit code per block
-                quantized = tl.load(absmax_ptr + block, mask=col_ok, other=0).to(tl.int32)
-                scale = (tl.load(code2_ptr + quantized)
+                quantized = tl.load(codes_ptr + (k0 // QBLOCK) * N + cols, mask=col_ok, other=0)
+                block = cols * (K // QBLOCK) + k0 // QBLOCK
+                scale = (tl.load(code2_ptr + quantized.to(tl.int32))
                          * tl.load(absmax2_ptr + block // BLOCK2, mask=col_ok, other=0.0)) + offset
             else:
-                scale = tl.load(absmax_ptr + block, mask=col_ok, other=0.0)
-            # unrounded NF4 values (tf32) against x's even and odd columns, then the block scale
-            codes = tl.dot(x_even.to(tl.float32), tl.trans(dequantize_nf4_tree(packed >> 4)),
-                           input_precision="tf32")
-            codes += tl.dot(x_odd.to(tl.float32), tl.trans(dequantize_nf4_tree(packed & 0xF)),
-                            input_precision="tf32")
-            acc += codes * scale[None, :]
+                scale = tl.load(codes_ptr + (k0 // QBLOCK) * N + cols, mask=col_ok, other=0.0)
+            high, low = nf4_values(packed)
+            values = tl.reshape(tl.join(high, low), (BLOCK_N, QBLOCK))  # weights 2j, 2j + 1
+            # fp16 NF4 values (tf32's rounding of the code book) against x in fp16, each row
+            # scaled by a power of two that keeps it inside fp16's range (exact: bf16 carries
+            # fewer mantissa bits), then the block scale and the row's power of two
+            shift = fp16_shift(tl.max(tl.abs(x), 1))
+            down = ((127 - shift) << 23).to(tl.float32, bitcast=True)
+            up = ((127 + shift) << 23).to(tl.float32, bitcast=True)
+            codes = tl.dot(values, tl.trans((x * down[:, None]).to(tl.float16)))
+            acc += codes * scale[:, None] * up[None, :]
             if HAS_LORA:  # noqa: SIM102  (a compile-time branch around a run-time one)
                 if first_tile:
-                    a_even = tl.load(a_ptr + ranks[:, None] * K + even[None, :],
-                                     mask=ranks[:, None] < rank, other=0.0).to(tl.float32)
-                    a_odd = tl.load(a_ptr + ranks[:, None] * K + (even + 1)[None, :],
-                                    mask=ranks[:, None] < rank, other=0.0).to(tl.float32)
-                    xa += tl.dot(x_even.to(tl.float32), tl.trans(a_even), input_precision="ieee")
-                    xa += tl.dot(x_odd.to(tl.float32), tl.trans(a_odd), input_precision="ieee")
-        tl.store(part_ptr + split * M * N + rows[:, None] * N + cols[None, :], acc,
-                 mask=row_ok[:, None] & col_ok[None, :])
+                    a = tl.load(a_ptr + ranks[:, None] * K + (k0 + within)[None, :],
+                                mask=ranks[:, None] < rank, other=0.0).to(tl.float32)
+                    xa += tl.dot(x, tl.trans(a), input_precision="ieee")
+        tl.store(part_ptr + split * M * N + rows[None, :] * N + cols[:, None], acc,
+                 mask=row_ok[None, :] & col_ok[:, None])
         if HAS_LORA:  # noqa: SIM102  (a compile-time branch around a run-time one)
             if first_tile:
                 tl.store(xa_part_ptr + split * M * R + rows[:, None] * R + ranks[None, :], xa,
@@ -125,6 +146,36 @@ def _kernel():
         tl.store(out_ptr + where, total.to(tl.bfloat16), mask=ok)
 
     return triton, nf4_lora_matmul, sum_splits
+
+
+def code_bytes(shift: int) -> list[int]:
+    """Byte `shift // 8` of each NF4 value's fp16 bits, four codes to a 32-bit word (code 4i in
+    the word's low byte): the tables `prmt` picks from."""
+    bits = [int(v) & 0xFFFF for v in torch.tensor(NF4_CODES, dtype=torch.float16).view(torch.int16)]
+    picked = [(v >> shift) & 0xFF for v in bits]
+    return [sum(picked[4 * word + i] << (8 * i) for i in range(4)) for word in range(4)]
+
+
+def nf4_lookup_asm() -> str:
+    """PTX for four packed bytes ($4) to the fp16 NF4 values of their high nibbles ($0, $1: two
+    bytes each) and low nibbles ($2, $3). Each value's low and high byte is looked up with
+    `prmt` (byte permute: four 3-bit picks out of two 32-bit words, i.e. eight table entries at
+    once), a third `prmt` keeps the pick of the half of the table that the code's top bit names,
+    and a last one interleaves low and high bytes into fp16 pairs (the values equal tf32's
+    rounding of the float32 code book)."""
+    lines = [".reg .b32 l<4>, h<4>, q, s, m, la, lb, ha, hb, lo, hi;"]
+    lines += [f"mov.b32 l{i}, {word:#010x};" for i, word in enumerate(code_bytes(0))]
+    lines += [f"mov.b32 h{i}, {word:#010x};" for i, word in enumerate(code_bytes(8))]
+    for source, even, odd in (("$4", "$0", "$2"), ("q", "$1", "$3")):
+        if source == "q":
+            lines.append("shr.b32 q, $4, 16;")  # bytes 2 and 3; prmt reads 16 selector bits
+        # selector nibble i is byte i // 2's low (i even) or high nibble: output byte i's code
+        lines += [f"and.b32 s, {source}, 0x7777;",
+                  f"shr.b32 m, {source}, 1;", "and.b32 m, m, 0x4444;", "or.b32 m, m, 0x3210;",
+                  "prmt.b32 la, l0, l1, s;", "prmt.b32 lb, l2, l3, s;", "prmt.b32 lo, la, lb, m;",
+                  "prmt.b32 ha, h0, h1, s;", "prmt.b32 hb, h2, h3, s;", "prmt.b32 hi, ha, hb, m;",
+                  f"prmt.b32 {even}, lo, hi, 0x7351;", f"prmt.b32 {odd}, lo, hi, 0x6240;"]
+    return "{\n" + "\n".join(lines) + "\n}"
 
 
 @dataclass(frozen=True)
@@ -172,10 +223,12 @@ def servable(layer) -> bool:
 
 @dataclass(frozen=True)
 class PackedNF4:
-    """What the kernel reads of a Linear4bit, all of it bitsandbytes' own tensors: the packed
-    4-bit weight (a plain tensor, not bitsandbytes' Parameter subclass), the block scales
-    (`absmax`: float32, or with nested quantization 8-bit codes that `code2`, `absmax2` per
-    `block2` blocks and `offset` undo) and the shape."""
+    """What the kernel reads of a Linear4bit: the packed 4-bit weight (bitsandbytes' own tensor,
+    not its Parameter subclass), the block scales (`absmax`: float32, or with nested
+    quantization 8-bit codes that `code2`, `absmax2` per `block2` blocks and `offset` undo) and
+    the shape. `absmax` is a copy of bitsandbytes' in K-tile-major order ([in / blocksize,
+    out]: one byte per 64 weights), so that a program reads its columns' scales of one K tile
+    in one coalesced load; the nested tensors are bitsandbytes' own."""
 
     packed: torch.Tensor
     absmax: torch.Tensor
@@ -191,21 +244,24 @@ class PackedNF4:
     def of(cls, layer) -> PackedNF4:
         state = layer.weight.quant_state
         out_features, in_features = tuple(state.shape)
+        by_k_tile = state.absmax.view(out_features, in_features // state.blocksize).t().contiguous()
         if not state.nested:
-            return cls(layer.weight.data, state.absmax.float().contiguous(), out_features,
-                       in_features, state.blocksize)
+            return cls(layer.weight.data, by_k_tile.float(), out_features, in_features,
+                       state.blocksize)
         nested = state.state2
-        return cls(layer.weight.data, state.absmax.contiguous(), out_features, in_features,
+        return cls(layer.weight.data, by_k_tile, out_features, in_features,
                    state.blocksize, nested.absmax.contiguous(),
                    nested.code.to(device=layer.weight.device, dtype=torch.float32).contiguous(),
                    float(state.offset), nested.blocksize)
 
     def scales(self) -> torch.Tensor:
-        """The float32 scale of every block, as bitsandbytes dequantizes it (for tests)."""
+        """The float32 scale of every block in bitsandbytes' order, as it dequantizes them (for
+        tests)."""
+        codes = self.absmax.t().reshape(-1)
         if self.absmax2 is None:
-            return self.absmax
-        return (self.code2[self.absmax.long()]
-                * self.absmax2.repeat_interleave(self.block2)[:self.absmax.numel()] + self.offset)
+            return codes
+        return (self.code2[codes.long()]
+                * self.absmax2.repeat_interleave(self.block2)[:codes.numel()] + self.offset)
 
 
 def nf4_matmul(x: torch.Tensor, weight: PackedNF4, lora: tuple | None = None,
