@@ -204,10 +204,10 @@ def kernel_table(files: list[Path]) -> str:
              "of the compiled graph (NF4 kernel, grouped attention), timed over 256 steps, its "
              "kernels profiled over 8 replayed steps (share: of the step); % of bound: the weights' bytes per step against the copy "
              "bandwidth measured in the same call."), "",
-             f"| model | rows | KV cache | ms / step | tok/s | % of bound | {header} |",
-             "| --- | ---: | --- | ---: | ---: | ---: |" + " ---: |" * len(KERNEL_GROUPS)]
+             f"| model | rows | KV cache | ms / step | tok/s | % of bound | {header} | results file |",
+             "| --- | ---: | --- | ---: | ---: | ---: |" + " ---: |" * len(KERNEL_GROUPS) + " --- |"]
     for path in files:
-        lines += render_results(path, kernel_rows)
+        lines += [f"{row} `{path.name}` |" for row in render_results(path, kernel_rows)]
     return "\n".join(lines)
 
 

@@ -189,8 +189,9 @@ class Tiles:
     programs_per_sm: float = 4
 
 
-# The tiles the sweeps of the kernel before its scales moved inside it chose (NF4 decode kernel in
-# docs/benchmarks-history.md); this kernel's own sweep is not stored.
+# The tiles the sweeps of earlier kernels chose (NF4 decode kernel in docs/benchmarks-history.md);
+# on this kernel, four tile shapes timed per projection shape of both models found none clearly
+# faster (tests/gpu/README.md, 2026-11-27).
 TILES = Tiles(block_n=128)
 # Columns per program of the sum of the splits: narrow, so that a projection of 1024 columns still
 # spreads its partial sums (splits x rows x 16 floats a program) over most SMs.
