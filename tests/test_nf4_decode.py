@@ -193,11 +193,3 @@ def test_the_nf4_lookup_gives_every_bytes_two_fp16_values():
             low = (out["$2"] | out["$3"] << 32) >> 16 * place & 0xFFFF
             assert (high, low) == (fp16_bits[byte >> 4], fp16_bits[byte & 0xF]), (place, byte)
 
-
-def test_the_fp16_code_book_is_tf32s_rounding_of_bitsandbytes_float32_one():
-    from vlmrl.rollout.nf4_decode import NF4_CODES
-
-    codes = torch.tensor(NF4_CODES, dtype=torch.float32)
-    bits = codes.view(torch.int32).to(torch.int64)
-    tf32 = ((bits + 0x1000) & 0xFFFFE000).to(torch.int32).view(torch.float32)  # round to nearest
-    assert torch.equal(codes.to(torch.float16).float(), tf32)

@@ -300,8 +300,8 @@ def test_nf4_kernel_is_as_exact_as_bitsandbytes_and_peft(rows):
     LoRA here covers q, v and down; k and the MLP's gate are bare), for the shipped tiles and
     another tile shape: the block scales it undoes in the kernel are bitsandbytes' own; against a
     float32 product of the NF4 values times their block scales (unrounded) and the adapter, its
-    error is no larger than bitsandbytes + PEFT's, also for a row of x beyond fp16's range;
-    and the layer's place in the model under
+    error is no larger than bitsandbytes + PEFT's, also for rows of x beyond fp16's range and
+    below its normal range; and the layer's place in the model under
     `active()` computes `nf4_matmul` with the shipped tiles."""
     from bitsandbytes.functional import dequantize_blockwise
 
@@ -328,8 +328,9 @@ def test_nf4_kernel_is_as_exact_as_bitsandbytes_and_peft(rows):
         state = base.weight.quant_state
         out_features, in_features = state.shape
         x = torch.randn(rows, in_features, dtype=torch.bfloat16, device="cuda")
-        if rows > 1:  # a row beyond fp16's range, which the kernel's product runs in
+        if rows > 1:  # rows beyond fp16's range and below its normal one (its product's)
             x[-1] *= 2.0 ** 17
+            x[0] *= 2.0 ** -20
         weight = PackedNF4.of(base)
         assert state.nested  # as train_gspo loads the policy (bnb_4bit_use_double_quant)
         assert torch.equal(torch.tensor(NF4_CODES), state.code.cpu())  # the kernel's code book

@@ -9,11 +9,12 @@ second adds the splits in a fixed order (replays give equal bits) plus `s (x A^T
 once to bf16. Each K tile is one scale block. The codes become fp16 NF4 values by byte
 permutes (`prmt`, a table lookup in registers: bitsandbytes' selects cost several times the
 instructions), and the product runs in fp16 with the weight as the tensor cores' register
-operand: the values are tf32's rounding of the float32 code book, x is exact in fp16 once each
-row is scaled by a power of two that keeps it in range, and the block scale and that power of
-two multiply the float32 product, so the weights are never rounded to bf16. The scales' 8-bit
-codes (nested quantization) are copied once in K-tile-major order, a byte per 64 weights, so
-that a program reads its columns' codes in one coalesced load, and are undone in the kernel.
+operand: the values are tf32's rounding of the float32 code book, each row of x's K tile is
+scaled by a power of two that puts its largest element near fp16's largest (exact in fp16 but
+for elements 2**-29 of it or smaller), and the block scale and that power of two multiply the
+float32 product, so the weights are never rounded to bf16. The block scales (8-bit codes with
+nested quantization, undone in the kernel) are copied once in K-tile-major order, next to
+bitsandbytes' own, so that a program reads its columns' scales in one coalesced load.
 The adapter is read where it lives (`lora_A.weight`, `lora_B.weight`), so a CUDA graph captured
 over it sees every optimizer step; it is added in float32 before the one rounding (PEFT rounds
 it first). The operator `vlmrl::nf4_matmul` wraps it for torch.compile. Measured speed and exactness:
@@ -60,9 +61,11 @@ def _kernel():
 
     @triton.jit
     def fp16_shift(largest):
-        """The power of two (its exponent) that brings `largest` below 2**15."""
+        """The exponent of the power of two that brings `largest` into [2**14, 2**15): down for
+        large rows, up for small ones (so that their small elements stay normal in fp16), at
+        most 2**126 either way (a zero row)."""
         exponent = ((largest.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-        return tl.maximum(exponent - 14, 0)
+        return tl.maximum(exponent - 14, -126)
 
     @triton.jit
     def nf4_lora_matmul(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset,
@@ -101,9 +104,10 @@ def _kernel():
                 scale = tl.load(codes_ptr + (k0 // QBLOCK) * N + cols, mask=col_ok, other=0.0)
             high, low = nf4_values(packed)
             values = tl.reshape(tl.join(high, low), (BLOCK_N, QBLOCK))  # weights 2j, 2j + 1
-            # fp16 NF4 values (tf32's rounding of the code book) against x in fp16, each row
-            # scaled by a power of two that keeps it inside fp16's range (exact: bf16 carries
-            # fewer mantissa bits), then the block scale and the row's power of two
+            # fp16 NF4 values (tf32's rounding of the code book) against x in fp16, each row of
+            # the tile scaled by a power of two that puts its largest element just below fp16's
+            # largest (exact but for elements 2**-29 of it or smaller), then the block scale
+            # and the row's power of two
             shift = fp16_shift(tl.max(tl.abs(x), 1))
             down = ((127 - shift) << 23).to(tl.float32, bitcast=True)
             up = ((127 + shift) << 23).to(tl.float32, bitcast=True)
@@ -228,8 +232,9 @@ class PackedNF4:
     not its Parameter subclass), the block scales (`absmax`: float32, or with nested
     quantization 8-bit codes that `code2`, `absmax2` per `block2` blocks and `offset` undo) and
     the shape. `absmax` is a copy of bitsandbytes' in K-tile-major order ([in / blocksize,
-    out]: one byte per 64 weights), so that a program reads its columns' scales of one K tile
-    in one coalesced load; the nested tensors are bitsandbytes' own."""
+    out]; with nested quantization a byte per 64 weights, kept as long as the `NF4Decode`), so
+    that a program reads its columns' scales of one K tile in one coalesced load; the nested
+    tensors are bitsandbytes' own."""
 
     packed: torch.Tensor
     absmax: torch.Tensor
