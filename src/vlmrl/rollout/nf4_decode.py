@@ -7,8 +7,8 @@ the packed 4-bit weight once and decodes it in registers, with K split over the 
 rows still keep the GPU busy, and its first column tile also computes the adapter's `x A^T`; the
 second adds the splits in a fixed order (replays give equal bits) plus `s (x A^T) B^T` and rounds
 once to bf16. Each K tile is one scale block. The codes become fp16 NF4 values by byte
-permutes (`prmt`, a table lookup in registers: bitsandbytes' selects cost several times the
-instructions), and the product runs in fp16 with the weight as the tensor cores' register
+permutes (`prmt`, a table lookup in registers; with bitsandbytes' selects the kernel's loop had
+about twice the instructions), and the product runs in fp16 with the weight as the tensor cores' register
 operand: the values are tf32's rounding of the float32 code book, each row of x's K tile is
 scaled by a power of two that puts its largest element near fp16's largest (exact in fp16 but
 for elements 2**-29 of it or smaller), and the block scale and that power of two multiply the
