@@ -1,25 +1,25 @@
-"""NF4 projections for decode steps. A decode step multiplies a few rows by each 4-bit
-weight; bitsandbytes does it by writing the whole weight out in bf16 (`dequantize_4bit`, after
-dequantizing the nested block scales) and reading it back for a bf16 matrix product, and PEFT adds
-the adapter in float32 with a clone, two casts, two products, a scale and an add: about ten kernels
-and five times the weight's bytes per projection. Here two Triton launches do it: the first reads
-the packed 4-bit weight once and decodes it in registers, with K split over the SMs so that a few
-rows still keep the GPU busy, and its first column tile also computes the adapter's `x A^T`; the
-second adds the splits in a fixed order (replays give equal bits) plus `s (x A^T) B^T` and rounds
-once to bf16. Each K tile is one scale block. The codes become fp16 NF4 values by byte
-permutes (`prmt`, a table lookup in registers; with bitsandbytes' selects the kernel's loop had
-about twice the instructions), and the product runs in fp16 with the weight as the tensor cores' register
-operand: the values are tf32's rounding of the float32 code book, each row of x's K tile is
-scaled by a power of two that puts its largest element near fp16's largest (exact in fp16 but
-for elements 2**-29 of it or smaller), and the block scale and that power of two multiply the
-float32 product, so the weights are never rounded to bf16. The block scales (8-bit codes with
-nested quantization, undone in the kernel) are copied once in K-tile-major order, next to
-bitsandbytes' own, so that a program reads its columns' scales in one coalesced load.
-The adapter is read where it lives (`lora_A.weight`, `lora_B.weight`), so a CUDA graph captured
-over it sees every optimizer step; it is added in float32 before the one rounding (PEFT rounds
-it first). The operator `vlmrl::nf4_matmul` wraps it for torch.compile. Measured speed and exactness:
-docs/benchmarks.md. Dropout is not applied (as in `MergedLoRA` and vLLM): with
-`train.lora.dropout` above 0 the layers of a module in training mode keep PEFT's forward."""
+"""NF4 projections for decode steps. A decode step multiplies a few rows by each 4-bit weight;
+bitsandbytes does it by writing the whole weight out in bf16 (`dequantize_4bit`, after dequantizing
+the nested block scales) and reading it back for a bf16 matrix product, and PEFT adds the adapter
+in float32 with a clone, two casts, two products, a scale and an add: about ten kernels and five
+times the weight's bytes per projection. Here two Triton launches do it: the first reads the packed
+4-bit weight once and decodes it in registers, with K split over the SMs so that a few rows still
+keep the GPU busy, and its first column tile also computes the adapter's `x A^T`; the second adds
+the splits in a fixed order (replays give equal bits) plus `s (x A^T) B^T` and rounds once to bf16.
+Each K tile is one scale block. The codes become fp16 NF4 values by byte permutes (`prmt`, a table
+lookup in registers; with bitsandbytes' selects the kernel's loop had about twice the
+instructions), and the product runs in fp16 with the weight as the tensor cores' register operand:
+the values are tf32's rounding of the float32 code book, each row of x's K tile is scaled by a
+power of two that puts its largest element near fp16's largest (exact in fp16 but for elements
+2**-29 of it or smaller), and the block scale and that power of two multiply the float32 product,
+so the weights are never rounded to bf16. The block scales (8-bit codes with nested quantization,
+undone in the kernel) are copied once in K-tile-major order, next to bitsandbytes' own, so that a
+program reads its columns' scales in one coalesced load. The adapter is read where it lives
+(`lora_A.weight`, `lora_B.weight`), so a CUDA graph captured over it sees every optimizer step; it
+is added in float32 before the one rounding (PEFT rounds it first). The operator
+`vlmrl::nf4_matmul` wraps it for torch.compile. Measured speed and exactness: docs/benchmarks.md.
+Dropout is not applied (as in `MergedLoRA` and vLLM): with `train.lora.dropout` above 0 the layers
+of a module in training mode keep PEFT's forward."""
 
 from __future__ import annotations
 
