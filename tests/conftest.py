@@ -5,6 +5,7 @@ leftover_processes fail a run that leaves a server behind."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,15 @@ from project_repo import stage_command as _stage_command
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
+
+# Without a GPU, Triton kernels run under Triton's interpreter (tests/test_nf4_decode.py). It is
+# chosen when Triton is imported (its own library functions are made then), so it is set here,
+# before any test imports Triton.
+if importlib.util.find_spec("torch") is not None:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 TESTMINI = SHARED / "mathvista" / "testmini.json"
 
 

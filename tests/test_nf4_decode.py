@@ -1,5 +1,7 @@
-"""The CPU-side parts of `vlmrl.rollout.nf4_decode` (the kernel itself runs only on a GPU: its tests
-are in tests/gpu/test_graph_decode_gpu.py): how K is split over the SMs, when the kernel is taken."""
+"""`vlmrl.rollout.nf4_decode` on the CPU: how K is split over the SMs, when the kernel is taken,
+the code lookup's PTX (run by a small interpreter of its instructions), and the kernels under
+Triton's interpreter with the lookup by selects. Speed and the real lookup on a GPU:
+tests/gpu/test_graph_decode_gpu.py."""
 
 from __future__ import annotations
 
@@ -193,3 +195,76 @@ def test_the_nf4_lookup_gives_every_bytes_two_fp16_values():
             low = (out["$2"] | out["$3"] << 32) >> 16 * place & 0xFFFF
             assert (high, low) == (fp16_bits[byte >> 4], fp16_bits[byte & 0xF]), (place, byte)
 
+
+
+@pytest.fixture
+def interpreted_kernel(monkeypatch):
+    """`nf4_decode`'s kernels under Triton's interpreter (the CPU, where tests/conftest.py turns it
+    on; the code lookup by selects, as the interpreter runs no PTX), on a pretend GPU of 4 SMs."""
+    import os
+
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton's interpreter is off (a GPU is present): tests/gpu cover the kernel")
+    from vlmrl.rollout import nf4_decode
+
+    monkeypatch.setattr(nf4_decode, "_sm_count", lambda device: 4)
+    return nf4_decode
+
+
+def random_nf4(out_features: int, in_features: int, nested: bool, generator: torch.Generator):
+    """A PackedNF4 of random codes and block scales, and its float64 dense weight."""
+    from vlmrl.rollout.nf4_decode import NF4_CODES, PackedNF4
+
+    blocks = out_features * in_features // 64
+    packed = torch.randint(0, 256, (out_features * in_features // 2, 1), dtype=torch.uint8,
+                           generator=generator)
+    if nested:
+        codes = torch.randint(0, 256, (blocks,), dtype=torch.uint8, generator=generator)
+        code2 = torch.sort(torch.rand(256, generator=generator)).values
+        absmax2 = torch.rand(-(-blocks // 256), generator=generator) * 0.1
+        scales = code2[codes.long()] * absmax2.repeat_interleave(256)[:blocks] + 0.01
+        by_k_tile = codes.view(out_features, -1).t().contiguous()
+        weight = PackedNF4(packed, by_k_tile, out_features, in_features, 64, absmax2, code2, 0.01)
+    else:
+        scales = torch.rand(blocks, generator=generator) * 0.1
+        weight = PackedNF4(packed, scales.view(out_features, -1).t().contiguous(), out_features,
+                           in_features, 64)
+    assert torch.equal(weight.scales(), scales)  # bitsandbytes' order back from K-tile-major
+    codes_of = torch.tensor(NF4_CODES, dtype=torch.float64)
+    flat = packed.view(-1).long()
+    values = torch.stack([codes_of[flat >> 4], codes_of[flat & 15]], 1).reshape(-1, 64)
+    return weight, (values * scales.double()[:, None]).reshape(out_features, in_features)
+
+
+@pytest.mark.parametrize(("rows", "out_features", "in_features", "nested", "lora", "tiles",
+                          "row_scales"), [
+    (3, 128, 256, True, True, Tiles(block_n=64, programs_per_sm=1), {0: 2.0 ** 17, 2: 2.0 ** -20}),
+    (17, 192, 128, False, False, Tiles(block_n=64, programs_per_sm=8), {5: 2.0 ** -30, 6: 0.0}),
+    (32, 256, 256, True, False, TILES, {1: 2.0 ** 40})])
+def test_the_kernel_matches_a_float64_product_under_the_interpreter(
+        interpreted_kernel, rows, out_features, in_features, nested, lora, tiles, row_scales):
+    """The whole kernel (scale codes read K tile by K tile, x's rows scaled into fp16 and back,
+    the transposed product, the splits' sum, the adapter) against float64 row by row, for
+    column counts that are not a multiple of the tile, rows far above and below fp16's range
+    and a row of zeros; the interpreter rounds bf16 by truncation, hence 2e-2 of a row's
+    largest value."""
+    generator = torch.Generator().manual_seed(rows)
+    weight, dense = random_nf4(out_features, in_features, nested, generator)
+    x = torch.randn(rows, in_features, generator=generator).to(torch.bfloat16)
+    for row, scale in row_scales.items():
+        x[row] *= scale
+    expected = x.double() @ dense.t()
+    adapter = None
+    if lora:
+        a = torch.randn(16, in_features, generator=generator) * 0.05
+        b = torch.randn(out_features, 16, generator=generator) * 0.05
+        expected += 0.5 * (x.double() @ a.double().t()) @ b.double().t()
+        adapter = (a, b, 0.5)
+    got = interpreted_kernel.nf4_matmul(x, weight, adapter, tiles).double()
+    for row in range(rows):
+        largest = expected[row].abs().max()
+        if largest == 0:
+            assert torch.equal(got[row], expected[row]), row
+        else:
+            assert (got[row] - expected[row]).abs().max() < 2e-2 * largest, row

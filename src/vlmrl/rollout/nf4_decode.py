@@ -17,9 +17,10 @@ undone in the kernel) are copied once in K-tile-major order, next to bitsandbyte
 program reads its columns' scales in one coalesced load. The adapter is read where it lives
 (`lora_A.weight`, `lora_B.weight`), so a CUDA graph captured over it sees every optimizer step; it
 is added in float32 before the one rounding (PEFT rounds it first). The operator
-`vlmrl::nf4_matmul` wraps it for torch.compile. Measured speed and exactness: docs/benchmarks.md.
-Dropout is not applied (as in `MergedLoRA` and vLLM): with `train.lora.dropout` above 0 the layers
-of a module in training mode keep PEFT's forward."""
+`vlmrl::nf4_matmul` wraps it for torch.compile; the kernels themselves are in
+`vlmrl.rollout.nf4_kernels`, imported where they run. Measured speed and exactness:
+docs/benchmarks.md. Dropout is not applied (as in `MergedLoRA` and vLLM): with `train.lora.dropout`
+above 0 the layers of a module in training mode keep PEFT's forward."""
 
 from __future__ import annotations
 
@@ -49,107 +50,10 @@ def kernel_available() -> bool:
 @functools.cache
 def _kernel():
     import triton
-    import triton.language as tl
 
-    lookup = tl.constexpr(nf4_lookup_asm())
+    from vlmrl.rollout import nf4_kernels
 
-    @triton.jit
-    def nf4_values(packed):
-        """The fp16 NF4 values of the high (even) and low (odd) nibbles of each byte."""
-        return tl.inline_asm_elementwise(lookup, "=r,=r,=r,=r,r", [packed],
-                                         dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
-
-    @triton.jit
-    def fp16_shift(largest):
-        """The exponent of the power of two that brings `largest` into [2**14, 2**15): down for
-        large rows, up for small ones (so that their small elements stay normal in fp16), at
-        most 2**126 either way (a zero row)."""
-        exponent = ((largest.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-        return tl.maximum(exponent - 14, -126)
-
-    @triton.jit
-    def nf4_lora_matmul(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset,
-                        a_ptr, part_ptr, xa_part_ptr, M, N, K, rank, stride_x,
-                        K_SPLIT: tl.constexpr, NESTED: tl.constexpr, BLOCK2: tl.constexpr,
-                        HAS_LORA: tl.constexpr, QBLOCK: tl.constexpr, R: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """One [BLOCK_N, rows] tile of W x^T over K_SPLIT of K (program_id 1 says which), one
-        scale block per step, in float32 to the partial sums part[split] (stored as x W^T);
-        the first column tile also writes its split's share of x A^T (float32, as PEFT) to
-        xa_part[split]."""
-        split = tl.program_id(1)
-        first_tile = tl.program_id(0) == 0
-        rows = tl.arange(0, BLOCK_M)
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < M
-        col_ok = cols < N
-        pairs = tl.arange(0, QBLOCK // 2)  # byte j holds weights 2j (high nibble) and 2j + 1
-        within = tl.arange(0, QBLOCK)
-        ranks = tl.arange(0, R)
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        xa = tl.zeros((BLOCK_M, R), dtype=tl.float32)
-        for step in range(0, K_SPLIT, QBLOCK):
-            k0 = split * K_SPLIT + step
-            x = tl.load(x_ptr + rows[:, None] * stride_x + (k0 + within)[None, :],
-                        mask=row_ok[:, None], other=0.0).to(tl.float32)
-            packed = tl.load(w_ptr + cols[:, None] * (K // 2) + (k0 // 2 + pairs)[None, :],
-                             mask=col_ok[:, None], other=0)
-            # the block scales' codes are read K tile by K tile (`codes_ptr`: [K // QBLOCK, N])
-            if NESTED:  # bitsandbytes' double quantization: an 8-bit code per block
-                quantized = tl.load(codes_ptr + (k0 // QBLOCK) * N + cols, mask=col_ok, other=0)
-                block = cols * (K // QBLOCK) + k0 // QBLOCK
-                scale = (tl.load(code2_ptr + quantized.to(tl.int32))
-                         * tl.load(absmax2_ptr + block // BLOCK2, mask=col_ok, other=0.0)) + offset
-            else:
-                scale = tl.load(codes_ptr + (k0 // QBLOCK) * N + cols, mask=col_ok, other=0.0)
-            high, low = nf4_values(packed)
-            values = tl.reshape(tl.join(high, low), (BLOCK_N, QBLOCK))  # weights 2j, 2j + 1
-            # fp16 NF4 values (tf32's rounding of the code book) against x in fp16, each row of
-            # the tile scaled by a power of two that puts its largest element just below fp16's
-            # largest (exact but for elements 2**-29 of it or smaller), then the block scale
-            # and the row's power of two
-            shift = fp16_shift(tl.max(tl.abs(x), 1))
-            down = ((127 - shift) << 23).to(tl.float32, bitcast=True)
-            up = ((127 + shift) << 23).to(tl.float32, bitcast=True)
-            codes = tl.dot(values, tl.trans((x * down[:, None]).to(tl.float16)))
-            acc += codes * scale[:, None] * up[None, :]
-            if HAS_LORA:  # noqa: SIM102  (a compile-time branch around a run-time one)
-                if first_tile:
-                    a = tl.load(a_ptr + ranks[:, None] * K + (k0 + within)[None, :],
-                                mask=ranks[:, None] < rank, other=0.0).to(tl.float32)
-                    xa += tl.dot(x, tl.trans(a), input_precision="ieee")
-        tl.store(part_ptr + split * M * N + rows[None, :] * N + cols[:, None], acc,
-                 mask=row_ok[None, :] & col_ok[:, None])
-        if HAS_LORA:  # noqa: SIM102  (a compile-time branch around a run-time one)
-            if first_tile:
-                tl.store(xa_part_ptr + split * M * R + rows[:, None] * R + ranks[None, :], xa,
-                         mask=row_ok[:, None])
-
-    @triton.jit
-    def sum_splits(part_ptr, xa_part_ptr, b_ptr, out_ptr, M, N, rank, scaling,
-                   SPLITS: tl.constexpr, HAS_LORA: tl.constexpr, R: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """out = bf16(sum of the splits + s (x A^T) B^T), added in split order (replays give
-        equal bits)."""
-        rows = tl.arange(0, BLOCK_M)
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        ok = (rows < M)[:, None] & (cols < N)[None, :]
-        where = rows[:, None] * N + cols[None, :]
-        total = tl.load(part_ptr + where, mask=ok, other=0.0)
-        for split in tl.static_range(1, SPLITS):
-            total += tl.load(part_ptr + split * M * N + where, mask=ok, other=0.0)
-        if HAS_LORA:
-            ranks = tl.arange(0, R)
-            at = rows[:, None] * R + ranks[None, :]
-            xa = tl.load(xa_part_ptr + at, mask=(rows < M)[:, None], other=0.0)
-            for split in tl.static_range(1, SPLITS):
-                xa += tl.load(xa_part_ptr + split * M * R + at, mask=(rows < M)[:, None], other=0.0)
-            b = tl.load(b_ptr + cols[:, None] * rank + ranks[None, :],
-                        mask=(cols < N)[:, None] & (ranks[None, :] < rank), other=0.0).to(tl.float32)
-            total += tl.dot(xa, tl.trans(b), input_precision="ieee") * scaling
-        tl.store(out_ptr + where, total.to(tl.bfloat16), mask=ok)
-
-    return triton, nf4_lora_matmul, sum_splits
+    return triton, nf4_kernels.nf4_lora_matmul, nf4_kernels.sum_splits
 
 
 def code_bytes(shift: int) -> list[int]:
