@@ -179,7 +179,7 @@ def run_ptx(asm: str, registers: dict[str, int]) -> dict[str, int]:
 def test_the_nf4_lookup_gives_every_bytes_two_fp16_values():
     """Every byte value in each of the four places of the packed word: the high nibble's NF4 value
     lands in the first output's fp16 of that place, the low nibble's in the second's."""
-    from vlmrl.rollout.nf4_decode import NF4_CODES, nf4_lookup_asm
+    from vlmrl.rollout.nf4_codes import NF4_CODES, nf4_lookup_asm
 
     asm = nf4_lookup_asm()
     fp16_bits = [int(v) & 0xFFFF for v in
@@ -214,7 +214,8 @@ def interpreted_kernel(monkeypatch):
 
 def random_nf4(out_features: int, in_features: int, nested: bool, generator: torch.Generator):
     """A PackedNF4 of random codes and block scales, and its float64 dense weight."""
-    from vlmrl.rollout.nf4_decode import NF4_CODES, PackedNF4
+    from vlmrl.rollout.nf4_codes import NF4_CODES
+    from vlmrl.rollout.nf4_decode import PackedNF4
 
     blocks = out_features * in_features // 64
     packed = torch.randint(0, 256, (out_features * in_features // 2, 1), dtype=torch.uint8,

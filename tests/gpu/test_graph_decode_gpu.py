@@ -305,8 +305,8 @@ def test_nf4_kernel_is_as_exact_as_bitsandbytes_and_peft(rows):
     `active()` computes `nf4_matmul` with the shipped tiles."""
     from bitsandbytes.functional import dequantize_blockwise
 
+    from vlmrl.rollout.nf4_codes import NF4_CODES
     from vlmrl.rollout.nf4_decode import (
-        NF4_CODES,
         TILES,
         NF4Decode,
         PackedNF4,

@@ -10,7 +10,7 @@ import os
 import triton
 import triton.language as tl
 
-from vlmrl.rollout.nf4_decode import NF4_CODES, nf4_lookup_asm
+from vlmrl.rollout.nf4_codes import NF4_CODES, nf4_lookup_asm
 
 LOOKUP = tl.constexpr(nf4_lookup_asm())
 K0, K1, K2, K3, K4, K5, K6, K7, K8, K9, K10, K11, K12, K13, K14, K15 = (
