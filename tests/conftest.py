@@ -18,29 +18,20 @@ from project_repo import stage_command as _stage_command
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
+TESTMINI = SHARED / "mathvista" / "testmini.json"
+HAS_CUDA = importlib.util.find_spec("torch") is not None and __import__("torch").cuda.is_available()
 
 # Without a GPU, Triton kernels run under Triton's interpreter (tests/test_nf4_decode.py). It is
 # chosen when Triton is imported (its own library functions are made then), so it is set here,
 # before any test imports Triton.
-if importlib.util.find_spec("torch") is not None:
-    import torch
-
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-TESTMINI = SHARED / "mathvista" / "testmini.json"
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):
-    import importlib.util
-
-    has_cuda = False
-    if importlib.util.find_spec("torch") is not None:
-        import torch
-
-        has_cuda = torch.cuda.is_available()
     skip_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU (CUDA not available)")
     for item in items:
-        if "gpu" in item.keywords and not has_cuda:
+        if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
 
 

@@ -13,7 +13,7 @@ import triton.language as tl
 from vlmrl.rollout.nf4_codes import NF4_CODES, nf4_lookup_asm
 
 LOOKUP = tl.constexpr(nf4_lookup_asm())
-K0, K1, K2, K3, K4, K5, K6, K7, K8, K9, K10, K11, K12, K13, K14, K15 = (
+C0, C1, C2, C3, C4, C5, C6, C7, C8, C9, C10, C11, C12, C13, C14, C15 = (
     tl.constexpr(value) for value in NF4_CODES)
 
 
@@ -21,10 +21,10 @@ K0, K1, K2, K3, K4, K5, K6, K7, K8, K9, K10, K11, K12, K13, K14, K15 = (
 def by_selects(code):
     """The fp16 NF4 value of each 4-bit code by a tree of selects."""
     b1, b2, b4, b8 = (code & 1) != 0, (code & 2) != 0, (code & 4) != 0, (code & 8) != 0
-    low = tl.where(b4, tl.where(b2, tl.where(b1, K7, K6), tl.where(b1, K5, K4)),
-                   tl.where(b2, tl.where(b1, K3, K2), tl.where(b1, K1, K0)))
-    high = tl.where(b4, tl.where(b2, tl.where(b1, K15, K14), tl.where(b1, K13, K12)),
-                    tl.where(b2, tl.where(b1, K11, K10), tl.where(b1, K9, K8)))
+    low = tl.where(b4, tl.where(b2, tl.where(b1, C7, C6), tl.where(b1, C5, C4)),
+                   tl.where(b2, tl.where(b1, C3, C2), tl.where(b1, C1, C0)))
+    high = tl.where(b4, tl.where(b2, tl.where(b1, C15, C14), tl.where(b1, C13, C12)),
+                    tl.where(b2, tl.where(b1, C11, C10), tl.where(b1, C9, C8)))
     return tl.where(b8, high, low).to(tl.float16)
 
 
@@ -72,19 +72,17 @@ def nf4_lora_matmul(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset,
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     xa = tl.zeros((BLOCK_M, R), dtype=tl.float32)
     for step in range(0, K_SPLIT, QBLOCK):
-        K0 = split * K_SPLIT + step
-        x = tl.load(x_ptr + rows[:, None] * stride_x + (K0 + within)[None, :],
+        k0 = split * K_SPLIT + step
+        x = tl.load(x_ptr + rows[:, None] * stride_x + (k0 + within)[None, :],
                     mask=row_ok[:, None], other=0.0).to(tl.float32)
-        packed = tl.load(w_ptr + cols[:, None] * (K // 2) + (K0 // 2 + pairs)[None, :],
+        packed = tl.load(w_ptr + cols[:, None] * (K // 2) + (k0 // 2 + pairs)[None, :],
                          mask=col_ok[:, None], other=0)
-        # the block scales' codes are read K tile by K tile (`codes_ptr`: [K // QBLOCK, N])
+        # the block scales are read K tile by K tile (`codes_ptr`: [K // QBLOCK, N])
+        scale = tl.load(codes_ptr + (k0 // QBLOCK) * N + cols, mask=col_ok, other=0)
         if NESTED:  # bitsandbytes' double quantization: an 8-bit code per block
-            quantized = tl.load(codes_ptr + (K0 // QBLOCK) * N + cols, mask=col_ok, other=0)
-            block = cols * (K // QBLOCK) + K0 // QBLOCK
-            scale = (tl.load(code2_ptr + quantized.to(tl.int32))
+            block = cols * (K // QBLOCK) + k0 // QBLOCK
+            scale = (tl.load(code2_ptr + scale.to(tl.int32))
                      * tl.load(absmax2_ptr + block // BLOCK2, mask=col_ok, other=0.0)) + offset
-        else:
-            scale = tl.load(codes_ptr + (K0 // QBLOCK) * N + cols, mask=col_ok, other=0.0)
         high, low = nf4_values(packed)
         values = tl.reshape(tl.join(high, low), (BLOCK_N, QBLOCK))  # weights 2j, 2j + 1
         # fp16 NF4 values (tf32's rounding of the code book) against x in fp16, each row of
@@ -98,7 +96,7 @@ def nf4_lora_matmul(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset,
         acc += codes * scale[:, None] * up[None, :]
         if HAS_LORA:  # noqa: SIM102  (a compile-time branch around a run-time one)
             if first_tile:
-                a = tl.load(a_ptr + ranks[:, None] * K + (K0 + within)[None, :],
+                a = tl.load(a_ptr + ranks[:, None] * K + (k0 + within)[None, :],
                             mask=ranks[:, None] < rank, other=0.0).to(tl.float32)
                 xa += tl.dot(x, tl.trans(a), input_precision="ieee")
     tl.store(part_ptr + split * M * N + rows[None, :] * N + cols[:, None], acc,
