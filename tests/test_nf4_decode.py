@@ -242,11 +242,14 @@ def random_nf4(out_features: int, in_features: int, nested: bool, generator: tor
                           "row_scales"), [
     (3, 128, 256, True, True, Tiles(block_n=64, programs_per_sm=1), {0: 2.0 ** 17, 2: 2.0 ** -20}),
     (17, 192, 128, False, False, Tiles(block_n=64, programs_per_sm=8), {5: 2.0 ** -30, 6: 0.0}),
-    (32, 256, 256, True, False, TILES, {1: 2.0 ** 40})])
+    (32, 256, 256, True, False, TILES, {1: 2.0 ** 40}),
+    (19, 192, 768, True, True, Tiles(block_n=64, programs_per_sm=2, sum_block_n=32, sum_rows=16),
+     {4: 2.0 ** -20})])
 def test_the_kernel_matches_a_float64_product_under_the_interpreter(
         interpreted_kernel, rows, out_features, in_features, nested, lora, tiles, row_scales):
-    """The whole kernel (scale codes read K tile by K tile, x's rows scaled into fp16 and back,
-    the transposed product, the splits' sum, the adapter) against float64 row by row, for
+    """The whole kernel (scale codes read K tile by K tile and one step ahead, x's rows scaled
+    into fp16 and back, the transposed product, the splits' sum in row blocks, the adapter)
+    against float64 row by row, for
     column counts that are not a multiple of the tile, rows far above and below fp16's range
     and a row of zeros; the interpreter rounds bf16 by truncation, hence 2e-2 of a row's
     largest value."""

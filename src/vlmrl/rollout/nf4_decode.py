@@ -54,21 +54,26 @@ def _kernel():
 @dataclass(frozen=True)
 class Tiles:
     """The kernel's tile shape (its K tile is one scale block); `programs_per_sm` is how many
-    programs per SM it aims for when it splits K."""
+    programs per SM it aims for when it splits K. The sum of the splits takes `sum_rows` rows
+    (at least 16) by `sum_block_n` columns a program: a small tile, so that even a projection
+    of 1024 columns spreads its partial sums over most SMs."""
 
     block_n: int = 64
     warps: int = 4
     stages: int = 3
     programs_per_sm: float = 4
+    sum_block_n: int = 16
+    sum_rows: int = 16
+
+    def __post_init__(self) -> None:
+        if self.sum_rows < 16:
+            raise ValueError(f"Tiles.sum_rows is {self.sum_rows}: tl.dot's tiles are 16 or more")
 
 
 # The tiles the sweeps of earlier kernels chose (NF4 decode kernel in docs/benchmarks-history.md);
 # on this kernel, four tile shapes timed per projection shape of both models found none clearly
 # faster (tests/gpu/README.md, 2026-11-27).
 TILES = Tiles(block_n=128)
-# Columns per program of the sum of the splits: narrow, so that a projection of 1024 columns still
-# spreads its partial sums (splits x rows x 16 floats a program) over most SMs.
-SUM_BLOCK_N = 16
 
 
 def k_splits(out_features: int, in_features: int, tiles: Tiles, sms: int,
@@ -165,9 +170,10 @@ def nf4_matmul(x: torch.Tensor, weight: PackedNF4, lora: tuple | None = None,
         HAS_LORA=lora is not None, QBLOCK=weight.blocksize, R=r_tile, BLOCK_M=block_m,
         BLOCK_N=tiles.block_n, num_warps=tiles.warps, num_stages=tiles.stages)
     out = torch.empty(rows, out_features, dtype=torch.bfloat16, device=x.device)
-    sum_splits[(triton.cdiv(out_features, SUM_BLOCK_N),)](
+    sum_rows = min(block_m, tiles.sum_rows)
+    sum_splits[(triton.cdiv(out_features, tiles.sum_block_n), triton.cdiv(rows, sum_rows))](
         parts, xa_parts, b, out, rows, out_features, rank, float(scaling), SPLITS=splits,
-        HAS_LORA=lora is not None, R=r_tile, BLOCK_M=block_m, BLOCK_N=SUM_BLOCK_N)
+        HAS_LORA=lora is not None, R=r_tile, BLOCK_M=sum_rows, BLOCK_N=tiles.sum_block_n)
     return out.view(*x.shape[:-1], out_features)
 
 

@@ -51,6 +51,21 @@ def fp16_shift(largest):
 
 
 @triton.jit
+def scale_codes(codes_ptr, absmax2_ptr, k_tile, cols, col_ok, N, K_TILES,
+                NESTED: tl.constexpr, BLOCK2: tl.constexpr):
+    """What the block scales of one K tile are read from (`codes_ptr`: [K_TILES, N]): their
+    float32 values, or with nested quantization their 8-bit codes and the float32 scale of
+    each code's block of BLOCK2."""
+    codes = tl.load(codes_ptr + k_tile * N + cols, mask=col_ok, other=0)
+    if NESTED:
+        scales2 = tl.load(absmax2_ptr + (cols * K_TILES + k_tile) // BLOCK2, mask=col_ok,
+                          other=0.0)
+    else:
+        scales2 = codes
+    return codes, scales2
+
+
+@triton.jit
 def nf4_lora_matmul(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset,
                     a_ptr, part_ptr, xa_part_ptr, M, N, K, rank, stride_x,
                     K_SPLIT: tl.constexpr, NESTED: tl.constexpr, BLOCK2: tl.constexpr,
@@ -59,7 +74,9 @@ def nf4_lora_matmul(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset,
     """One [BLOCK_N, rows] tile of W x^T over K_SPLIT of K (program_id 1 says which), one
     scale block per step, in float32 to the partial sums part[split] (stored as x W^T);
     the first column tile also writes its split's share of x A^T (float32, as PEFT) to
-    xa_part[split]."""
+    xa_part[split]. The block scales and the adapter's tile of each step are loaded one step
+    ahead (Triton pipelines the weight and x loads itself, not these, whose latency was
+    otherwise on every step's path)."""
     split = tl.program_id(1)
     first_tile = tl.program_id(0) == 0
     rows = tl.arange(0, BLOCK_M)
@@ -69,20 +86,31 @@ def nf4_lora_matmul(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset,
     pairs = tl.arange(0, QBLOCK // 2)  # byte j holds weights 2j (high nibble) and 2j + 1
     within = tl.arange(0, QBLOCK)
     ranks = tl.arange(0, R)
+    a_ok = (ranks[:, None] < rank) & first_tile & HAS_LORA
+    k_tiles = K // QBLOCK
+    first_k_tile = split * (K_SPLIT // QBLOCK)
+    last_k_tile = first_k_tile + K_SPLIT // QBLOCK - 1
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     xa = tl.zeros((BLOCK_M, R), dtype=tl.float32)
+    codes, scales2 = scale_codes(codes_ptr, absmax2_ptr, first_k_tile, cols, col_ok, N, k_tiles,
+                                 NESTED, BLOCK2)
+    a = tl.load(a_ptr + ranks[:, None] * K + (split * K_SPLIT + within)[None, :], mask=a_ok,
+                other=0.0)
     for step in range(0, K_SPLIT, QBLOCK):
         k0 = split * K_SPLIT + step
+        k_tile = k0 // QBLOCK
+        if K_SPLIT > QBLOCK:  # the next step's (at the last, this one's again: in bounds)
+            ahead = tl.minimum(k_tile + 1, last_k_tile)
+            next_codes, next_scales2 = scale_codes(codes_ptr, absmax2_ptr, ahead, cols, col_ok,
+                                                   N, k_tiles, NESTED, BLOCK2)
+            next_a = tl.load(a_ptr + ranks[:, None] * K + (ahead * QBLOCK + within)[None, :],
+                             mask=a_ok, other=0.0)
+        else:
+            next_codes, next_scales2, next_a = codes, scales2, a
         x = tl.load(x_ptr + rows[:, None] * stride_x + (k0 + within)[None, :],
                     mask=row_ok[:, None], other=0.0).to(tl.float32)
         packed = tl.load(w_ptr + cols[:, None] * (K // 2) + (k0 // 2 + pairs)[None, :],
                          mask=col_ok[:, None], other=0)
-        # the block scales are read K tile by K tile (`codes_ptr`: [K // QBLOCK, N])
-        scale = tl.load(codes_ptr + (k0 // QBLOCK) * N + cols, mask=col_ok, other=0)
-        if NESTED:  # bitsandbytes' double quantization: an 8-bit code per block
-            block = cols * (K // QBLOCK) + k0 // QBLOCK
-            scale = (tl.load(code2_ptr + scale.to(tl.int32))
-                     * tl.load(absmax2_ptr + block // BLOCK2, mask=col_ok, other=0.0)) + offset
         high, low = nf4_values(packed)
         values = tl.reshape(tl.join(high, low), (BLOCK_N, QBLOCK))  # weights 2j, 2j + 1
         # fp16 NF4 values (tf32's rounding of the code book) against x in fp16, each row of
@@ -92,13 +120,16 @@ def nf4_lora_matmul(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset,
         shift = fp16_shift(tl.max(tl.abs(x), 1))
         down = ((127 - shift) << 23).to(tl.float32, bitcast=True)
         up = ((127 + shift) << 23).to(tl.float32, bitcast=True)
-        codes = tl.dot(values, tl.trans((x * down[:, None]).to(tl.float16)))
-        acc += codes * scale[:, None] * up[None, :]
+        product = tl.dot(values, tl.trans((x * down[:, None]).to(tl.float16)))
+        if NESTED:  # bitsandbytes' double quantization: an 8-bit code per block
+            scale = tl.load(code2_ptr + codes.to(tl.int32)) * scales2 + offset
+        else:
+            scale = codes
+        acc += product * scale[:, None] * up[None, :]
         if HAS_LORA:  # noqa: SIM102  (a compile-time branch around a run-time one)
             if first_tile:
-                a = tl.load(a_ptr + ranks[:, None] * K + (k0 + within)[None, :],
-                            mask=ranks[:, None] < rank, other=0.0).to(tl.float32)
-                xa += tl.dot(x, tl.trans(a), input_precision="ieee")
+                xa += tl.dot(x, tl.trans(a.to(tl.float32)), input_precision="ieee")
+        codes, scales2, a = next_codes, next_scales2, next_a
     tl.store(part_ptr + split * M * N + rows[None, :] * N + cols[:, None], acc,
              mask=row_ok[None, :] & col_ok[:, None])
     if HAS_LORA:  # noqa: SIM102  (a compile-time branch around a run-time one)
@@ -111,9 +142,10 @@ def nf4_lora_matmul(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset,
 def sum_splits(part_ptr, xa_part_ptr, b_ptr, out_ptr, M, N, rank, scaling,
                SPLITS: tl.constexpr, HAS_LORA: tl.constexpr, R: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """out = bf16(sum of the splits + s (x A^T) B^T), added in split order (replays give
-    equal bits)."""
-    rows = tl.arange(0, BLOCK_M)
+    """out = bf16(sum of the splits + s (x A^T) B^T) for BLOCK_M rows (program_id 1, at least
+    16: tl.dot's smallest tile) by BLOCK_N columns, added in split order (replays give equal
+    bits)."""
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = (rows < M)[:, None] & (cols < N)[None, :]
     where = rows[:, None] * N + cols[None, :]
