@@ -111,10 +111,28 @@ def kernels(model, batch, attention: str, cache_len: int, nf4_kernel: bool, comp
              "calls_per_step": round(count / 8, 1)} for key, (time, count) in ranked]
 
 
+# Tiles(block_n, warps, stages, programs_per_sm[, sum_block_n, sum_rows]); the K tile is one
+# scale block
 SWEEP = [(128, 4, 3, 4), (128, 4, 3, 2), (128, 4, 3, 1), (256, 8, 3, 2), (256, 8, 3, 4),
          (256, 8, 4, 2), (64, 4, 3, 4), (64, 4, 3, 2), (128, 8, 3, 2), (128, 4, 4, 2),
-         (64, 4, 4, 8), (256, 4, 3, 2)]
-# Tiles(block_n, warps, stages, programs_per_sm); the K tile is one scale block
+         (64, 4, 4, 8), (256, 4, 3, 2), (128, 4, 3, 4, 32, 16), (128, 4, 3, 4, 64, 16),
+         (128, 4, 3, 4, 16, 32), (256, 8, 3, 2, 32, 16)]
+
+
+def parse_tiles(text: str) -> list[tuple]:
+    """`--tiles`: tile shapes as SWEEP holds them, `;` between shapes, `,` between values."""
+    shapes = []
+    for shape in text.split(";"):
+        try:
+            values = tuple(float(v) if i == 3 else int(v) for i, v in enumerate(shape.split(",")))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{shape!r} is not BLOCK_N,WARPS,STAGES,PROGRAMS_PER_SM[,SUM_BLOCK_N,SUM_ROWS]"
+            ) from None
+        if len(values) not in (4, 6):
+            raise argparse.ArgumentTypeError(f"{shape!r} has {len(values)} values, not 4 or 6")
+        shapes.append(values)
+    return shapes
 
 
 def kernel_times(call, calls: int = 20) -> dict:
@@ -133,9 +151,10 @@ def kernel_times(call, calls: int = 20) -> dict:
     return {key: round(value, 2) for key, value in times.items()}
 
 
-def kernel_sweep(model, rows_list: list[int], bandwidth: float) -> list[dict]:
+def kernel_sweep(model, rows_list: list[int], bandwidth: float,
+                 sweep: list[tuple] = SWEEP) -> list[dict]:
     """Microseconds per `nf4_matmul` call (replayed in a CUDA graph of 20 calls) for each
-    distinct projection shape, adapter on, per tile shape in SWEEP."""
+    distinct projection shape, adapter on, per tile shape of `sweep`."""
     from vlmrl.rollout.nf4_decode import NF4Decode, PackedNF4, Tiles, _adapter, nf4_matmul
 
     nf4 = NF4Decode(model)
@@ -147,7 +166,7 @@ def kernel_sweep(model, rows_list: list[int], bandwidth: float) -> list[dict]:
         weight, lora = PackedNF4.of(base), _adapter(module) or None
         for rows in rows_list:
             x = torch.randn(rows, in_features, dtype=torch.bfloat16, device="cuda")
-            for values in SWEEP:
+            for values in sweep:
                 tiles = Tiles(*values)
                 nf4_matmul(x, weight, lora, tiles)
                 torch.cuda.synchronize()
@@ -220,6 +239,9 @@ def main() -> int:
     parser.add_argument("--attentions", default="model,grouped")
     parser.add_argument("--sweep", action="store_true",
                         help="first time the NF4 kernel's tile shapes (SWEEP) per projection shape")
+    parser.add_argument("--tiles", type=parse_tiles, default=SWEEP,
+                        help="the tile shapes --sweep times, e.g. '128,4,3,4;128,4,3,4,32,16' "
+                             "(BLOCK_N,WARPS,STAGES,PROGRAMS_PER_SM[,SUM_BLOCK_N,SUM_ROWS])")
     parser.add_argument("--nf4-kernels", default="off,on",
                         help="NF4 projections by bitsandbytes + PEFT (off) or vlmrl.rollout.nf4_decode (on)")
     parser.add_argument("--kernels", action="store_true",
@@ -256,7 +278,7 @@ def main() -> int:
         weights = gspo_step.decode_weight_bytes(model)
         if args.sweep and dtype == "nf4":
             results["kernel_sweep"] = kernel_sweep(
-                model, [int(r) for r in args.rows.split(",")], bandwidth)
+                model, [int(r) for r in args.rows.split(",")], bandwidth, args.tiles)
         for rows in [int(r) for r in args.rows.split(",")]:
             batch = prompts(processor, train_set, rows)
             for attention, kernel, compiled in [
