@@ -31,6 +31,12 @@ def test_one_split_when_the_columns_alone_fill_the_sms():
     assert k_splits(65536, 2048, Tiles(block_n=64), sms=132) == 1
 
 
+@pytest.mark.parametrize("field", ["block_n", "sum_block_n", "sum_rows"])
+def test_tiles_that_are_not_powers_of_two_are_refused_by_name(field) -> None:
+    with pytest.raises(ValueError, match=f"Tiles.{field} is 24"):
+        Tiles(**{field: 24})
+
+
 def test_no_kernel_without_cuda_or_for_a_plain_linear():
     if not torch.cuda.is_available():
         assert not kernel_available()
@@ -244,15 +250,19 @@ def random_nf4(out_features: int, in_features: int, nested: bool, generator: tor
     (17, 192, 128, False, False, Tiles(block_n=64, programs_per_sm=8), {5: 2.0 ** -30, 6: 0.0}),
     (32, 256, 256, True, False, TILES, {1: 2.0 ** 40}),
     (19, 192, 768, True, True, Tiles(block_n=64, programs_per_sm=2, sum_block_n=32, sum_rows=16),
-     {4: 2.0 ** -20})])
+     {4: 2.0 ** -20}),
+    # 5 steps a split, where columns' nested scales change block of 256 inside a split;
+    # the sum in tiles of 8 rows
+    (19, 192, 640, True, True, Tiles(block_n=64, programs_per_sm=1, sum_rows=8), {4: 2.0 ** -20}),
+    # float32 scales over 4 steps, no adapter
+    (5, 128, 512, False, False, Tiles(block_n=64, programs_per_sm=1), {1: 2.0 ** 20})])
 def test_the_kernel_matches_a_float64_product_under_the_interpreter(
         interpreted_kernel, rows, out_features, in_features, nested, lora, tiles, row_scales):
     """The whole kernel (scale codes read K tile by K tile and one step ahead, x's rows scaled
     into fp16 and back, the transposed product, the splits' sum in row blocks, the adapter)
-    against float64 row by row, for
-    column counts that are not a multiple of the tile, rows far above and below fp16's range
-    and a row of zeros; the interpreter rounds bf16 by truncation, hence 2e-2 of a row's
-    largest value."""
+    against float64 row by row, for column counts that are not a multiple of the tile, rows far
+    above and below fp16's range and a row of zeros; the interpreter rounds bf16 by truncation,
+    hence 2e-2 of a row's largest value."""
     generator = torch.Generator().manual_seed(rows)
     weight, dense = random_nf4(out_features, in_features, nested, generator)
     x = torch.randn(rows, in_features, generator=generator).to(torch.bfloat16)

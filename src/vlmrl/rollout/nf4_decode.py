@@ -54,9 +54,9 @@ def _kernel():
 @dataclass(frozen=True)
 class Tiles:
     """The kernel's tile shape (its K tile is one scale block); `programs_per_sm` is how many
-    programs per SM it aims for when it splits K. The sum of the splits takes `sum_rows` rows
-    (at least 16) by `sum_block_n` columns a program: a small tile, so that even a projection
-    of 1024 columns spreads its partial sums over most SMs."""
+    programs per SM it aims for when it splits K. The sum of the splits takes `sum_rows` rows by
+    `sum_block_n` columns a program: a small tile, so that even a projection of 1024 columns
+    spreads its partial sums over most SMs."""
 
     block_n: int = 64
     warps: int = 4
@@ -66,13 +66,15 @@ class Tiles:
     sum_rows: int = 16
 
     def __post_init__(self) -> None:
-        if self.sum_rows < 16:
-            raise ValueError(f"Tiles.sum_rows is {self.sum_rows}: tl.dot's tiles are 16 or more")
+        for name in ("block_n", "sum_block_n", "sum_rows"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"Tiles.{name} is {value}: Triton's tiles are powers of two")
 
 
 # The tiles the sweeps of earlier kernels chose (NF4 decode kernel in docs/benchmarks-history.md);
-# on this kernel, four tile shapes timed per projection shape of both models found none clearly
-# faster (tests/gpu/README.md, 2026-11-27).
+# on this kernel, the tile shapes timed per projection shape of both models found none clearly
+# faster but on the 2B shape's k and v projections (tests/gpu/README.md, 2026-11-27).
 TILES = Tiles(block_n=128)
 
 

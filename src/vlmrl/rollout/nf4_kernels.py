@@ -51,14 +51,14 @@ def fp16_shift(largest):
 
 
 @triton.jit
-def scale_codes(codes_ptr, absmax2_ptr, k_tile, cols, col_ok, N, K_TILES,
+def scale_codes(codes_ptr, absmax2_ptr, k_tile, cols, col_ok, N, k_tiles,
                 NESTED: tl.constexpr, BLOCK2: tl.constexpr):
-    """What the block scales of one K tile are read from (`codes_ptr`: [K_TILES, N]): their
-    float32 values, or with nested quantization their 8-bit codes and the float32 scale of
-    each code's block of BLOCK2."""
+    """What the block scales of one K tile are read from (`codes_ptr`: [k_tiles, N]): with
+    nested quantization their 8-bit codes and the float32 scale of each code's block of BLOCK2;
+    without, their float32 values (twice, so that both cases return a pair)."""
     codes = tl.load(codes_ptr + k_tile * N + cols, mask=col_ok, other=0)
     if NESTED:
-        scales2 = tl.load(absmax2_ptr + (cols * K_TILES + k_tile) // BLOCK2, mask=col_ok,
+        scales2 = tl.load(absmax2_ptr + (cols * k_tiles + k_tile) // BLOCK2, mask=col_ok,
                           other=0.0)
     else:
         scales2 = codes
@@ -75,8 +75,8 @@ def nf4_lora_matmul(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset,
     scale block per step, in float32 to the partial sums part[split] (stored as x W^T);
     the first column tile also writes its split's share of x A^T (float32, as PEFT) to
     xa_part[split]. The block scales and the adapter's tile of each step are loaded one step
-    ahead (Triton pipelines the weight and x loads itself, not these, whose latency was
-    otherwise on every step's path)."""
+    ahead (Triton pipelines the weight and x loads itself, not these, whose latency would
+    otherwise be on every step's path); a program of one step has nothing to load ahead."""
     split = tl.program_id(1)
     first_tile = tl.program_id(0) == 0
     rows = tl.arange(0, BLOCK_M)
@@ -142,9 +142,8 @@ def nf4_lora_matmul(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset,
 def sum_splits(part_ptr, xa_part_ptr, b_ptr, out_ptr, M, N, rank, scaling,
                SPLITS: tl.constexpr, HAS_LORA: tl.constexpr, R: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """out = bf16(sum of the splits + s (x A^T) B^T) for BLOCK_M rows (program_id 1, at least
-    16: tl.dot's smallest tile) by BLOCK_N columns, added in split order (replays give equal
-    bits)."""
+    """out = bf16(sum of the splits + s (x A^T) B^T) for BLOCK_M rows (program_id 1) by
+    BLOCK_N columns, added in split order (replays give equal bits)."""
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = (rows < M)[:, None] & (cols < N)[None, :]
