@@ -111,12 +111,13 @@ def kernels(model, batch, attention: str, cache_len: int, nf4_kernel: bool, comp
              "calls_per_step": round(count / 8, 1)} for key, (time, count) in ranked]
 
 
-# Tiles(block_n, warps, stages, programs_per_sm[, sum_block_n, sum_rows]); the K tile is one
-# scale block
+# Tiles(block_n, warps, stages, programs_per_sm[, sum_block_n, sum_rows[, pdl]]); the K tile is
+# one scale block
 SWEEP = [(128, 4, 3, 4), (128, 4, 3, 2), (128, 4, 3, 1), (256, 8, 3, 2), (256, 8, 3, 4),
          (256, 8, 4, 2), (64, 4, 3, 4), (64, 4, 3, 2), (128, 8, 3, 2), (128, 4, 4, 2),
          (64, 4, 4, 8), (256, 4, 3, 2), (128, 4, 3, 4, 32, 16), (128, 4, 3, 4, 64, 16),
-         (128, 4, 3, 4, 16, 32), (256, 8, 3, 2, 32, 16)]
+         (128, 4, 3, 4, 16, 32), (256, 8, 3, 2, 32, 16), (128, 4, 3, 4, 16, 16, True)]
+TILE_VALUES = "BLOCK_N,WARPS,STAGES,PROGRAMS_PER_SM[,SUM_BLOCK_N,SUM_ROWS[,PDL]]"
 
 
 def parse_tiles(text: str) -> list[tuple]:
@@ -126,12 +127,10 @@ def parse_tiles(text: str) -> list[tuple]:
         try:
             values = tuple(float(v) if i == 3 else int(v) for i, v in enumerate(shape.split(",")))
         except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{shape!r} is not BLOCK_N,WARPS,STAGES,PROGRAMS_PER_SM[,SUM_BLOCK_N,SUM_ROWS]"
-            ) from None
-        if len(values) not in (4, 6):
-            raise argparse.ArgumentTypeError(f"{shape!r} has {len(values)} values, not 4 or 6")
-        shapes.append(values)
+            raise argparse.ArgumentTypeError(f"{shape!r} is not {TILE_VALUES}") from None
+        if len(values) not in (4, 6, 7) or (len(values) == 7 and values[6] not in (0, 1)):
+            raise argparse.ArgumentTypeError(f"{shape!r} is not {TILE_VALUES} (PDL: 0 or 1)")
+        shapes.append(values if len(values) < 7 else (*values[:6], bool(values[6])))
     return shapes
 
 
@@ -241,7 +240,10 @@ def main() -> int:
                         help="first time the NF4 kernel's tile shapes (SWEEP) per projection shape")
     parser.add_argument("--tiles", type=parse_tiles, default=SWEEP,
                         help="the tile shapes --sweep times, e.g. '128,4,3,4;128,4,3,4,32,16' "
-                             "(BLOCK_N,WARPS,STAGES,PROGRAMS_PER_SM[,SUM_BLOCK_N,SUM_ROWS])")
+                             f"({TILE_VALUES})")
+    parser.add_argument("--decode-tiles", type=parse_tiles, default=None,
+                        help="one tile shape for the decode steps' NF4 kernel, as --tiles "
+                             "(default: vlmrl.rollout.nf4_decode.TILES)")
     parser.add_argument("--nf4-kernels", default="off,on",
                         help="NF4 projections by bitsandbytes + PEFT (off) or vlmrl.rollout.nf4_decode (on)")
     parser.add_argument("--kernels", action="store_true",
@@ -262,6 +264,12 @@ def main() -> int:
         return 0
     global MODEL, KV_CACHE_DTYPE
     MODEL, KV_CACHE_DTYPE = args.model, args.kv_cache_dtype
+    if args.decode_tiles:
+        if len(args.decode_tiles) != 1:
+            parser.error("--decode-tiles: one tile shape")
+        from vlmrl.rollout import nf4_decode
+
+        nf4_decode.TILES = nf4_decode.Tiles(*args.decode_tiles[0])
     import os
 
     from vlmrl.models.embedded import ensure_embedded_model
@@ -272,7 +280,8 @@ def main() -> int:
     train_set = gspo_step.prepare_train_set(work, 64)
     bandwidth = gspo_step.copy_bandwidth()
     results: dict = {"device": gspo_step.device_name(), "bandwidth_bytes_per_s": bandwidth,
-                     "model": MODEL, "kv_cache_dtype": KV_CACHE_DTYPE, "runs": []}
+                     "model": MODEL, "kv_cache_dtype": KV_CACHE_DTYPE, "runs": [],
+                     "decode_tiles": args.decode_tiles and args.decode_tiles[0]}
     for dtype in args.dtypes.split(","):
         model, processor = load(dtype == "nf4")
         weights = gspo_step.decode_weight_bytes(model)

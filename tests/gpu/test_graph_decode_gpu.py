@@ -350,10 +350,48 @@ def test_nf4_kernel_is_as_exact_as_bitsandbytes_and_peft(rows):
                 wired = model.get_submodule(names[id(module)])(x)  # the layer's place
             assert torch.equal(wired, nf4_matmul(x, weight, lora or None, TILES)), kind
             their_error = (theirs - exact).abs().max().item()
-            for tiles in (TILES, Tiles(block_n=64, programs_per_sm=1)):
+            for tiles in (TILES, Tiles(block_n=64, programs_per_sm=1), Tiles(block_n=128, pdl=True)):
                 ours = nf4_matmul(x, weight, lora or None, tiles).float()
                 our_error = (ours - exact).abs().max().item()
                 print(f"{kind} bare={bare} rows={rows} {tiles}: "
                       f"bnb+PEFT {their_error:.2e}, kernel {our_error:.2e}")
                 assert our_error <= their_error * 1.25 + 1e-6, (kind, tiles)
                 assert our_error < 1e-2 * exact.abs().max().item(), (kind, tiles)
+
+
+def test_pdl_launches_in_a_cuda_graph_give_the_bits_of_plain_launches():
+    """The NF4 kernels launched with programmatic dependent launch read their inputs only once
+    the kernel before has written them: a chain of projections (one after another, and after a
+    plain kernel), eager and replayed in a CUDA graph, gives the bits of plain launches."""
+    import dataclasses
+
+    from vlmrl.rollout.nf4_decode import TILES, PackedNF4, nf4_matmul
+
+    def random_nf4(out_features: int, in_features: int) -> PackedNF4:
+        packed = torch.randint(0, 256, (out_features * in_features // 2, 1), dtype=torch.uint8,
+                               device="cuda")
+        scales = torch.rand(in_features // 64, out_features, device="cuda") * 0.05
+        return PackedNF4(packed, scales, out_features, in_features, 64)
+
+    torch.manual_seed(0)
+    up, down = random_nf4(2048, 1024), random_nf4(1024, 2048)
+    x = torch.randn(32, 1024, dtype=torch.bfloat16, device="cuda")
+    lora = (torch.randn(16, 2048, device="cuda") * 0.05, torch.randn(1024, 16, device="cuda"), 2.0)
+
+    def chain(tiles) -> torch.Tensor:
+        hidden = nf4_matmul(x, up, None, tiles)
+        hidden = nf4_matmul(hidden, down, lora, tiles)
+        return nf4_matmul(torch.nn.functional.silu(hidden), up, None, tiles)
+
+    pdl = dataclasses.replace(TILES, pdl=True)
+    expected = chain(TILES)
+    assert torch.equal(chain(pdl), expected)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = chain(pdl)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        expected = chain(TILES)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, expected)

@@ -56,7 +56,9 @@ class Tiles:
     """The kernel's tile shape (its K tile is one scale block); `programs_per_sm` is how many
     programs per SM it aims for when it splits K. The sum of the splits takes `sum_rows` rows by
     `sum_block_n` columns a program: a small tile, so that even a projection of 1024 columns
-    spreads its partial sums over most SMs."""
+    spreads its partial sums over most SMs. `pdl`: both launches use programmatic dependent
+    launch (Hopper and later), so that each is on the GPU, waiting, before the kernel before it
+    ends."""
 
     block_n: int = 64
     warps: int = 4
@@ -64,6 +66,7 @@ class Tiles:
     programs_per_sm: float = 4
     sum_block_n: int = 16
     sum_rows: int = 16
+    pdl: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "sum_block_n", "sum_rows"):
@@ -147,9 +150,11 @@ class PackedNF4:
 
 
 def nf4_matmul(x: torch.Tensor, weight: PackedNF4, lora: tuple | None = None,
-               tiles: Tiles = TILES) -> torch.Tensor:
+               tiles: Tiles | None = None) -> torch.Tensor:
     """`x @ W^T (+ s (x A^T) B^T)` for x of at most MAX_ROWS rows (any leading shape), bf16 out.
-    `lora` is (A [r, in] float32, B [out, r] float32, s)."""
+    `lora` is (A [r, in] float32, B [out, r] float32, s); `tiles` defaults to the module's
+    TILES as it is at the call (a benchmark may set it)."""
+    tiles = tiles or TILES
     triton, kernel, sum_splits = _kernel()
     out_features, in_features = weight.out_features, weight.in_features
     flat = x.reshape(-1, in_features)
@@ -170,12 +175,14 @@ def nf4_matmul(x: torch.Tensor, weight: PackedNF4, lora: tuple | None = None,
         float(weight.offset), a, parts, xa_parts, rows, out_features, in_features, rank,
         flat.stride(0), K_SPLIT=in_features // splits, NESTED=nested, BLOCK2=weight.block2,
         HAS_LORA=lora is not None, QBLOCK=weight.blocksize, R=r_tile, BLOCK_M=block_m,
-        BLOCK_N=tiles.block_n, num_warps=tiles.warps, num_stages=tiles.stages)
+        BLOCK_N=tiles.block_n, PDL=tiles.pdl, num_warps=tiles.warps, num_stages=tiles.stages,
+        launch_pdl=tiles.pdl)
     out = torch.empty(rows, out_features, dtype=torch.bfloat16, device=x.device)
     sum_rows = min(block_m, tiles.sum_rows)
     sum_splits[(triton.cdiv(out_features, tiles.sum_block_n), triton.cdiv(rows, sum_rows))](
         parts, xa_parts, b, out, rows, out_features, rank, float(scaling), SPLITS=splits,
-        HAS_LORA=lora is not None, R=r_tile, BLOCK_M=sum_rows, BLOCK_N=tiles.sum_block_n)
+        HAS_LORA=lora is not None, R=r_tile, BLOCK_M=sum_rows, BLOCK_N=tiles.sum_block_n,
+        PDL=tiles.pdl, launch_pdl=tiles.pdl)
     return out.view(*x.shape[:-1], out_features)
 
 

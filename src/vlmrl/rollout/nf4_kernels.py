@@ -35,10 +35,21 @@ if os.environ.get("TRITON_INTERPRET") != "1":
         return tl.inline_asm_elementwise(LOOKUP, "=r,=r,=r,=r,r", [packed],
                                          dtype=(tl.float16, tl.float16), is_pure=True,
                                          pack=4)
+
+    @triton.jit
+    def after_the_kernel_before():
+        """With programmatic dependent launch (PDL): wait until the kernel before has finished and
+        its writes are visible, then let the kernel after launch (it waits the same way)."""
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 else:  # Triton's interpreter (on the CPU, for tests) runs no PTX: the same values by selects
     @triton.jit
     def nf4_values(packed):
         return by_selects(packed >> 4), by_selects(packed & 0xF)
+
+    @triton.jit
+    def after_the_kernel_before():  # the interpreter runs one kernel at a time
+        pass
 
 
 @triton.jit
@@ -70,13 +81,16 @@ def nf4_lora_matmul(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset,
                     a_ptr, part_ptr, xa_part_ptr, M, N, K, rank, stride_x,
                     K_SPLIT: tl.constexpr, NESTED: tl.constexpr, BLOCK2: tl.constexpr,
                     HAS_LORA: tl.constexpr, QBLOCK: tl.constexpr, R: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     """One [BLOCK_N, rows] tile of W x^T over K_SPLIT of K (program_id 1 says which), one
     scale block per step, in float32 to the partial sums part[split] (stored as x W^T);
     the first column tile also writes its split's share of x A^T (float32, as PEFT) to
     xa_part[split]. The block scales and the adapter's tile of each step are loaded one step
     ahead (Triton pipelines the weight and x loads itself, not these, whose latency would
-    otherwise be on every step's path); a program of one step has nothing to load ahead."""
+    otherwise be on every step's path); a program of one step has nothing to load ahead. PDL:
+    launched with programmatic dependent launch, see `after_the_kernel_before`."""
+    if PDL:
+        after_the_kernel_before()
     split = tl.program_id(1)
     first_tile = tl.program_id(0) == 0
     rows = tl.arange(0, BLOCK_M)
@@ -141,9 +155,11 @@ def nf4_lora_matmul(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset,
 @triton.jit
 def sum_splits(part_ptr, xa_part_ptr, b_ptr, out_ptr, M, N, rank, scaling,
                SPLITS: tl.constexpr, HAS_LORA: tl.constexpr, R: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     """out = bf16(sum of the splits + s (x A^T) B^T) for BLOCK_M rows (program_id 1) by
     BLOCK_N columns, added in split order (replays give equal bits)."""
+    if PDL:
+        after_the_kernel_before()
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = (rows < M)[:, None] & (cols < N)[None, :]
