@@ -14,6 +14,7 @@ into DOC (no GPU).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import sys
@@ -26,6 +27,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gspo_step  # the benchmark's model, data and LoRA settings
 from doc_blocks import render_results, write_doc_block
+
+from vlmrl.rollout.nf4_decode import Tiles
 
 MODEL = gspo_step.MODEL  # --model: another embedded shape
 KV_CACHE_DTYPE = "auto"  # --kv-cache-dtype
@@ -111,26 +114,51 @@ def kernels(model, batch, attention: str, cache_len: int, nf4_kernel: bool, comp
              "calls_per_step": round(count / 8, 1)} for key, (time, count) in ranked]
 
 
-# Tiles(block_n, warps, stages, programs_per_sm[, sum_block_n, sum_rows[, pdl]]); the K tile is
-# one scale block
-SWEEP = [(128, 4, 3, 4), (128, 4, 3, 2), (128, 4, 3, 1), (256, 8, 3, 2), (256, 8, 3, 4),
-         (256, 8, 4, 2), (64, 4, 3, 4), (64, 4, 3, 2), (128, 8, 3, 2), (128, 4, 4, 2),
-         (64, 4, 4, 8), (256, 4, 3, 2), (128, 4, 3, 4, 32, 16), (128, 4, 3, 4, 64, 16),
-         (128, 4, 3, 4, 16, 32), (256, 8, 3, 2, 32, 16), (128, 4, 3, 4, 16, 16, True)]
-TILE_VALUES = "BLOCK_N,WARPS,STAGES,PROGRAMS_PER_SM[,SUM_BLOCK_N,SUM_ROWS[,PDL]]"
+# the K tile is one scale block; the first twelve: the main kernel's tile shapes, then the sum's
+# tiles, programmatic dependent launch, the adapter's product in chunks, a register cap
+SWEEP = [Tiles(128, 4, 3, 4), Tiles(128, 4, 3, 2), Tiles(128, 4, 3, 1), Tiles(256, 8, 3, 2),
+         Tiles(256, 8, 3, 4), Tiles(256, 8, 4, 2), Tiles(64, 4, 3, 4), Tiles(64, 4, 3, 2),
+         Tiles(128, 8, 3, 2), Tiles(128, 4, 4, 2), Tiles(64, 4, 4, 8), Tiles(256, 4, 3, 2),
+         Tiles(128, 4, 3, 4, 32, 16), Tiles(128, 4, 3, 4, 64, 16), Tiles(128, 4, 3, 4, 16, 32),
+         Tiles(256, 8, 3, 2, 32, 16), Tiles(128, pdl=True), Tiles(128, xa_chunk=16),
+         Tiles(128, xa_chunk=16, max_registers=168), Tiles(128, pdl=True, xa_chunk=16)]
 
 
-def parse_tiles(text: str) -> list[tuple]:
-    """`--tiles`: tile shapes as SWEEP holds them, `;` between shapes, `,` between values."""
+def field_value(field: dataclasses.Field, text: str):
+    """A `--tiles` value as the Tiles field's type takes it (booleans: 0/1/true/false)."""
+    kind = str(field.type)
+    if kind == "bool":
+        if text.lower() not in ("0", "1", "true", "false"):
+            raise ValueError(f"{field.name} is {text!r}, not 0 or 1")
+        return text.lower() in ("1", "true")
+    if kind == "float":
+        return float(text)
+    if text.lower() == "none" and "None" in kind:
+        return None
+    return int(text)
+
+
+def parse_tiles(text: str) -> list[Tiles]:
+    """`--tiles`: `;` between tile shapes; in each, Tiles' fields in order and/or as name=value,
+    `,` between them (e.g. `128,4,3,4;128,pdl=1,xa_chunk=16`)."""
+    fields = dataclasses.fields(Tiles)
+    by_name = {field.name: field for field in fields}
     shapes = []
     for shape in text.split(";"):
+        items = shape.split(",")
+        plain = [item for item in items if "=" not in item]
         try:
-            values = tuple(float(v) if i == 3 else int(v) for i, v in enumerate(shape.split(",")))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{shape!r} is not {TILE_VALUES}") from None
-        if len(values) not in (4, 6, 7) or (len(values) == 7 and values[6] not in (0, 1)):
-            raise argparse.ArgumentTypeError(f"{shape!r} is not {TILE_VALUES} (PDL: 0 or 1)")
-        shapes.append(values if len(values) < 7 else (*values[:6], bool(values[6])))
+            if len(plain) > len(fields):
+                raise ValueError(f"more than the {len(fields)} fields of Tiles")
+            positional = [field_value(field, item) for field, item in zip(fields, plain)]
+            named = {}
+            for name, _, value in (item.partition("=") for item in items if "=" in item):
+                if name not in by_name:
+                    raise ValueError(f"Tiles has no field {name!r} (fields: {', '.join(by_name)})")
+                named[name] = field_value(by_name[name], value)
+            shapes.append(Tiles(*positional, **named))
+        except (ValueError, TypeError) as error:
+            raise argparse.ArgumentTypeError(f"{shape!r}: {error}") from None
     return shapes
 
 
@@ -151,10 +179,10 @@ def kernel_times(call, calls: int = 20) -> dict:
 
 
 def kernel_sweep(model, rows_list: list[int], bandwidth: float,
-                 sweep: list[tuple] = SWEEP) -> list[dict]:
+                 sweep: list[Tiles] = SWEEP) -> list[dict]:
     """Microseconds per `nf4_matmul` call (replayed in a CUDA graph of 20 calls) for each
     distinct projection shape, adapter on, per tile shape of `sweep`."""
-    from vlmrl.rollout.nf4_decode import NF4Decode, PackedNF4, Tiles, _adapter, nf4_matmul
+    from vlmrl.rollout.nf4_decode import NF4Decode, PackedNF4, _adapter, nf4_matmul
 
     nf4 = NF4Decode(model)
     shapes = {}
@@ -165,8 +193,7 @@ def kernel_sweep(model, rows_list: list[int], bandwidth: float,
         weight, lora = PackedNF4.of(base), _adapter(module) or None
         for rows in rows_list:
             x = torch.randn(rows, in_features, dtype=torch.bfloat16, device="cuda")
-            for values in sweep:
-                tiles = Tiles(*values)
+            for tiles in sweep:
                 nf4_matmul(x, weight, lora, tiles)
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
@@ -181,7 +208,7 @@ def kernel_sweep(model, rows_list: list[int], bandwidth: float,
                 torch.cuda.synchronize()
                 us = (time.perf_counter() - started) * 1e6 / 200
                 row = {"out": out_features, "in": in_features, "rows": rows,
-                       "tiles": values, "us_per_call": round(us, 2),
+                       "tiles": dataclasses.asdict(tiles), "us_per_call": round(us, 2),
                        **kernel_times(functools.partial(nf4_matmul, x, weight, lora, tiles)),
                        "bound_fraction": round(out_features * in_features / 2 / bandwidth
                                                / (us / 1e6), 3)}
@@ -239,8 +266,8 @@ def main() -> int:
     parser.add_argument("--sweep", action="store_true",
                         help="first time the NF4 kernel's tile shapes (SWEEP) per projection shape")
     parser.add_argument("--tiles", type=parse_tiles, default=SWEEP,
-                        help="the tile shapes --sweep times, e.g. '128,4,3,4;128,4,3,4,32,16' "
-                             f"({TILE_VALUES})")
+                        help="the tile shapes --sweep times: Tiles' fields in order and/or as "
+                             "name=value, e.g. '128,4,3,4;128,pdl=1,xa_chunk=16'")
     parser.add_argument("--decode-tiles", type=parse_tiles, default=None,
                         help="one tile shape for the decode steps' NF4 kernel, as --tiles "
                              "(default: vlmrl.rollout.nf4_decode.TILES)")
@@ -269,7 +296,7 @@ def main() -> int:
             parser.error("--decode-tiles: one tile shape")
         from vlmrl.rollout import nf4_decode
 
-        nf4_decode.TILES = nf4_decode.Tiles(*args.decode_tiles[0])
+        nf4_decode.TILES = args.decode_tiles[0]
     import os
 
     from vlmrl.models.embedded import ensure_embedded_model
@@ -281,7 +308,8 @@ def main() -> int:
     bandwidth = gspo_step.copy_bandwidth()
     results: dict = {"device": gspo_step.device_name(), "bandwidth_bytes_per_s": bandwidth,
                      "model": MODEL, "kv_cache_dtype": KV_CACHE_DTYPE, "runs": [],
-                     "decode_tiles": args.decode_tiles and args.decode_tiles[0]}
+                     "decode_tiles": dataclasses.asdict(args.decode_tiles[0])
+                     if args.decode_tiles else None}
     for dtype in args.dtypes.split(","):
         model, processor = load(dtype == "nf4")
         weights = gspo_step.decode_weight_bytes(model)

@@ -16,21 +16,24 @@ def profile():
     return load_benchmark("decode_profile")
 
 
-def test_tiles_parse_with_and_without_the_sum_tile(profile) -> None:
-    assert profile.parse_tiles("128,4,3,4;64,4,3,0.5,32,16") == [(128, 4, 3, 4.0),
-                                                                 (64, 4, 3, 0.5, 32, 16)]
-    assert Tiles(*profile.parse_tiles("64,4,3,0.5,32,16")[0]) == Tiles(
-        block_n=64, warps=4, stages=3, programs_per_sm=0.5, sum_block_n=32, sum_rows=16)
-    assert Tiles(*profile.parse_tiles("128,4,3,4,16,16,1")[0]).pdl
+def test_tiles_parse_in_order_and_by_name(profile) -> None:
+    assert profile.parse_tiles("128,4,3,4;64,4,3,0.5,32,16") == [
+        Tiles(128, 4, 3, 4.0), Tiles(64, 4, 3, 0.5, sum_block_n=32, sum_rows=16)]
+    assert profile.parse_tiles("128,pdl=1,xa_chunk=16,max_registers=168") == [
+        Tiles(128, pdl=True, xa_chunk=16, max_registers=168)]
+    assert profile.parse_tiles("128,max_registers=none")[0].max_registers is None
 
 
-@pytest.mark.parametrize("text", ["128,4,3", "128,4,3,4,16", "128,four,3,4", "128,4,3,4,16,16,2"])
-def test_bad_tiles_name_the_shape(profile, text) -> None:
-    with pytest.raises(argparse.ArgumentTypeError, match=repr(text)):
+@pytest.mark.parametrize(("text", "says"), [
+    ("128,four,3,4", "invalid literal"), ("128,pdl=2", "pdl is '2'"),
+    ("128,warp=8", "no field 'warp'"), ("128,sum_rows=24", "Tiles.sum_rows is 24"),
+    (",".join(["64"] * 12), "more than the")])
+def test_bad_tiles_name_the_shape_and_the_field(profile, text, says) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match=repr(text)) as raised:
         profile.parse_tiles(text)
+    assert says in str(raised.value)
 
 
-def test_every_swept_shape_is_a_valid_tile(profile) -> None:
+def test_the_sweep_has_no_shape_twice(profile) -> None:
+    assert all(isinstance(tiles, Tiles) for tiles in profile.SWEEP)
     assert len(set(profile.SWEEP)) == len(profile.SWEEP)
-    for values in profile.SWEEP:
-        Tiles(*values)

@@ -31,10 +31,15 @@ def test_one_split_when_the_columns_alone_fill_the_sms():
     assert k_splits(65536, 2048, Tiles(block_n=64), sms=132) == 1
 
 
-@pytest.mark.parametrize("field", ["block_n", "sum_block_n", "sum_rows"])
+@pytest.mark.parametrize("field", ["block_n", "sum_block_n", "sum_rows", "xa_chunk"])
 def test_tiles_that_are_not_powers_of_two_are_refused_by_name(field) -> None:
     with pytest.raises(ValueError, match=f"Tiles.{field} is 24"):
         Tiles(**{field: 24})
+
+
+def test_an_adapter_chunk_below_tl_dots_k_is_refused() -> None:
+    with pytest.raises(ValueError, match="Tiles.xa_chunk is 8"):
+        Tiles(xa_chunk=8)
 
 
 def test_no_kernel_without_cuda_or_for_a_plain_linear():
@@ -252,8 +257,9 @@ def random_nf4(out_features: int, in_features: int, nested: bool, generator: tor
     (19, 192, 768, True, True, Tiles(block_n=64, programs_per_sm=2, sum_block_n=32, sum_rows=16),
      {4: 2.0 ** -20}),
     # 5 steps a split, where columns' nested scales change block of 256 inside a split;
-    # the sum in tiles of 8 rows
-    (19, 192, 640, True, True, Tiles(block_n=64, programs_per_sm=1, sum_rows=8), {4: 2.0 ** -20}),
+    # the sum in tiles of 8 rows, x A^T in products of 16 columns
+    (19, 192, 640, True, True, Tiles(block_n=64, programs_per_sm=1, sum_rows=8, xa_chunk=16),
+     {4: 2.0 ** -20}),
     # float32 scales over 4 steps, no adapter
     (5, 128, 512, False, False, Tiles(block_n=64, programs_per_sm=1, pdl=True), {1: 2.0 ** 20})])
 def test_the_kernel_matches_a_float64_product_under_the_interpreter(

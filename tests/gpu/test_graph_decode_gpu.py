@@ -350,7 +350,8 @@ def test_nf4_kernel_is_as_exact_as_bitsandbytes_and_peft(rows):
                 wired = model.get_submodule(names[id(module)])(x)  # the layer's place
             assert torch.equal(wired, nf4_matmul(x, weight, lora or None, TILES)), kind
             their_error = (theirs - exact).abs().max().item()
-            for tiles in (TILES, Tiles(block_n=64, programs_per_sm=1), Tiles(block_n=128, pdl=True)):
+            for tiles in (TILES, Tiles(block_n=64, programs_per_sm=1), Tiles(block_n=128, pdl=True),
+                          Tiles(block_n=128, xa_chunk=16, max_registers=168)):
                 ours = nf4_matmul(x, weight, lora or None, tiles).float()
                 our_error = (ours - exact).abs().max().item()
                 print(f"{kind} bare={bare} rows={rows} {tiles}: "

@@ -58,7 +58,9 @@ class Tiles:
     `sum_block_n` columns a program: a small tile, so that even a projection of 1024 columns
     spreads its partial sums over most SMs. `pdl`: both launches use programmatic dependent
     launch (Hopper and later), so that each is on the GPU, waiting, before the kernel before it
-    ends."""
+    ends. `xa_chunk`: columns of x per product of the adapter's x A^T (at most the scale
+    block). `max_registers`: a cap on the first kernel's registers per thread (ptxas's
+    maxnreg), for more programs per SM."""
 
     block_n: int = 64
     warps: int = 4
@@ -67,12 +69,16 @@ class Tiles:
     sum_block_n: int = 16
     sum_rows: int = 16
     pdl: bool = False
+    xa_chunk: int = 64
+    max_registers: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("block_n", "sum_block_n", "sum_rows"):
+        for name in ("block_n", "sum_block_n", "sum_rows", "xa_chunk"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"Tiles.{name} is {value}: Triton's tiles are powers of two")
+        if self.xa_chunk < 16:
+            raise ValueError(f"Tiles.xa_chunk is {self.xa_chunk}: tl.dot's K is 16 or more")
 
 
 # The tiles the sweeps of earlier kernels chose (NF4 decode kernel in docs/benchmarks-history.md);
@@ -175,8 +181,9 @@ def nf4_matmul(x: torch.Tensor, weight: PackedNF4, lora: tuple | None = None,
         float(weight.offset), a, parts, xa_parts, rows, out_features, in_features, rank,
         flat.stride(0), K_SPLIT=in_features // splits, NESTED=nested, BLOCK2=weight.block2,
         HAS_LORA=lora is not None, QBLOCK=weight.blocksize, R=r_tile, BLOCK_M=block_m,
-        BLOCK_N=tiles.block_n, PDL=tiles.pdl, num_warps=tiles.warps, num_stages=tiles.stages,
-        launch_pdl=tiles.pdl)
+        BLOCK_N=tiles.block_n, PDL=tiles.pdl, XA_CHUNK=min(tiles.xa_chunk, weight.blocksize),
+        num_warps=tiles.warps, num_stages=tiles.stages, launch_pdl=tiles.pdl,
+        **({} if tiles.max_registers is None else {"maxnreg": tiles.max_registers}))
     out = torch.empty(rows, out_features, dtype=torch.bfloat16, device=x.device)
     sum_rows = min(block_m, tiles.sum_rows)
     sum_splits[(triton.cdiv(out_features, tiles.sum_block_n), triton.cdiv(rows, sum_rows))](

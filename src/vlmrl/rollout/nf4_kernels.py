@@ -81,14 +81,18 @@ def nf4_lora_matmul(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset,
                     a_ptr, part_ptr, xa_part_ptr, M, N, K, rank, stride_x,
                     K_SPLIT: tl.constexpr, NESTED: tl.constexpr, BLOCK2: tl.constexpr,
                     HAS_LORA: tl.constexpr, QBLOCK: tl.constexpr, R: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+                    XA_CHUNK: tl.constexpr):
     """One [BLOCK_N, rows] tile of W x^T over K_SPLIT of K (program_id 1 says which), one
     scale block per step, in float32 to the partial sums part[split] (stored as x W^T);
     the first column tile also writes its split's share of x A^T (float32, as PEFT) to
     xa_part[split]. The block scales and the adapter's tile of each step are loaded one step
     ahead (Triton pipelines the weight and x loads itself, not these, whose latency would
     otherwise be on every step's path); a program of one step has nothing to load ahead. PDL:
-    launched with programmatic dependent launch, see `after_the_kernel_before`."""
+    launched with programmatic dependent launch, see `after_the_kernel_before`. XA_CHUNK below
+    QBLOCK: x A^T in products of XA_CHUNK columns, read where they are needed (an fp32 product
+    on CUDA cores holds its whole K in registers, and a kernel gets the registers of its
+    costliest path: at a K of 64 that is the adapter's)."""
     if PDL:
         after_the_kernel_before()
     split = tl.program_id(1)
@@ -100,7 +104,7 @@ def nf4_lora_matmul(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset,
     pairs = tl.arange(0, QBLOCK // 2)  # byte j holds weights 2j (high nibble) and 2j + 1
     within = tl.arange(0, QBLOCK)
     ranks = tl.arange(0, R)
-    a_ok = (ranks[:, None] < rank) & first_tile & HAS_LORA
+    a_ok = (ranks[:, None] < rank) & first_tile & HAS_LORA & (XA_CHUNK == QBLOCK)
     k_tiles = K // QBLOCK
     first_k_tile = split * (K_SPLIT // QBLOCK)
     last_k_tile = first_k_tile + K_SPLIT // QBLOCK - 1
@@ -142,7 +146,16 @@ def nf4_lora_matmul(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset,
         acc += product * scale[:, None] * up[None, :]
         if HAS_LORA:  # noqa: SIM102  (a compile-time branch around a run-time one)
             if first_tile:
-                xa += tl.dot(x, tl.trans(a.to(tl.float32)), input_precision="ieee")
+                if XA_CHUNK == QBLOCK:
+                    xa += tl.dot(x, tl.trans(a.to(tl.float32)), input_precision="ieee")
+                else:
+                    for chunk in tl.static_range(0, QBLOCK, XA_CHUNK):
+                        at = k0 + chunk + tl.arange(0, XA_CHUNK)
+                        xk = tl.load(x_ptr + rows[:, None] * stride_x + at[None, :],
+                                     mask=row_ok[:, None], other=0.0).to(tl.float32)
+                        ak = tl.load(a_ptr + ranks[:, None] * K + at[None, :],
+                                     mask=ranks[:, None] < rank, other=0.0).to(tl.float32)
+                        xa += tl.dot(xk, tl.trans(ak), input_precision="ieee")
         codes, scales2, a = next_codes, next_scales2, next_a
     tl.store(part_ptr + split * M * N + rows[None, :] * N + cols[:, None], acc,
              mask=row_ok[None, :] & col_ok[:, None])
