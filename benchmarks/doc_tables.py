@@ -58,6 +58,7 @@ TABLES: tuple[list[str], ...] = (
      f"{RESULTS}/decode_profile_prmt_2b.json", f"{RESULTS}/decode_profile_fp8_2b.json",
      f"{RESULTS}/decode_profile_ahead_8b.json", f"{RESULTS}/decode_profile_prmt_8b.json",
      f"{RESULTS}/decode_profile_fp8_8b.json", "--doc", "{doc}"],
+    ["nf4_registers.py", "--from-json", f"{RESULTS}/nf4_registers.json", "--doc", "{doc}"],
     gspo_step_block("ahead-2b", "gspo_step_ahead_2b", doc="{doc}"),
     gspo_step_block("prmt-2b", "gspo_step_prmt_2b", doc="{doc}"),
     gspo_step_block("prmt-8b", "gspo_step_prmt_8b", doc="{doc}"),
