@@ -20,6 +20,7 @@ import json
 import sys
 import tempfile
 import time
+import typing
 from pathlib import Path
 
 import torch
@@ -124,39 +125,45 @@ SWEEP = [Tiles(128, 4, 3, 4), Tiles(128, 4, 3, 2), Tiles(128, 4, 3, 1), Tiles(25
          Tiles(128, xa_chunk=16, max_registers=168), Tiles(128, pdl=True, xa_chunk=16)]
 
 
-def field_value(field: dataclasses.Field, text: str):
+def field_value(name: str, kind: type, text: str) -> bool | float | int | None:
     """A `--tiles` value as the Tiles field's type takes it (booleans: 0/1/true/false)."""
-    kind = str(field.type)
-    if kind == "bool":
+    text = text.strip()
+    if kind is bool:
         if text.lower() not in ("0", "1", "true", "false"):
-            raise ValueError(f"{field.name} is {text!r}, not 0 or 1")
+            raise ValueError(f"{name} is {text!r}, not 0 or 1")
         return text.lower() in ("1", "true")
-    if kind == "float":
-        return float(text)
-    if text.lower() == "none" and "None" in kind:
+    if text.lower() == "none" and type(None) in typing.get_args(kind):
         return None
-    return int(text)
+    try:
+        return float(text) if kind is float else int(text)
+    except ValueError:
+        raise ValueError(f"{name} is {text!r}, not a number") from None
 
 
 def parse_tiles(text: str) -> list[Tiles]:
-    """`--tiles`: `;` between tile shapes; in each, Tiles' fields in order and/or as name=value,
-    `,` between them (e.g. `128,4,3,4;128,pdl=1,xa_chunk=16`)."""
-    fields = dataclasses.fields(Tiles)
-    by_name = {field.name: field for field in fields}
+    """`--tiles`: `;` between tile shapes; in each, Tiles' fields in order, then any as
+    name=value, `,` between them (e.g. `128,4,3,4;128,pdl=1,xa_chunk=16`)."""
+    kinds = typing.get_type_hints(Tiles)
+    names = list(kinds)
     shapes = []
     for shape in text.split(";"):
-        items = shape.split(",")
+        items = [item.strip() for item in shape.split(",")]
         plain = [item for item in items if "=" not in item]
         try:
-            if len(plain) > len(fields):
-                raise ValueError(f"more than the {len(fields)} fields of Tiles")
-            positional = [field_value(field, item) for field, item in zip(fields, plain)]
-            named = {}
-            for name, _, value in (item.partition("=") for item in items if "=" in item):
-                if name not in by_name:
-                    raise ValueError(f"Tiles has no field {name!r} (fields: {', '.join(by_name)})")
-                named[name] = field_value(by_name[name], value)
-            shapes.append(Tiles(*positional, **named))
+            if items[:len(plain)] != plain:
+                raise ValueError("fields in order come before name=value")
+            if len(plain) > len(names):
+                raise ValueError(f"more than the {len(names)} fields of Tiles")
+            values = {name: field_value(name, kinds[name], item)
+                      for name, item in zip(names, plain)}
+            for name, _, value in (item.partition("=") for item in items[len(plain):]):
+                name = name.strip()
+                if name not in kinds:
+                    raise ValueError(f"Tiles has no field {name!r} (fields: {', '.join(names)})")
+                if name in values:
+                    raise ValueError(f"{name} is given twice")
+                values[name] = field_value(name, kinds[name], value)
+            shapes.append(Tiles(**values))
         except (ValueError, TypeError) as error:
             raise argparse.ArgumentTypeError(f"{shape!r}: {error}") from None
     return shapes
@@ -223,6 +230,16 @@ KERNEL_GROUPS = (("NF4 projections", ("nf4_lora_matmul",)), ("sum of the splits"
                  ("LM head", ("nvjet",)))
 
 
+def tiles_note(results: dict) -> str:
+    """The decode tiles of a `--decode-tiles` run where they are not the shipped ones."""
+    from vlmrl.rollout.nf4_decode import TILES
+
+    chosen = results.get("decode_tiles") or {}
+    changed = [f"{name}={value}" for name, value in chosen.items()
+               if getattr(TILES, name) != value]
+    return f" (tiles: {', '.join(changed)})" if changed else ""
+
+
 def kernel_rows(results: dict) -> list[str]:
     """One row per profiled run of a results file: milliseconds per decode step, and each group of
     KERNEL_GROUPS' kernel time per step with its share of the step (the rest: the other kernels
@@ -236,7 +253,8 @@ def kernel_rows(results: dict) -> list[str]:
         for _, prefixes in KERNEL_GROUPS:
             ms = sum(k["ms_per_step"] for k in run["kernels"] if k["kernel"].startswith(prefixes))
             shares.append(f"{ms:.2f} ({100 * ms / total:.0f}%)")
-        rows.append(f"| {results['model'].removeprefix('embedded:')} | {run['rows']} | "
+        rows.append(f"| {results['model'].removeprefix('embedded:')}{tiles_note(results)} | "
+                    f"{run['rows']} | "
                     f"{results['kv_cache_dtype']} | {run['ms_per_step']:.2f} | "
                     f"{run['tokens_per_s']} | {100 * run['bound_fraction']:.1f} | "
                     + " | ".join(shares) + " |")

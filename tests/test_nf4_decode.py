@@ -262,6 +262,7 @@ def random_nf4(out_features: int, in_features: int, nested: bool, generator: tor
      {4: 2.0 ** -20}),
     # float32 scales over 4 steps, no adapter
     (5, 128, 512, False, False, Tiles(block_n=64, programs_per_sm=1, pdl=True), {1: 2.0 ** 20})])
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # the interpreter's word for an unmasked read
 def test_the_kernel_matches_a_float64_product_under_the_interpreter(
         interpreted_kernel, rows, out_features, in_features, nested, lora, tiles, row_scales):
     """The whole kernel (scale codes read K tile by K tile and one step ahead, x's rows scaled

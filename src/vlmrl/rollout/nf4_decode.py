@@ -58,9 +58,11 @@ class Tiles:
     `sum_block_n` columns a program: a small tile, so that even a projection of 1024 columns
     spreads its partial sums over most SMs. `pdl`: both launches use programmatic dependent
     launch (Hopper and later), so that each is on the GPU, waiting, before the kernel before it
-    ends. `xa_chunk`: columns of x per product of the adapter's x A^T (at most the scale
-    block). `max_registers`: a cap on the first kernel's registers per thread (ptxas's
-    maxnreg), for more programs per SM."""
+    ends (ignored before Hopper). `xa_chunk`: columns of x per product of the adapter's x A^T
+    (the scale block where it is larger). `max_registers`: a cap on the first kernel's
+    registers per thread (Triton's maxnreg), for more programs per SM. The last two apply
+    where a program takes several K steps only: with one, the adapter's tile is not loaded
+    ahead, and ptxas takes the cap as a target, so it would raise the registers instead."""
 
     block_n: int = 64
     warps: int = 4
@@ -79,6 +81,8 @@ class Tiles:
                 raise ValueError(f"Tiles.{name} is {value}: Triton's tiles are powers of two")
         if self.xa_chunk < 16:
             raise ValueError(f"Tiles.xa_chunk is {self.xa_chunk}: tl.dot's K is 16 or more")
+        if self.max_registers is not None and not 32 <= self.max_registers <= 255:
+            raise ValueError(f"Tiles.max_registers is {self.max_registers}, not 32 to 255")
 
 
 # The tiles the sweeps of earlier kernels chose (NF4 decode kernel in docs/benchmarks-history.md);
@@ -181,16 +185,27 @@ def nf4_matmul(x: torch.Tensor, weight: PackedNF4, lora: tuple | None = None,
         float(weight.offset), a, parts, xa_parts, rows, out_features, in_features, rank,
         flat.stride(0), K_SPLIT=in_features // splits, NESTED=nested, BLOCK2=weight.block2,
         HAS_LORA=lora is not None, QBLOCK=weight.blocksize, R=r_tile, BLOCK_M=block_m,
-        BLOCK_N=tiles.block_n, PDL=tiles.pdl, XA_CHUNK=min(tiles.xa_chunk, weight.blocksize),
-        num_warps=tiles.warps, num_stages=tiles.stages, launch_pdl=tiles.pdl,
-        **({} if tiles.max_registers is None else {"maxnreg": tiles.max_registers}))
+        BLOCK_N=tiles.block_n, **_tile_options(tiles, in_features // splits, weight.blocksize,
+                                              x.device))
     out = torch.empty(rows, out_features, dtype=torch.bfloat16, device=x.device)
     sum_rows = min(block_m, tiles.sum_rows)
     sum_splits[(triton.cdiv(out_features, tiles.sum_block_n), triton.cdiv(rows, sum_rows))](
         parts, xa_parts, b, out, rows, out_features, rank, float(scaling), SPLITS=splits,
         HAS_LORA=lora is not None, R=r_tile, BLOCK_M=sum_rows, BLOCK_N=tiles.sum_block_n,
-        PDL=tiles.pdl, launch_pdl=tiles.pdl)
+        PDL=_hopper(x.device) and tiles.pdl, launch_pdl=_hopper(x.device) and tiles.pdl)
     return out.view(*x.shape[:-1], out_features)
+
+
+def _tile_options(tiles: Tiles, k_split: int, blocksize: int, device: torch.device) -> dict:
+    """The first kernel's arguments and compile options that `tiles` sets (see Tiles)."""
+    several_steps = k_split > blocksize
+    pdl = _hopper(device) and tiles.pdl
+    options = {"PDL": pdl, "launch_pdl": pdl, "num_warps": tiles.warps,
+               "num_stages": tiles.stages,
+               "XA_CHUNK": min(tiles.xa_chunk, blocksize) if several_steps else blocksize}
+    if several_steps and tiles.max_registers is not None:
+        options["maxnreg"] = tiles.max_registers
+    return options
 
 
 @torch.library.custom_op("vlmrl::nf4_matmul", mutates_args=())
@@ -198,8 +213,9 @@ def nf4_matmul_op(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
                   absmax2: torch.Tensor | None, code2: torch.Tensor | None, offset: float,
                   block2: int, lora_a: torch.Tensor | None, lora_b: torch.Tensor | None,
                   scaling: float, out_features: int, blocksize: int) -> torch.Tensor:
-    """`nf4_matmul` with the shipped tiles as one operator, which torch.compile calls as it is
-    (it does not trace into the Triton launches) and a CUDA graph captures."""
+    """`nf4_matmul` with the module's TILES as one operator, which torch.compile calls as it is
+    (it does not trace into the Triton launches) and a CUDA graph captures (with the TILES of
+    the capture)."""
     weight = PackedNF4(packed, absmax, out_features, x.shape[-1], blocksize, absmax2, code2,
                        offset, block2)
     return nf4_matmul(x, weight, None if lora_a is None else (lora_a, lora_b, scaling))
@@ -214,6 +230,12 @@ def _(x, packed, absmax, absmax2, code2, offset, block2, lora_a, lora_b, scaling
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.cache
+def _hopper(device: torch.device) -> bool:
+    """Whether the device has programmatic dependent launch (compute capability 9 or more)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _adapter(module) -> tuple | None:

@@ -86,8 +86,8 @@ def nf4_lora_matmul(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset,
     """One [BLOCK_N, rows] tile of W x^T over K_SPLIT of K (program_id 1 says which), one
     scale block per step, in float32 to the partial sums part[split] (stored as x W^T);
     the first column tile also writes its split's share of x A^T (float32, as PEFT) to
-    xa_part[split]. The block scales and the adapter's tile of each step are loaded one step
-    ahead (Triton pipelines the weight and x loads itself, not these, whose latency would
+    xa_part[split]. The block scales of each step, and with XA_CHUNK equal to QBLOCK the
+    adapter's tile, are loaded one step ahead (Triton pipelines the weight and x loads itself, not these, whose latency would
     otherwise be on every step's path); a program of one step has nothing to load ahead. PDL:
     launched with programmatic dependent launch, see `after_the_kernel_before`. XA_CHUNK below
     QBLOCK: x A^T in products of XA_CHUNK columns, read where they are needed (an fp32 product
@@ -104,7 +104,7 @@ def nf4_lora_matmul(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset,
     pairs = tl.arange(0, QBLOCK // 2)  # byte j holds weights 2j (high nibble) and 2j + 1
     within = tl.arange(0, QBLOCK)
     ranks = tl.arange(0, R)
-    a_ok = (ranks[:, None] < rank) & first_tile & HAS_LORA & (XA_CHUNK == QBLOCK)
+    a_ok = (ranks[:, None] < rank) & first_tile & HAS_LORA
     k_tiles = K // QBLOCK
     first_k_tile = split * (K_SPLIT // QBLOCK)
     last_k_tile = first_k_tile + K_SPLIT // QBLOCK - 1
@@ -112,8 +112,11 @@ def nf4_lora_matmul(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset,
     xa = tl.zeros((BLOCK_M, R), dtype=tl.float32)
     codes, scales2 = scale_codes(codes_ptr, absmax2_ptr, first_k_tile, cols, col_ok, N, k_tiles,
                                  NESTED, BLOCK2)
-    a = tl.load(a_ptr + ranks[:, None] * K + (split * K_SPLIT + within)[None, :], mask=a_ok,
-                other=0.0)
+    if XA_CHUNK == QBLOCK:
+        a = tl.load(a_ptr + ranks[:, None] * K + (split * K_SPLIT + within)[None, :], mask=a_ok,
+                    other=0.0)
+    else:  # read in chunks where it is used
+        a = tl.zeros((R, QBLOCK), tl.float32)
     for step in range(0, K_SPLIT, QBLOCK):
         k0 = split * K_SPLIT + step
         k_tile = k0 // QBLOCK
@@ -121,8 +124,11 @@ def nf4_lora_matmul(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset,
             ahead = tl.minimum(k_tile + 1, last_k_tile)
             next_codes, next_scales2 = scale_codes(codes_ptr, absmax2_ptr, ahead, cols, col_ok,
                                                    N, k_tiles, NESTED, BLOCK2)
-            next_a = tl.load(a_ptr + ranks[:, None] * K + (ahead * QBLOCK + within)[None, :],
-                             mask=a_ok, other=0.0)
+            if XA_CHUNK == QBLOCK:
+                next_a = tl.load(a_ptr + ranks[:, None] * K
+                                 + (ahead * QBLOCK + within)[None, :], mask=a_ok, other=0.0)
+            else:
+                next_a = a
         else:
             next_codes, next_scales2, next_a = codes, scales2, a
         x = tl.load(x_ptr + rows[:, None] * stride_x + (k0 + within)[None, :],
