@@ -87,8 +87,8 @@ def nf4_lora_matmul(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset,
     scale block per step, in float32 to the partial sums part[split] (stored as x W^T);
     the first column tile also writes its split's share of x A^T (float32, as PEFT) to
     xa_part[split]. The block scales of each step, and with XA_CHUNK equal to QBLOCK the
-    adapter's tile, are loaded one step ahead (Triton pipelines the weight and x loads itself, not these, whose latency would
-    otherwise be on every step's path); a program of one step has nothing to load ahead. PDL:
+    adapter's tile, are loaded one step ahead, so that their latency (a code, then the lookup
+    of its value) is off the step's path; a program of one step has nothing to load ahead. PDL:
     launched with programmatic dependent launch, see `after_the_kernel_before`. XA_CHUNK below
     QBLOCK: x A^T in products of XA_CHUNK columns, read where they are needed (an fp32 product
     on CUDA cores holds its whole K in registers, and a kernel gets the registers of its
