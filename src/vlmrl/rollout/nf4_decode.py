@@ -179,31 +179,30 @@ def nf4_matmul(x: torch.Tensor, weight: PackedNF4, lora: tuple | None = None,
     xa_parts = torch.empty(splits, rows, r_tile, dtype=torch.float32, device=x.device)
     block_m = max(16, triton.next_power_of_2(rows))
     nested = weight.absmax2 is not None
+    pdl = {"PDL": tiles.pdl and _hopper(x.device), "launch_pdl": tiles.pdl and _hopper(x.device)}
     kernel[(triton.cdiv(out_features, tiles.block_n), splits)](
         flat, weight.packed, weight.absmax,
         weight.absmax2 if nested else weight.absmax, weight.code2 if nested else weight.absmax,
         float(weight.offset), a, parts, xa_parts, rows, out_features, in_features, rank,
         flat.stride(0), K_SPLIT=in_features // splits, NESTED=nested, BLOCK2=weight.block2,
         HAS_LORA=lora is not None, QBLOCK=weight.blocksize, R=r_tile, BLOCK_M=block_m,
-        BLOCK_N=tiles.block_n, **_tile_options(tiles, in_features // splits, weight.blocksize,
-                                              x.device))
+        BLOCK_N=tiles.block_n, num_warps=tiles.warps, num_stages=tiles.stages, **pdl,
+        **_step_options(tiles, in_features // splits, weight.blocksize))
     out = torch.empty(rows, out_features, dtype=torch.bfloat16, device=x.device)
     sum_rows = min(block_m, tiles.sum_rows)
     sum_splits[(triton.cdiv(out_features, tiles.sum_block_n), triton.cdiv(rows, sum_rows))](
         parts, xa_parts, b, out, rows, out_features, rank, float(scaling), SPLITS=splits,
-        HAS_LORA=lora is not None, R=r_tile, BLOCK_M=sum_rows, BLOCK_N=tiles.sum_block_n,
-        PDL=_hopper(x.device) and tiles.pdl, launch_pdl=_hopper(x.device) and tiles.pdl)
+        HAS_LORA=lora is not None, R=r_tile, BLOCK_M=sum_rows, BLOCK_N=tiles.sum_block_n, **pdl)
     return out.view(*x.shape[:-1], out_features)
 
 
-def _tile_options(tiles: Tiles, k_split: int, blocksize: int, device: torch.device) -> dict:
-    """The first kernel's arguments and compile options that `tiles` sets (see Tiles)."""
-    several_steps = k_split > blocksize
-    pdl = _hopper(device) and tiles.pdl
-    options = {"PDL": pdl, "launch_pdl": pdl, "num_warps": tiles.warps,
-               "num_stages": tiles.stages,
-               "XA_CHUNK": min(tiles.xa_chunk, blocksize) if several_steps else blocksize}
-    if several_steps and tiles.max_registers is not None:
+def _step_options(tiles: Tiles, k_split: int, blocksize: int) -> dict:
+    """The first kernel's adapter chunk and register cap, which apply to programs of several K
+    steps only (see Tiles)."""
+    if k_split <= blocksize:
+        return {"XA_CHUNK": blocksize}
+    options = {"XA_CHUNK": min(tiles.xa_chunk, blocksize)}
+    if tiles.max_registers is not None:
         options["maxnreg"] = tiles.max_registers
     return options
 
