@@ -57,8 +57,10 @@ def recorded_launch(out_features: int, in_features: int, tiles: Tiles) -> tuple[
                        out_features, in_features, 64, torch.zeros(-(-blocks // 256)),
                        torch.zeros(256), 0.01)
     lora = (torch.zeros(RANK, in_features), torch.zeros(out_features, RANK), 2.0)
+    import triton
+
     kernel, saved = nf4_decode._kernel, nf4_decode._sm_count
-    nf4_decode._kernel = lambda: (__import__("triton"), Recorder(), Recorder())
+    nf4_decode._kernel = lambda: (triton, Recorder(), Recorder())
     nf4_decode._sm_count = lambda device: SMS
     try:
         nf4_decode.nf4_matmul(torch.zeros(ROWS, in_features, dtype=torch.bfloat16), weight, lora,

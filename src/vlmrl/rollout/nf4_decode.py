@@ -179,7 +179,8 @@ def nf4_matmul(x: torch.Tensor, weight: PackedNF4, lora: tuple | None = None,
     xa_parts = torch.empty(splits, rows, r_tile, dtype=torch.float32, device=x.device)
     block_m = max(16, triton.next_power_of_2(rows))
     nested = weight.absmax2 is not None
-    pdl = {"PDL": tiles.pdl and _hopper(x.device), "launch_pdl": tiles.pdl and _hopper(x.device)}
+    use_pdl = tiles.pdl and _hopper(x.device)
+    pdl = {"PDL": use_pdl, "launch_pdl": use_pdl}
     kernel[(triton.cdiv(out_features, tiles.block_n), splits)](
         flat, weight.packed, weight.absmax,
         weight.absmax2 if nested else weight.absmax, weight.code2 if nested else weight.absmax,
