@@ -189,7 +189,8 @@ def kernel_sweep(model, rows_list: list[int], bandwidth: float,
                  sweep: list[Tiles] = SWEEP) -> list[dict]:
     """Microseconds per `nf4_matmul` call (replayed in a CUDA graph of 20 calls) for each
     distinct projection shape, adapter on, per tile shape of `sweep`."""
-    from vlmrl.rollout.nf4_decode import NF4Decode, PackedNF4, _adapter, nf4_matmul
+    from vlmrl.rollout.nf4_decode import PackedNF4, nf4_matmul
+    from vlmrl.rollout.nf4_projections import NF4Decode, _adapter
 
     nf4 = NF4Decode(model)
     shapes = {}
@@ -253,7 +254,9 @@ def kernel_rows(results: dict) -> list[str]:
         for _, prefixes in KERNEL_GROUPS:
             ms = sum(k["ms_per_step"] for k in run["kernels"] if k["kernel"].startswith(prefixes))
             shares.append(f"{ms:.2f} ({100 * ms / total:.0f}%)")
-        rows.append(f"| {results['model'].removeprefix('embedded:')}{tiles_note(results)} | "
+        ungrouped = " (a launch per projection)" if run.get("nf4_groups") == "off" else ""
+        rows.append(f"| {results['model'].removeprefix('embedded:')}{tiles_note(results)}"
+                    f"{ungrouped} | "
                     f"{run['rows']} | "
                     f"{results['kv_cache_dtype']} | {run['ms_per_step']:.2f} | "
                     f"{run['tokens_per_s']} | {100 * run['bound_fraction']:.1f} | "
@@ -291,6 +294,9 @@ def main() -> int:
                              "(default: vlmrl.rollout.nf4_decode.TILES)")
     parser.add_argument("--nf4-kernels", default="off,on",
                         help="NF4 projections by bitsandbytes + PEFT (off) or vlmrl.rollout.nf4_decode (on)")
+    parser.add_argument("--nf4-groups", default="on",
+                        help="q/k/v and gate/up in one NF4 launch each (on, the shipped "
+                             "nf4_projections.GROUPS) or one launch per projection (off); both: on,off")
     parser.add_argument("--kernels", action="store_true",
                         help="profile the kernels of the graph's decode steps at the most rows")
     parser.add_argument("--compiles", default="off",
@@ -309,11 +315,12 @@ def main() -> int:
         return 0
     global MODEL, KV_CACHE_DTYPE
     MODEL, KV_CACHE_DTYPE = args.model, args.kv_cache_dtype
+    from vlmrl.rollout import nf4_decode, nf4_projections
+
+    shipped_groups = nf4_projections.GROUPS
     if args.decode_tiles:
         if len(args.decode_tiles) != 1:
             parser.error("--decode-tiles: one tile shape")
-        from vlmrl.rollout import nf4_decode
-
         nf4_decode.TILES = args.decode_tiles[0]
     import os
 
@@ -336,14 +343,17 @@ def main() -> int:
                 model, [int(r) for r in args.rows.split(",")], bandwidth, args.tiles)
         for rows in [int(r) for r in args.rows.split(",")]:
             batch = prompts(processor, train_set, rows)
-            for attention, kernel, compiled in [
-                    (a, k, c) for a in args.attentions.split(",")
+            for attention, kernel, compiled, groups in [
+                    (a, k, c, g) for a in args.attentions.split(",")
                     for k in args.nf4_kernels.split(",") for c in args.compiles.split(",")
-                    if dtype == "nf4" or k == "off"]:
+                    for g in args.nf4_groups.split(",")
+                    if (dtype == "nf4" and k == "on") or (k == "off" and g == "on")]:
+                nf4_projections.GROUPS = shipped_groups if groups == "on" else ()
                 ms, peak = ms_per_step(model, batch, attention, args.new_tokens, args.cache_len,
                                        kernel == "on", compiled == "on")
                 run = {"dtype": dtype, "rows": rows, "attention": attention,
                        "nf4_kernel": kernel if dtype == "nf4" else None, "compiled": compiled,
+                       "nf4_groups": groups if kernel == "on" else None,
                        "ms_per_step": round(ms, 3), "tokens_per_s": round(rows * 1000 / ms),
                        "peak_allocated_gib": round(peak, 3),
                        "weight_bytes": weights,
@@ -360,7 +370,7 @@ def main() -> int:
     for run in results["runs"]:
         print(f"{run['dtype']:5} rows {run['rows']:3} {run['attention']:8} "
               f"kernel {run['nf4_kernel'] or '-':3} compiled {run['compiled']:3} "
-              f"{run['ms_per_step']:7.2f} "
+              f"groups {run.get('nf4_groups') or '-':3} {run['ms_per_step']:7.2f} "
               f"ms/step {run['tokens_per_s']:6} tok/s  bound {100 * run['bound_fraction']:.1f}%")
     return 0
 

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vlmrl.rollout.nf4_decode import TILES, Tiles, k_splits, kernel_available, servable
+from vlmrl.rollout.nf4_decode import TILES, Tiles, k_splits, kernel_available
+from vlmrl.rollout.nf4_projections import servable
 
 
 @pytest.mark.parametrize(("out_features", "in_features"),
@@ -75,6 +76,7 @@ def lora_model(monkeypatch):
     from peft import LoraConfig, get_peft_model
 
     from vlmrl.rollout import nf4_decode
+    from vlmrl.rollout.nf4_projections import NF4Decode
 
     torch.manual_seed(0)
     model = get_peft_model(TwoProjections(), LoraConfig(r=4, lora_alpha=8, target_modules=["up"]))
@@ -84,16 +86,17 @@ def lora_model(monkeypatch):
     layers = [(lora_up, with_quant_state(lora_up.base_layer)), (down, with_quant_state(down))]
     calls = []
 
-    def fake_kernel(x, weight, lora=None, tiles=None):
-        calls.append((weight.out_features, lora))
-        return torch.zeros(*x.shape[:-1], weight.out_features, dtype=torch.bfloat16)
+    def fake_kernel(x, weights, loras=None, tiles=None):
+        calls.extend((w.out_features, lora) for w, lora in zip(weights, loras or [None]))
+        return torch.zeros(*x.shape[:-1], sum(w.out_features for w in weights),
+                           dtype=torch.bfloat16)
 
-    monkeypatch.setattr(nf4_decode, "nf4_matmul", fake_kernel)
-    return model, nf4_decode.NF4Decode(model, layers), calls
+    monkeypatch.setattr(nf4_decode, "nf4_group_matmul", fake_kernel)
+    return model, NF4Decode(model, layers), calls
 
 
 def test_active_puts_wrappers_in_the_layers_places_and_restores_them(lora_model):
-    from vlmrl.rollout.nf4_decode import NF4DecodeLinear
+    from vlmrl.rollout.nf4_projections import NF4DecodeLinear
 
     model, nf4, calls = lora_model
     paths = ("base_model.model.up", "base_model.model.down")
@@ -223,7 +226,8 @@ def interpreted_kernel(monkeypatch):
     return nf4_decode
 
 
-def random_nf4(out_features: int, in_features: int, nested: bool, generator: torch.Generator):
+def random_nf4(out_features: int, in_features: int, nested: bool, generator: torch.Generator,
+               offset: float = 0.01):
     """A PackedNF4 of random codes and block scales, and its float64 dense weight."""
     from vlmrl.rollout.nf4_codes import NF4_CODES
     from vlmrl.rollout.nf4_decode import PackedNF4
@@ -235,9 +239,10 @@ def random_nf4(out_features: int, in_features: int, nested: bool, generator: tor
         codes = torch.randint(0, 256, (blocks,), dtype=torch.uint8, generator=generator)
         code2 = torch.sort(torch.rand(256, generator=generator)).values
         absmax2 = torch.rand(-(-blocks // 256), generator=generator) * 0.1
-        scales = code2[codes.long()] * absmax2.repeat_interleave(256)[:blocks] + 0.01
+        scales = code2[codes.long()] * absmax2.repeat_interleave(256)[:blocks] + offset
         by_k_tile = codes.view(out_features, -1).t().contiguous()
-        weight = PackedNF4(packed, by_k_tile, out_features, in_features, 64, absmax2, code2, 0.01)
+        weight = PackedNF4(packed, by_k_tile, out_features, in_features, 64, absmax2, code2,
+                           offset)
     else:
         scales = torch.rand(blocks, generator=generator) * 0.1
         weight = PackedNF4(packed, scales.view(out_features, -1).t().contiguous(), out_features,
@@ -289,3 +294,125 @@ def test_the_kernel_matches_a_float64_product_under_the_interpreter(
             assert torch.equal(got[row], expected[row]), row
         else:
             assert (got[row] - expected[row]).abs().max() < 2e-2 * largest, row
+
+
+@pytest.mark.parametrize(("widths", "in_features", "nested", "lora", "tiles", "one_launch"), [
+    # q, k, v: three projections, several K steps a split
+    ((128, 64, 64), 256, True, True, Tiles(block_n=64, programs_per_sm=1), True),
+    # gate, up: two, one K step a split, float32 scales
+    ((192, 192), 128, False, True, Tiles(block_n=64, programs_per_sm=8, sum_block_n=32), True),
+    ((128, 64, 64), 128, True, False, Tiles(block_n=64, programs_per_sm=2), True),
+    # the second starts inside a column tile: one launch per projection
+    ((96, 64), 128, True, True, Tiles(block_n=64, programs_per_sm=2), False)])
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+def test_a_group_matches_float64_products_of_its_projections_under_the_interpreter(
+        interpreted_kernel, widths, in_features, nested, lora, tiles, one_launch):
+    """Several projections of one input in one launch, each with its own weight, nested scales
+    (their own code book, scales and offset) and adapter, against float64 projection by
+    projection."""
+    generator = torch.Generator().manual_seed(len(widths) + in_features)
+    members = [random_nf4(width, in_features, nested, generator, offset=0.01 * (index + 1))
+               for index, width in enumerate(widths)]
+    weights = interpreted_kernel.side_by_side([weight for weight, _ in members])
+    x = torch.randn(7, in_features, generator=generator).to(torch.bfloat16)
+    x[2] *= 2.0 ** 17
+    loras = [(torch.randn(16, in_features, generator=generator) * 0.05,
+              torch.randn(width, 16, generator=generator) * 0.05, 0.5)
+             for width in widths] if lora else None
+    assert interpreted_kernel.groupable(weights, loras, tiles) == one_launch
+    got = interpreted_kernel.nf4_group_matmul(x, weights, loras, tiles).double()
+    assert got.shape == (7, sum(widths))
+    start = 0
+    for index, ((_, dense), width) in enumerate(zip(members, widths)):
+        expected = x.double() @ dense.t()
+        if lora:
+            a, b, scaling = loras[index]
+            expected += scaling * (x.double() @ a.double().t()) @ b.double().t()
+        part = got[:, start:start + width]
+        for row in range(7):
+            assert (part[row] - expected[row]).abs().max() < 2e-2 * expected[row].abs().max(), \
+                (index, row)
+        start += width
+
+
+class Attention(torch.nn.Module):
+    """q, k and v of one input, as a decoder layer calls them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj = torch.nn.Linear(64, 128, bias=False)
+        self.k_proj = torch.nn.Linear(64, 64, bias=False)
+        self.v_proj = torch.nn.Linear(64, 64, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.q_proj(x), 2 * self.k_proj(x), 3 * self.v_proj(x)], dim=-1)
+
+
+@pytest.fixture
+def grouped_model(monkeypatch):
+    """q, k, v under PEFT LoRA layers; the kernel replaced by a fake that records the widths of
+    each call and returns each column's index."""
+    from peft import LoraConfig, get_peft_model
+
+    from vlmrl.rollout import nf4_decode
+    from vlmrl.rollout.nf4_projections import NF4Decode
+
+    torch.manual_seed(0)
+    model = get_peft_model(Attention(), LoraConfig(r=4, lora_alpha=8,
+                                                   target_modules=["q_proj", "k_proj", "v_proj"]))
+    model = model.to(torch.bfloat16).eval()
+    layers = [(model.get_submodule(f"base_model.model.{name}"), None)
+              for name in ("q_proj", "k_proj", "v_proj")]
+    layers = [(layer, with_quant_state(layer.base_layer)) for layer, _ in layers]
+    calls = []
+
+    def fake_kernel(x, weights, loras=None, tiles=None):
+        calls.append(tuple(w.out_features for w in weights))
+        width = sum(w.out_features for w in weights)
+        return (torch.arange(width) + 0 * x[..., :1]).to(torch.bfloat16)
+
+    monkeypatch.setattr(nf4_decode, "nf4_group_matmul", fake_kernel)
+    return model, NF4Decode(model, layers), calls
+
+
+def grouped_output() -> torch.Tensor:
+    """What `Attention` gives when q, k and v come from one call of the fake kernel."""
+    columns = torch.arange(256).to(torch.bfloat16)
+    return torch.cat([columns[:128], 2 * columns[128:192], 3 * columns[192:]])
+
+
+def test_a_group_is_one_call_and_each_projection_gets_its_columns(grouped_model):
+    model, nf4, calls = grouped_model
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    with torch.no_grad(), nf4.active():
+        got = model(x)
+        assert [group.widths for group in nf4.groups] == [[128, 64, 64]]
+        assert nf4.groups[0].pending is None  # v, the last, took its output
+        model.get_submodule("base_model.model.q_proj")(x)
+        assert nf4.groups[0].pending is not None
+    assert nf4.groups[0].pending is None  # nothing kept past the step
+    assert calls == [(128, 64, 64)] * 2
+    assert torch.equal(got, grouped_output().expand(3, -1))
+
+
+def test_a_compiled_step_makes_one_call_per_group(grouped_model):
+    model, nf4, calls = grouped_model
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    compiled = torch.compile(model, backend="eager", fullgraph=True)  # no graph break
+    with torch.no_grad(), nf4.active():
+        for _ in range(2):
+            got = compiled(x)
+    assert calls == [(128, 64, 64)] * 2
+    assert torch.equal(got, grouped_output().expand(2, -1))
+
+
+def test_a_projection_the_kernel_cannot_serve_splits_the_group(grouped_model):
+    model, nf4, calls = grouped_model
+    k_proj = model.get_submodule("base_model.model.k_proj")
+    k_proj.lora_dropout["default"] = torch.nn.Dropout(0.5)  # in training: PEFT's forward
+    model.train()
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    with torch.no_grad(), nf4.active():
+        got = model(x)
+    assert calls == [(128,), (64,)]  # q and v one by one, k by its layer
+    assert torch.equal(got[:, 128:192], 2 * k_proj(x))

@@ -306,17 +306,11 @@ def test_nf4_kernel_is_as_exact_as_bitsandbytes_and_peft(rows):
     from bitsandbytes.functional import dequantize_blockwise
 
     from vlmrl.rollout.nf4_codes import NF4_CODES
-    from vlmrl.rollout.nf4_decode import (
-        TILES,
-        NF4Decode,
-        PackedNF4,
-        Tiles,
-        _adapter,
-        nf4_matmul,
-    )
+    from vlmrl.rollout.nf4_decode import TILES, PackedNF4, Tiles, nf4_matmul
+    from vlmrl.rollout.nf4_projections import NF4Decode, _adapter
 
     model, _ = load(four_bit=True)
-    nf4 = NF4Decode(model)
+    nf4 = NF4Decode(model, groups=())  # each layer one call (groups: the test after)
     names = {id(module): name for name, module in model.named_modules()}
     picked = {}
     for module, base in nf4.layers:
@@ -358,6 +352,63 @@ def test_nf4_kernel_is_as_exact_as_bitsandbytes_and_peft(rows):
                       f"bnb+PEFT {their_error:.2e}, kernel {our_error:.2e}")
                 assert our_error <= their_error * 1.25 + 1e-6, (kind, tiles)
                 assert our_error < 1e-2 * exact.abs().max().item(), (kind, tiles)
+
+
+@pytest.mark.parametrize("rows", [1, 32])
+def test_nf4_groups_are_as_exact_as_their_projections_one_by_one(rows):
+    """q, k, v and gate, up of the 2B shape's first layer in one launch each (`NF4Decode`'s
+    groups), with an adapter per projection: against a float32 product of the NF4 values times
+    their block scales and the adapters, each projection's columns are as exact as its own
+    `nf4_matmul`, for the shipped tiles and another tile shape."""
+    from vlmrl.rollout.nf4_decode import (
+        TILES,
+        Tiles,
+        groupable,
+        nf4_group_matmul,
+        nf4_matmul,
+    )
+    from vlmrl.rollout.nf4_projections import NF4Decode
+
+    model, _ = load(four_bit=True)
+    nf4 = NF4Decode(model)
+    with nf4.active():
+        pass
+    groups = nf4.groups[:2]
+    assert sorted(len(group.members) for group in groups) == [2, 3]
+    torch.manual_seed(rows)
+    for group in groups:
+        weights = [member.packed for member in group.members]
+        in_features = weights[0].in_features
+        x = torch.randn(rows, in_features, dtype=torch.bfloat16, device="cuda")
+        x[-1] *= 2.0 ** 17
+        loras = [(torch.randn(16, in_features, device="cuda") * 0.02,
+                  torch.randn(w.out_features, 16, device="cuda") * 0.02, 2.0) for w in weights]
+        for tiles in (TILES, Tiles(block_n=64, programs_per_sm=1)):
+            assert groupable(weights, loras, tiles)
+            together = nf4_group_matmul(x, weights, loras, tiles).float()
+            start = 0
+            for member, weight, (a, b, scaling) in zip(group.members, weights, loras):
+                dense = bnb_dense(getattr(member.layer, "base_layer", member.layer))
+                exact = x.float() @ dense.t() + scaling * (x.float() @ a.t()) @ b.t()
+                alone = nf4_matmul(x, weight, (a, b, scaling), tiles).float()
+                ours = together[:, start:start + weight.out_features]
+                error, alone_error = [(y - exact).abs().max().item() for y in (ours, alone)]
+                print(f"group {group.widths} rows={rows} {tiles}: alone {alone_error:.2e}, "
+                      f"grouped {error:.2e}")
+                assert error <= alone_error * 1.25 + 1e-6
+                assert error < 1e-2 * exact.abs().max().item()
+                start += weight.out_features
+
+
+def bnb_dense(base) -> torch.Tensor:
+    """A Linear4bit's weight as float32: NF4 values times their (unrounded) block scales."""
+    from bitsandbytes.functional import dequantize_blockwise
+
+    state = base.weight.quant_state
+    scales = (dequantize_blockwise(state.absmax, state.state2) + state.offset).float()
+    packed = base.weight.data.view(-1)
+    values = torch.stack([state.code[(packed >> 4).long()], state.code[(packed & 15).long()]], 1)
+    return (values.reshape(-1, state.blocksize) * scales[:, None]).reshape(*state.shape)
 
 
 def test_pdl_launches_in_a_cuda_graph_give_the_bits_of_plain_launches():

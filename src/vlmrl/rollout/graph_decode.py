@@ -355,7 +355,8 @@ class GraphDecoding:
     @functools.cached_property
     def nf4(self):
         """The model's NF4Decode, made once (it keeps the block scales), or None."""
-        from vlmrl.rollout.nf4_decode import NF4Decode, kernel_available
+        from vlmrl.rollout.nf4_decode import kernel_available
+        from vlmrl.rollout.nf4_projections import NF4Decode
 
         if not self.nf4_kernel or self.merged or not kernel_available():
             return None

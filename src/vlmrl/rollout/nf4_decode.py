@@ -24,14 +24,15 @@ above 0 the layers of a module in training mode keep PEFT's forward."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterator
-from dataclasses import dataclass
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
 MAX_ROWS = 64  # rows per call served by the kernel; more rows (prefill) take bitsandbytes' path
+MAX_GROUP = 3  # projections of one input in one launch (q, k, v)
 
 
 def kernel_available() -> bool:
@@ -102,19 +103,6 @@ def k_splits(out_features: int, in_features: int, tiles: Tiles, sms: int,
     return next((d for d in divisors if column_blocks * d >= wanted), divisors[-1])
 
 
-def servable(layer) -> bool:
-    """Whether a bitsandbytes Linear4bit can take the kernel: NF4, bf16 compute, no bias, the block
-    size of 64 the kernel is tested with (bitsandbytes' default), dividing its input width."""
-    weight = getattr(layer, "weight", None)
-    state = getattr(weight, "quant_state", None)
-    if state is None or state.quant_type != "nf4" or getattr(layer, "bias", None) is not None:
-        return False
-    in_features = tuple(state.shape)[1]
-    return (state.dtype == torch.bfloat16 and state.blocksize == 64
-            and in_features % state.blocksize == 0 and weight.is_cuda
-            and (not state.nested or state.state2.absmax.dtype == torch.float32))
-
-
 @dataclass(frozen=True)
 class PackedNF4:
     """What the kernel reads of a Linear4bit: the packed 4-bit weight (bitsandbytes' own tensor,
@@ -149,6 +137,13 @@ class PackedNF4:
                    nested.code.to(device=layer.weight.device, dtype=torch.float32).contiguous(),
                    float(state.offset), nested.blocksize)
 
+    @classmethod
+    def group(cls, layers: Sequence) -> list[PackedNF4]:
+        """`of` each Linear4bit of a group (one input width and kind of scales), their block scale
+        codes adjacent columns of one K-tile-major copy, as `nf4_group_matmul` reads them in one
+        launch."""
+        return side_by_side([cls.of(layer) for layer in layers])
+
     def scales(self) -> torch.Tensor:
         """The float32 scale of every block in bitsandbytes' order, as it dequantizes them (for
         tests)."""
@@ -159,41 +154,101 @@ class PackedNF4:
                 * self.absmax2.repeat_interleave(self.block2)[:codes.numel()] + self.offset)
 
 
+def side_by_side(weights: Sequence[PackedNF4]) -> list[PackedNF4]:
+    """The weights with their block scale codes moved into one K-tile-major copy, adjacent
+    columns in order (what `groupable` asks of a group)."""
+    codes = torch.cat([weight.absmax for weight in weights], dim=1)
+    starts = itertools.accumulate([0, *(weight.out_features for weight in weights)])
+    return [replace(weight, absmax=codes[:, start:start + weight.out_features])
+            for weight, start in zip(weights, starts)]
+
+
 def nf4_matmul(x: torch.Tensor, weight: PackedNF4, lora: tuple | None = None,
                tiles: Tiles | None = None) -> torch.Tensor:
     """`x @ W^T (+ s (x A^T) B^T)` for x of at most MAX_ROWS rows (any leading shape), bf16 out.
     `lora` is (A [r, in] float32, B [out, r] float32, s); `tiles` defaults to the module's
     TILES as it is at the call (a benchmark may set it)."""
+    return nf4_group_matmul(x, (weight,), None if lora is None else (lora,), tiles)
+
+
+def groupable(weights: Sequence[PackedNF4], loras: Sequence[tuple] | None, tiles: Tiles) -> bool:
+    """Whether `nf4_group_matmul` takes these projections in one launch: at most three of one
+    input width and kind of scales, their block scale codes adjacent columns of one K-tile-major
+    copy (`PackedNF4.group`), each starting at a multiple of both column tiles, and adapters of
+    one rank, scale and dtype."""
+    first = weights[0]
+    starts = list(itertools.accumulate(w.out_features for w in weights))[:-1]
+    size = first.absmax.element_size()
+    adjacent = all(
+        w.absmax.data_ptr() == first.absmax.data_ptr() + start * size
+        and w.absmax.stride() == first.absmax.stride() and w.absmax.dtype == first.absmax.dtype
+        for w, start in zip(weights[1:], starts))
+    alike = all((w.in_features, w.blocksize, w.absmax2 is None, w.block2)
+                == (first.in_features, first.blocksize, first.absmax2 is None, first.block2)
+                for w in weights)
+    tile = max(tiles.block_n, tiles.sum_block_n)
+    adapters = loras is None or len({(a.shape[0], a.dtype, b.dtype, float(s))
+                                     for a, b, s in loras}) == 1
+    return (len(weights) <= MAX_GROUP and adjacent and alike and adapters
+            and all(start % tile == 0 for start in starts))
+
+
+def nf4_group_matmul(x: torch.Tensor, weights: Sequence[PackedNF4],
+                     loras: Sequence[tuple] | None = None,
+                     tiles: Tiles | None = None) -> torch.Tensor:
+    """`nf4_matmul` of several projections of one input (q, k, v; gate, up), their outputs side
+    by side in one tensor, in one launch of each kernel where `groupable` (else one per
+    projection, concatenated): a decode step's projections are too small to fill the GPU one by
+    one, and their launches' fixed costs add up. `loras`: one (A, B, s) per projection, or None."""
     tiles = tiles or TILES
+    if len(weights) > 1 and not groupable(weights, loras, tiles):
+        return torch.cat([nf4_matmul(x, w, None if loras is None else lora, tiles)
+                          for w, lora in zip(weights, loras or [None] * len(weights))], dim=-1)
     triton, kernel, sum_splits = _kernel()
-    out_features, in_features = weight.out_features, weight.in_features
+    first = weights[0]
+    in_features = first.in_features
+    out_features = sum(w.out_features for w in weights)
+    starts = [*itertools.accumulate(w.out_features for w in weights)][:-1]
+    starts += [out_features] * (2 - len(starts))
     flat = x.reshape(-1, in_features)
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
     rows = flat.shape[0]
-    splits = k_splits(out_features, in_features, tiles, _sm_count(x.device), weight.blocksize)
+    splits = k_splits(out_features, in_features, tiles, _sm_count(x.device), first.blocksize)
     parts = torch.empty(splits, rows, out_features, dtype=torch.float32, device=x.device)
-    a, b, scaling = lora if lora is not None else (flat, flat, 1.0)
-    rank = a.shape[0] if lora is not None else 1
+    adapters = loras or [(flat, flat, 1.0)] * len(weights)
+    rank = adapters[0][0].shape[0] if loras is not None else 1
     r_tile = max(16, triton.next_power_of_2(rank))
-    xa_parts = torch.empty(splits, rows, r_tile, dtype=torch.float32, device=x.device)
+    xa_parts = torch.empty(splits, rows, len(weights) * r_tile, dtype=torch.float32,
+                           device=x.device)
     block_m = max(16, triton.next_power_of_2(rows))
-    nested = weight.absmax2 is not None
+    nested = first.absmax2 is not None
+
+    def each(values: list) -> list:  # three of them: the kernels' arguments for a group
+        return [*values, *[values[0]] * (MAX_GROUP - len(values))]
+
+    packed = each([w.packed for w in weights])
+    absmax2 = each([w.absmax2 if nested else w.absmax for w in weights])
+    code2 = each([w.code2 if nested else w.absmax for w in weights])
+    offsets = each([float(w.offset) for w in weights])
+    a, b = each([lora[0] for lora in adapters]), each([lora[1] for lora in adapters])
     use_pdl = tiles.pdl and _hopper(x.device)
     pdl = {"PDL": use_pdl, "launch_pdl": use_pdl}
     kernel[(triton.cdiv(out_features, tiles.block_n), splits)](
-        flat, weight.packed, weight.absmax,
-        weight.absmax2 if nested else weight.absmax, weight.code2 if nested else weight.absmax,
-        float(weight.offset), a, parts, xa_parts, rows, out_features, in_features, rank,
-        flat.stride(0), K_SPLIT=in_features // splits, NESTED=nested, BLOCK2=weight.block2,
-        HAS_LORA=lora is not None, QBLOCK=weight.blocksize, R=r_tile, BLOCK_M=block_m,
+        flat, packed[0], first.absmax, absmax2[0], code2[0], offsets[0], a[0], parts, xa_parts,
+        rows, out_features, in_features, rank, flat.stride(0), first.absmax.stride(0),
+        packed[1], packed[2], absmax2[1], absmax2[2], code2[1], code2[2], offsets[1],
+        offsets[2], a[1], a[2], starts[0], starts[1],
+        K_SPLIT=in_features // splits, NESTED=nested, BLOCK2=first.block2,
+        HAS_LORA=loras is not None, QBLOCK=first.blocksize, R=r_tile, BLOCK_M=block_m,
         BLOCK_N=tiles.block_n, num_warps=tiles.warps, num_stages=tiles.stages, **pdl,
-        **_step_options(tiles, in_features // splits, weight.blocksize))
+        SEGMENTS=len(weights), **_step_options(tiles, in_features // splits, first.blocksize))
     out = torch.empty(rows, out_features, dtype=torch.bfloat16, device=x.device)
     sum_rows = min(block_m, tiles.sum_rows)
     sum_splits[(triton.cdiv(out_features, tiles.sum_block_n), triton.cdiv(rows, sum_rows))](
-        parts, xa_parts, b, out, rows, out_features, rank, float(scaling), SPLITS=splits,
-        HAS_LORA=lora is not None, R=r_tile, BLOCK_M=sum_rows, BLOCK_N=tiles.sum_block_n, **pdl)
+        parts, xa_parts, b[0], out, rows, out_features, rank, float(adapters[0][2]), b[1], b[2],
+        starts[0], starts[1], SPLITS=splits, HAS_LORA=loras is not None, R=r_tile,
+        BLOCK_M=sum_rows, BLOCK_N=tiles.sum_block_n, SEGMENTS=len(weights), **pdl)
     return out.view(*x.shape[:-1], out_features)
 
 
@@ -209,22 +264,27 @@ def _step_options(tiles: Tiles, k_split: int, blocksize: int) -> dict:
 
 
 @torch.library.custom_op("vlmrl::nf4_matmul", mutates_args=())
-def nf4_matmul_op(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
-                  absmax2: torch.Tensor | None, code2: torch.Tensor | None, offset: float,
-                  block2: int, lora_a: torch.Tensor | None, lora_b: torch.Tensor | None,
-                  scaling: float, out_features: int, blocksize: int) -> torch.Tensor:
-    """`nf4_matmul` with the module's TILES as one operator, which torch.compile calls as it is
-    (it does not trace into the Triton launches) and a CUDA graph captures (with the TILES of
-    the capture)."""
-    weight = PackedNF4(packed, absmax, out_features, x.shape[-1], blocksize, absmax2, code2,
-                       offset, block2)
-    return nf4_matmul(x, weight, None if lora_a is None else (lora_a, lora_b, scaling))
+def nf4_matmul_op(x: torch.Tensor, packed: list[torch.Tensor], absmax: list[torch.Tensor],
+                  absmax2: list[torch.Tensor], code2: list[torch.Tensor], offsets: list[float],
+                  block2: int, lora_a: list[torch.Tensor], lora_b: list[torch.Tensor],
+                  scaling: float, out_features: list[int], blocksize: int) -> torch.Tensor:
+    """`nf4_group_matmul` of one projection or a group, with the module's TILES, as one operator,
+    which torch.compile calls as it is (it does not trace into the Triton launches) and a CUDA
+    graph captures (with the TILES of the capture). Per projection: its packed weight, block
+    scale codes, nested scales (`absmax2`, `code2`: empty without), offset, adapter (`lora_a`,
+    `lora_b`: empty without; one `scaling`) and output width."""
+    weights = [PackedNF4(weight, codes, width, x.shape[-1], blocksize,
+                         absmax2[i] if absmax2 else None, code2[i] if code2 else None,
+                         offsets[i], block2)
+               for i, (weight, codes, width) in enumerate(zip(packed, absmax, out_features))]
+    loras = [(a, b, scaling) for a, b in zip(lora_a, lora_b)] or None
+    return nf4_group_matmul(x, weights, loras)
 
 
 @nf4_matmul_op.register_fake
-def _(x, packed, absmax, absmax2, code2, offset, block2, lora_a, lora_b, scaling,
+def _(x, packed, absmax, absmax2, code2, offsets, block2, lora_a, lora_b, scaling,
       out_features, blocksize):
-    return x.new_empty(*x.shape[:-1], out_features)
+    return x.new_empty(*x.shape[:-1], sum(out_features))
 
 
 @functools.cache
@@ -236,100 +296,3 @@ def _sm_count(device: torch.device) -> int:
 def _hopper(device: torch.device) -> bool:
     """Whether the device has programmatic dependent launch (compute capability 9 or more)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def _adapter(module) -> tuple | None:
-    """(A, B, s) of a PEFT LoRA layer's one active adapter, None where the kernel can't add it."""
-    names = list(module.active_adapters)
-    if module.disable_adapters or not names:
-        return ()
-    if len(names) > 1 or names[0] not in module.lora_A or module.use_dora.get(names[0]):
-        return None
-    name = names[0]
-    dropout = module.lora_dropout[name]
-    if module.training and isinstance(dropout, torch.nn.Dropout) and dropout.p > 0:
-        return None
-    a, b = module.lora_A[name].weight, module.lora_B[name].weight
-    return a, b, module.scaling[name]
-
-
-class NF4DecodeLinear(torch.nn.Module):
-    """An NF4 projection (a bare Linear4bit, or a LoRA layer over one) that decode steps call:
-    at most MAX_ROWS bf16 rows go to `nf4_matmul_op` with the layer's weight and active adapter,
-    anything else (more rows, other arguments, dropout in training, several adapters) to the
-    layer itself."""
-
-    def __init__(self, layer: torch.nn.Module, weight: PackedNF4, bare: bool) -> None:
-        super().__init__()
-        self.layer = layer
-        self.packed = weight
-        self.bare = bare
-
-    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        lora = () if self.bare else _adapter(self.layer)
-        rows = x.numel() // x.shape[-1]
-        if lora is None or args or kwargs or rows > MAX_ROWS or x.dtype != torch.bfloat16:
-            return self.layer(x, *args, **kwargs)
-        a, b, scaling = lora or (None, None, 1.0)
-        weight = self.packed
-        return torch.ops.vlmrl.nf4_matmul(x, weight.packed, weight.absmax,
-                                          weight.absmax2, weight.code2, weight.offset,
-                                          weight.block2, a, b, float(scaling),
-                                          weight.out_features, weight.blocksize)
-
-
-def nf4_layers(model) -> list[tuple[torch.nn.Module, torch.nn.Module]]:
-    """(layer, its Linear4bit) for each NF4 projection the kernel serves: LoRA layers over a
-    Linear4bit (the pair) and bare Linear4bit layers (the layer twice)."""
-    import bitsandbytes as bnb
-
-    wrapped = {module: module.base_layer for module in model.modules()
-               if isinstance(getattr(module, "base_layer", None), bnb.nn.Linear4bit)
-               and hasattr(module, "lora_A")}
-    bases = set(wrapped.values())
-    bare = [module for module in model.modules()
-            if isinstance(module, bnb.nn.Linear4bit) and module not in bases]
-    return [(module, base) for module, base in [*wrapped.items(), *((m, m) for m in bare)]
-            if servable(base)]
-
-
-class NF4Decode:
-    """The model's NF4 projections, each put in its parent's place as an `NF4DecodeLinear` while
-    `active()` (through `nn.Module.set_submodule`) and put back on exit. The wrappers (and the
-    weights' `PackedNF4`, the block scales) are made on first use and kept: the same modules on
-    every activation, so torch.compile's guards on them hold and a compiled decode step is traced
-    once. `layers` defaults to `nf4_layers(model)`."""
-
-    def __init__(self, model, layers: list | None = None) -> None:
-        self.model = model
-        self.layers = nf4_layers(model) if layers is None else layers
-        self.swaps: list[tuple[str, torch.nn.Module, NF4DecodeLinear]] | None = None
-
-    def __bool__(self) -> bool:
-        return bool(self.layers)
-
-    def _make_swaps(self) -> list[tuple[str, torch.nn.Module, NF4DecodeLinear]]:
-        """(path in the model, layer, its wrapper) for every path that reaches a layer."""
-        wrappers = {module: NF4DecodeLinear(module, PackedNF4.of(base), module is base)
-                    for module, base in self.layers}
-        return [(path, module, wrappers[module])
-                for path, module in self.model.named_modules(remove_duplicate=False)
-                if module in wrappers]
-
-    @contextlib.contextmanager
-    def active(self) -> Iterator[None]:
-        if self.swaps is None:
-            self.swaps = self._make_swaps()
-        for path, layer, _ in self.swaps:
-            if self.model.get_submodule(path) is not layer:
-                raise RuntimeError(f"NF4 decoding: {path} is no longer the layer it wrapped")
-        done = []
-        try:
-            for path, _, wrapper in self.swaps:
-                self.model.set_submodule(path, wrapper, strict=True)
-                done.append(path)
-            yield
-        finally:
-            originals = {path: layer for path, layer, _ in self.swaps}
-            for path in done:
-                self.model.set_submodule(path, originals[path], strict=True)

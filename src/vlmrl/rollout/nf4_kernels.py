@@ -62,14 +62,33 @@ def fp16_shift(largest):
 
 
 @triton.jit
-def scale_codes(codes_ptr, absmax2_ptr, k_tile, cols, col_ok, N, k_tiles,
-                NESTED: tl.constexpr, BLOCK2: tl.constexpr):
-    """What the block scales of one K tile are read from (`codes_ptr`: [k_tiles, N]): with
-    nested quantization their 8-bit codes and the float32 scale of each code's block of BLOCK2;
+def pick(segment, first, second, third):
+    """The value of a program's projection among up to three (pointers or scalars)."""
+    return tl.where(segment == 0, first, tl.where(segment == 1, second, third))
+
+
+@triton.jit
+def segment_of(column, start1, start2, SEGMENTS: tl.constexpr):
+    """Which projection of a group a column is in, and the group's column where it starts."""
+    if SEGMENTS == 1:
+        segment = 0
+        start = 0
+    else:
+        segment = (column >= start1).to(tl.int32) + (column >= start2).to(tl.int32)
+        start = pick(segment, 0, start1, start2)
+    return segment, start
+
+
+@triton.jit
+def scale_codes(codes_ptr, absmax2_ptr, k_tile, cols, local_cols, col_ok, stride_codes,
+                k_tiles, NESTED: tl.constexpr, BLOCK2: tl.constexpr):
+    """What the block scales of one K tile are read from (`codes_ptr`: [k_tiles, columns], rows
+    `stride_codes` apart): with nested quantization their 8-bit codes and the float32 scale of
+    each code's block of BLOCK2 (counted in the projection's own columns, `local_cols`);
     without, their float32 values (twice, so that both cases return a pair)."""
-    codes = tl.load(codes_ptr + k_tile * N + cols, mask=col_ok, other=0)
+    codes = tl.load(codes_ptr + k_tile * stride_codes + cols, mask=col_ok, other=0)
     if NESTED:
-        scales2 = tl.load(absmax2_ptr + (cols * k_tiles + k_tile) // BLOCK2, mask=col_ok,
+        scales2 = tl.load(absmax2_ptr + (local_cols * k_tiles + k_tile) // BLOCK2, mask=col_ok,
                           other=0.0)
     else:
         scales2 = codes
@@ -78,15 +97,21 @@ def scale_codes(codes_ptr, absmax2_ptr, k_tile, cols, col_ok, N, k_tiles,
 
 @triton.jit
 def nf4_lora_matmul(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset,
-                    a_ptr, part_ptr, xa_part_ptr, M, N, K, rank, stride_x,
+                    a_ptr, part_ptr, xa_part_ptr, M, N, K, rank, stride_x, stride_codes,
+                    w1_ptr, w2_ptr, absmax2_1_ptr, absmax2_2_ptr, code2_1_ptr, code2_2_ptr,
+                    offset1, offset2, a1_ptr, a2_ptr, start1, start2,
                     K_SPLIT: tl.constexpr, NESTED: tl.constexpr, BLOCK2: tl.constexpr,
                     HAS_LORA: tl.constexpr, QBLOCK: tl.constexpr, R: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
-                    XA_CHUNK: tl.constexpr):
+                    XA_CHUNK: tl.constexpr, SEGMENTS: tl.constexpr):
     """One [BLOCK_N, rows] tile of W x^T over K_SPLIT of K (program_id 1 says which), one
     scale block per step, in float32 to the partial sums part[split] (stored as x W^T);
     the first column tile also writes its split's share of x A^T (float32, as PEFT) to
-    xa_part[split]. The block scales of each step, and with XA_CHUNK equal to QBLOCK the
+    xa_part[split]. SEGMENTS above 1: W is a group of projections of one input side by side
+    (q, k, v), the second starting at column `start1`, the third at `start2` (both multiples of
+    BLOCK_N), each with its own weight, nested scales and adapter (the `*1`, `*2` arguments;
+    the block scale codes are one copy of the group's columns); the first column tile of each
+    writes its x A^T to its R columns of xa_part. The block scales of each step, and with XA_CHUNK equal to QBLOCK the
     adapter's tile, are loaded one step ahead, so that their latency (a code, then the lookup
     of its value) is off the step's path; a program of one step has nothing to load ahead. PDL:
     launched with programmatic dependent launch, see `after_the_kernel_before`. XA_CHUNK below
@@ -96,9 +121,17 @@ def nf4_lora_matmul(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset,
     if PDL:
         after_the_kernel_before()
     split = tl.program_id(1)
-    first_tile = tl.program_id(0) == 0
+    segment, start = segment_of(tl.program_id(0) * BLOCK_N, start1, start2, SEGMENTS)
+    if SEGMENTS > 1:
+        w_ptr = pick(segment, w_ptr, w1_ptr, w2_ptr)
+        absmax2_ptr = pick(segment, absmax2_ptr, absmax2_1_ptr, absmax2_2_ptr)
+        code2_ptr = pick(segment, code2_ptr, code2_1_ptr, code2_2_ptr)
+        offset = pick(segment, offset, offset1, offset2)
+        a_ptr = pick(segment, a_ptr, a1_ptr, a2_ptr)
+    first_tile = tl.program_id(0) * BLOCK_N == start
     rows = tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    local_cols = cols - start
     row_ok = rows < M
     col_ok = cols < N
     pairs = tl.arange(0, QBLOCK // 2)  # byte j holds weights 2j (high nibble) and 2j + 1
@@ -110,8 +143,8 @@ def nf4_lora_matmul(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset,
     last_k_tile = first_k_tile + K_SPLIT // QBLOCK - 1
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     xa = tl.zeros((BLOCK_M, R), dtype=tl.float32)
-    codes, scales2 = scale_codes(codes_ptr, absmax2_ptr, first_k_tile, cols, col_ok, N, k_tiles,
-                                 NESTED, BLOCK2)
+    codes, scales2 = scale_codes(codes_ptr, absmax2_ptr, first_k_tile, cols, local_cols, col_ok,
+                                 stride_codes, k_tiles, NESTED, BLOCK2)
     if XA_CHUNK == QBLOCK:
         a = tl.load(a_ptr + ranks[:, None] * K + (split * K_SPLIT + within)[None, :], mask=a_ok,
                     other=0.0)
@@ -122,8 +155,9 @@ def nf4_lora_matmul(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset,
         k_tile = k0 // QBLOCK
         if K_SPLIT > QBLOCK:  # the next step's (at the last, this one's again: in bounds)
             ahead = tl.minimum(k_tile + 1, last_k_tile)
-            next_codes, next_scales2 = scale_codes(codes_ptr, absmax2_ptr, ahead, cols, col_ok,
-                                                   N, k_tiles, NESTED, BLOCK2)
+            next_codes, next_scales2 = scale_codes(codes_ptr, absmax2_ptr, ahead, cols,
+                                                   local_cols, col_ok, stride_codes, k_tiles,
+                                                   NESTED, BLOCK2)
             if XA_CHUNK == QBLOCK:
                 next_a = tl.load(a_ptr + ranks[:, None] * K
                                  + (ahead * QBLOCK + within)[None, :], mask=a_ok, other=0.0)
@@ -133,7 +167,7 @@ def nf4_lora_matmul(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset,
             next_codes, next_scales2, next_a = codes, scales2, a
         x = tl.load(x_ptr + rows[:, None] * stride_x + (k0 + within)[None, :],
                     mask=row_ok[:, None], other=0.0).to(tl.float32)
-        packed = tl.load(w_ptr + cols[:, None] * (K // 2) + (k0 // 2 + pairs)[None, :],
+        packed = tl.load(w_ptr + local_cols[:, None] * (K // 2) + (k0 // 2 + pairs)[None, :],
                          mask=col_ok[:, None], other=0)
         high, low = nf4_values(packed)
         values = tl.reshape(tl.join(high, low), (BLOCK_N, QBLOCK))  # weights 2j, 2j + 1
@@ -167,18 +201,24 @@ def nf4_lora_matmul(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset,
              mask=row_ok[None, :] & col_ok[:, None])
     if HAS_LORA:  # noqa: SIM102  (a compile-time branch around a run-time one)
         if first_tile:
-            tl.store(xa_part_ptr + split * M * R + rows[:, None] * R + ranks[None, :], xa,
-                     mask=row_ok[:, None])
+            xa_width = SEGMENTS * R
+            tl.store(xa_part_ptr + split * M * xa_width + rows[:, None] * xa_width
+                     + segment * R + ranks[None, :], xa, mask=row_ok[:, None])
 
 
 @triton.jit
-def sum_splits(part_ptr, xa_part_ptr, b_ptr, out_ptr, M, N, rank, scaling,
-               SPLITS: tl.constexpr, HAS_LORA: tl.constexpr, R: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+def sum_splits(part_ptr, xa_part_ptr, b_ptr, out_ptr, M, N, rank, scaling, b1_ptr, b2_ptr,
+               start1, start2, SPLITS: tl.constexpr, HAS_LORA: tl.constexpr, R: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+               SEGMENTS: tl.constexpr):
     """out = bf16(sum of the splits + s (x A^T) B^T) for BLOCK_M rows (program_id 1) by
-    BLOCK_N columns, added in split order (replays give equal bits)."""
+    BLOCK_N columns, added in split order (replays give equal bits); in a group (SEGMENTS, as
+    `nf4_lora_matmul`) with the x A^T and B of the columns' projection."""
     if PDL:
         after_the_kernel_before()
+    segment, start = segment_of(tl.program_id(0) * BLOCK_N, start1, start2, SEGMENTS)
+    if SEGMENTS > 1:
+        b_ptr = pick(segment, b_ptr, b1_ptr, b2_ptr)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = (rows < M)[:, None] & (cols < N)[None, :]
@@ -188,11 +228,13 @@ def sum_splits(part_ptr, xa_part_ptr, b_ptr, out_ptr, M, N, rank, scaling,
         total += tl.load(part_ptr + split * M * N + where, mask=ok, other=0.0)
     if HAS_LORA:
         ranks = tl.arange(0, R)
-        at = rows[:, None] * R + ranks[None, :]
+        xa_width = SEGMENTS * R
+        at = rows[:, None] * xa_width + segment * R + ranks[None, :]
         xa = tl.load(xa_part_ptr + at, mask=(rows < M)[:, None], other=0.0)
         for split in tl.static_range(1, SPLITS):
-            xa += tl.load(xa_part_ptr + split * M * R + at, mask=(rows < M)[:, None], other=0.0)
-        b = tl.load(b_ptr + cols[:, None] * rank + ranks[None, :],
+            xa += tl.load(xa_part_ptr + split * M * xa_width + at, mask=(rows < M)[:, None],
+                          other=0.0)
+        b = tl.load(b_ptr + (cols - start)[:, None] * rank + ranks[None, :],
                     mask=(cols < N)[:, None] & (ranks[None, :] < rank), other=0.0).to(tl.float32)
         total += tl.dot(xa, tl.trans(b), input_precision="ieee") * scaling
     tl.store(out_ptr + where, total.to(tl.bfloat16), mask=ok)
