@@ -241,6 +241,11 @@ def tiles_note(results: dict) -> str:
     return f" (tiles: {', '.join(changed)})" if changed else ""
 
 
+def short_device(name: str) -> str:
+    """"NVIDIA H100 80GB HBM3 (79 GiB)" as "H100 80GB HBM3"."""
+    return name.removeprefix("NVIDIA ").split(" (")[0]
+
+
 def kernel_rows(results: dict) -> list[str]:
     """One row per profiled run of a results file: milliseconds per decode step, and each group of
     KERNEL_GROUPS' kernel time per step with its share of the step (the rest: the other kernels
@@ -256,7 +261,7 @@ def kernel_rows(results: dict) -> list[str]:
             shares.append(f"{ms:.2f} ({100 * ms / total:.0f}%)")
         ungrouped = " (a launch per projection)" if run.get("nf4_groups") == "off" else ""
         rows.append(f"| {results['model'].removeprefix('embedded:')}{tiles_note(results)}"
-                    f"{ungrouped} | "
+                    f"{ungrouped} | {short_device(results['device'])} | "
                     f"{run['rows']} | "
                     f"{results['kv_cache_dtype']} | {run['ms_per_step']:.2f} | "
                     f"{run['tokens_per_s']} | {100 * run['bound_fraction']:.1f} | "
@@ -270,8 +275,10 @@ def kernel_table(files: list[Path]) -> str:
              "of the compiled graph (NF4 kernel, grouped attention), timed over 256 steps, its "
              "kernels profiled over 8 replayed steps (share: of the step); % of bound: the weights' bytes per step against the copy "
              "bandwidth measured in the same call."), "",
-             f"| model | rows | KV cache | ms / step | tok/s | % of bound | {header} | results file |",
-             "| --- | ---: | --- | ---: | ---: | ---: |" + " ---: |" * len(KERNEL_GROUPS) + " --- |"]
+             f"| model | device | rows | KV cache | ms / step | tok/s | % of bound | {header} "
+             "| results file |",
+             "| --- | --- | ---: | --- | ---: | ---: | ---: |" + " ---: |" * len(KERNEL_GROUPS)
+             + " --- |"]
     for path in files:
         lines += [f"{row} `{path.name}` |" for row in render_results(path, kernel_rows)]
     return "\n".join(lines)

@@ -43,8 +43,8 @@ def gspo_step_block(block: str, *files: str, doc: str = "{history}") -> list[str
 # stand for the files in DOCS (or their copies under --check).
 TABLES: tuple[list[str], ...] = (
     # docs/benchmarks.md: the current tables
-    [*gspo_step_block("speed", "gspo_step_ahead_2b",
-                      "gspo_step_issue41_2b::gpu_profile_mb8_spg4_rows16", "gspo_step_prmt_8b",
+    [*gspo_step_block("speed", "gspo_step_groups_2b",
+                      "gspo_step_issue41_2b::gpu_profile_mb8_spg4_rows16", "gspo_step_groups_8b",
                       "gspo_step_issue41_8b::gpu_profile_graph_fp8_before",
                       "gspo_step_fp8_cache::unsloth_4bit",
                       "gspo_step_8b_today::gpu_profile_mb8_spg4_rows16", doc="{doc}"),
@@ -54,11 +54,15 @@ TABLES: tuple[list[str], ...] = (
     ["scaling.py", "--render", f"{RESULTS}/scaling.json", "--out", f"{RESULTS}/scaling.json",
      "--doc", "{doc}"],
     ["pipeline.py", "--render", f"{RESULTS}/pipeline.json", "--doc", "{doc}"],
-    ["decode_profile.py", "--from-json", f"{RESULTS}/decode_profile_ahead_2b.json",
+    ["decode_profile.py", "--from-json", f"{RESULTS}/decode_profile_groups_2b.json",
+     f"{RESULTS}/decode_profile_ahead_2b.json",
      f"{RESULTS}/decode_profile_prmt_2b.json", f"{RESULTS}/decode_profile_fp8_2b.json",
-     f"{RESULTS}/decode_profile_ahead_8b.json", f"{RESULTS}/decode_profile_prmt_8b.json",
+     f"{RESULTS}/decode_profile_groups_8b.json", f"{RESULTS}/decode_profile_ahead_8b.json",
+     f"{RESULTS}/decode_profile_prmt_8b.json",
      f"{RESULTS}/decode_profile_fp8_8b.json", "--doc", "{doc}"],
     ["nf4_registers.py", "--from-json", f"{RESULTS}/nf4_registers.json", "--doc", "{doc}"],
+    gspo_step_block("groups-2b", "gspo_step_groups_2b", doc="{doc}"),
+    gspo_step_block("groups-8b", "gspo_step_groups_8b", doc="{doc}"),
     gspo_step_block("ahead-2b", "gspo_step_ahead_2b", doc="{doc}"),
     gspo_step_block("prmt-2b", "gspo_step_prmt_2b", doc="{doc}"),
     gspo_step_block("prmt-8b", "gspo_step_prmt_8b", doc="{doc}"),

@@ -18,7 +18,11 @@ program reads its columns' scales in one coalesced load. The adapter is read whe
 (`lora_A.weight`, `lora_B.weight`), so a CUDA graph captured over it sees every optimizer step; it
 is added in float32 before the one rounding (PEFT rounds it first). The operator
 `vlmrl::nf4_matmul` wraps it for torch.compile; the kernels themselves are in
-`vlmrl.rollout.nf4_kernels`, imported where they run. Measured speed and exactness:
+`vlmrl.rollout.nf4_kernels`, imported where they run. Up to three projections of one input (q, k,
+v; gate, up) go side by side through one launch of each kernel (`nf4_group_matmul`), each program
+picking its projection's weight, scales and adapter by its columns: one projection of a decode
+step is too small to fill the GPU, and each launch has fixed costs; which layers are grouped is
+`vlmrl.rollout.nf4_projections`' business. Measured speed and exactness:
 docs/benchmarks.md. Dropout is not applied (as in `MergedLoRA` and vLLM): with `train.lora.dropout`
 above 0 the layers of a module in training mode keep PEFT's forward."""
 
