@@ -371,6 +371,7 @@ def main() -> int:
                 results["runs"].append(run)
                 print(json.dumps(run), flush=True)
                 args.out.write_text(json.dumps(results, indent=1))
+        nf4_projections.GROUPS = shipped_groups
         del model
         torch.cuda.empty_cache()
     print(f"\ncopy bandwidth {bandwidth / 1e12:.2f} TB/s")

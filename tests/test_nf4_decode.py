@@ -5,6 +5,7 @@ tests/gpu/test_graph_decode_gpu.py."""
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -320,7 +321,9 @@ def test_a_group_matches_float64_products_of_its_projections_under_the_interpret
               torch.randn(width, 16, generator=generator) * 0.05, 0.5)
              for width in widths] if lora else None
     assert interpreted_kernel.groupable(weights, loras, tiles) == one_launch
-    got = interpreted_kernel.nf4_group_matmul(x, weights, loras, tiles).double()
+    apart = pytest.warns(UserWarning, match="one launch each")
+    with contextlib.nullcontext() if one_launch else apart:
+        got = interpreted_kernel.nf4_group_matmul(x, weights, loras, tiles).double()
     assert got.shape == (7, sum(widths))
     start = 0
     for index, ((_, dense), width) in enumerate(zip(members, widths)):
@@ -336,20 +339,22 @@ def test_a_group_matches_float64_products_of_its_projections_under_the_interpret
 
 
 class Attention(torch.nn.Module):
-    """q, k and v of one input, as a decoder layer calls them."""
+    """q, k and v of one input, as a decoder layer calls them (`order`: the order of the
+    calls)."""
 
-    def __init__(self) -> None:
+    def __init__(self, widths: tuple[int, int, int] = (256, 128, 128),
+                 order: str = "qkv") -> None:
         super().__init__()
-        self.q_proj = torch.nn.Linear(64, 128, bias=False)
-        self.k_proj = torch.nn.Linear(64, 64, bias=False)
-        self.v_proj = torch.nn.Linear(64, 64, bias=False)
+        self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(64, width, bias=False)
+                                                 for width in widths)
+        self.order = order
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([self.q_proj(x), 2 * self.k_proj(x), 3 * self.v_proj(x)], dim=-1)
+        out = {name: getattr(self, f"{name}_proj")(x) for name in self.order}
+        return torch.cat([out["q"], 2 * out["k"], 3 * out["v"]], dim=-1)
 
 
-@pytest.fixture
-def grouped_model(monkeypatch):
+def grouped_model(monkeypatch, **attention):
     """q, k, v under PEFT LoRA layers; the kernel replaced by a fake that records the widths of
     each call and returns each column's index."""
     from peft import LoraConfig, get_peft_model
@@ -358,12 +363,12 @@ def grouped_model(monkeypatch):
     from vlmrl.rollout.nf4_projections import NF4Decode
 
     torch.manual_seed(0)
-    model = get_peft_model(Attention(), LoraConfig(r=4, lora_alpha=8,
-                                                   target_modules=["q_proj", "k_proj", "v_proj"]))
+    model = get_peft_model(Attention(**attention), LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj"]))
     model = model.to(torch.bfloat16).eval()
-    layers = [(model.get_submodule(f"base_model.model.{name}"), None)
+    layers = [model.get_submodule(f"base_model.model.{name}")
               for name in ("q_proj", "k_proj", "v_proj")]
-    layers = [(layer, with_quant_state(layer.base_layer)) for layer, _ in layers]
+    layers = [(layer, with_quant_state(layer.base_layer)) for layer in layers]
     calls = []
 
     def fake_kernel(x, weights, loras=None, tiles=None):
@@ -375,44 +380,89 @@ def grouped_model(monkeypatch):
     return model, NF4Decode(model, layers), calls
 
 
-def grouped_output() -> torch.Tensor:
+def grouped_output(rows: int) -> torch.Tensor:
     """What `Attention` gives when q, k and v come from one call of the fake kernel."""
-    columns = torch.arange(256).to(torch.bfloat16)
-    return torch.cat([columns[:128], 2 * columns[128:192], 3 * columns[192:]])
+    columns = torch.arange(512).to(torch.bfloat16)
+    return torch.cat([columns[:256], 2 * columns[256:384], 3 * columns[384:]]).expand(rows, -1)
 
 
-def test_a_group_is_one_call_and_each_projection_gets_its_columns(grouped_model):
-    model, nf4, calls = grouped_model
+@pytest.mark.parametrize("order", ["qkv", "vqk"])
+def test_a_group_is_one_call_and_each_projection_gets_its_columns(monkeypatch, order):
+    model, nf4, calls = grouped_model(monkeypatch, order=order)
     x = torch.randn(3, 64, dtype=torch.bfloat16)
     with torch.no_grad(), nf4.active():
         got = model(x)
-        assert [group.widths for group in nf4.groups] == [[128, 64, 64]]
-        assert nf4.groups[0].pending is None  # v, the last, took its output
+        assert [group.widths for group in nf4.groups] == [[256, 128, 128]]
+        assert nf4.groups[0].pending is None  # each member took its output
         model.get_submodule("base_model.model.q_proj")(x)
         assert nf4.groups[0].pending is not None
     assert nf4.groups[0].pending is None  # nothing kept past the step
-    assert calls == [(128, 64, 64)] * 2
-    assert torch.equal(got, grouped_output().expand(3, -1))
+    assert calls == [(256, 128, 128)] * 2
+    assert torch.equal(got, grouped_output(3))
 
 
-def test_a_compiled_step_makes_one_call_per_group(grouped_model):
-    model, nf4, calls = grouped_model
+def test_a_compiled_step_makes_one_call_per_group_and_compiles_once(monkeypatch):
+    model, nf4, calls = grouped_model(monkeypatch)
     x = torch.randn(2, 64, dtype=torch.bfloat16)
     compiled = torch.compile(model, backend="eager", fullgraph=True)  # no graph break
-    with torch.no_grad(), nf4.active():
-        for _ in range(2):
+    with (torch.no_grad(), nf4.active(),
+          torch._dynamo.config.patch(error_on_recompile=True)):
+        for _ in range(3):
             got = compiled(x)
-    assert calls == [(128, 64, 64)] * 2
-    assert torch.equal(got, grouped_output().expand(2, -1))
+    assert calls == [(256, 128, 128)] * 3
+    assert torch.equal(got, grouped_output(2))
 
 
-def test_a_projection_the_kernel_cannot_serve_splits_the_group(grouped_model):
-    model, nf4, calls = grouped_model
+def test_a_projection_the_kernel_cannot_serve_splits_the_group(monkeypatch):
+    model, nf4, calls = grouped_model(monkeypatch)
     k_proj = model.get_submodule("base_model.model.k_proj")
     k_proj.lora_dropout["default"] = torch.nn.Dropout(0.5)  # in training: PEFT's forward
     model.train()
     x = torch.randn(3, 64, dtype=torch.bfloat16)
     with torch.no_grad(), nf4.active():
         got = model(x)
-    assert calls == [(128,), (64,)]  # q and v one by one, k by its layer
-    assert torch.equal(got[:, 128:192], 2 * k_proj(x))
+    assert calls == [(256,), (128,)]  # q and v one by one, k by its layer
+    assert torch.equal(got[:, 256:384], 2 * k_proj(x))
+
+
+def test_adapters_of_another_rank_or_scale_split_the_group(monkeypatch):
+    model, nf4, calls = grouped_model(monkeypatch)
+    model.get_submodule("base_model.model.v_proj").scaling["default"] = 0.5
+    with torch.no_grad(), nf4.active():
+        model(torch.randn(3, 64, dtype=torch.bfloat16))
+    assert calls == [(256,), (128,), (128,)]
+
+
+def test_projections_that_start_inside_a_column_tile_are_not_grouped(monkeypatch):
+    model, nf4, calls = grouped_model(monkeypatch, widths=(128, 64, 64))  # TILES: 128 columns
+    with torch.no_grad(), nf4.active():
+        model(torch.randn(3, 64, dtype=torch.bfloat16))
+    assert nf4.groups == [] and calls == [(128,), (64,), (64,)]
+
+
+def packed_group(widths: list[int], generator: torch.Generator) -> list:
+    return [random_nf4(width, 128, True, generator)[0] for width in widths]
+
+
+def test_groupable_asks_for_adjacent_codes_alike_adapters_and_whole_tiles():
+    from vlmrl.rollout.nf4_decode import groupable, side_by_side
+
+    generator = torch.Generator().manual_seed(0)
+    tiles = Tiles(block_n=64)
+    weights = side_by_side(packed_group([128, 64, 64], generator))
+
+    def adapters(ranks=(16, 16, 16), scales=(2.0, 2.0, 2.0), dtype=torch.float32):
+        return [(torch.zeros(r, 128, dtype=dtype), torch.zeros(w.out_features, r), s)
+                for r, s, w in zip(ranks, scales, weights)]
+
+    assert groupable(weights, adapters(), tiles) and groupable(weights, None, tiles)
+    assert not groupable(weights, adapters(ranks=(16, 8, 16)), tiles)
+    assert not groupable(weights, adapters(scales=(2.0, 2.0, 1.0)), tiles)
+    mixed = adapters()
+    mixed[1] = (mixed[1][0].to(torch.bfloat16), *mixed[1][1:])
+    assert not groupable(weights, mixed, tiles)
+    assert not groupable(packed_group([128, 64, 64], generator), None, tiles)  # codes apart
+    assert not groupable(weights, None, Tiles(block_n=128))  # k starts inside a column tile
+    assert not groupable(weights, None, Tiles(block_n=64, sum_block_n=128))  # or a sum tile
+    four = side_by_side(packed_group([64, 64, 64, 64], generator))
+    assert not groupable(four, None, tiles)

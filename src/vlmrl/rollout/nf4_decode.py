@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -190,11 +191,17 @@ def groupable(weights: Sequence[PackedNF4], loras: Sequence[tuple] | None, tiles
     alike = all((w.in_features, w.blocksize, w.absmax2 is None, w.block2)
                 == (first.in_features, first.blocksize, first.absmax2 is None, first.block2)
                 for w in weights)
-    tile = max(tiles.block_n, tiles.sum_block_n)
     adapters = loras is None or len({(a.shape[0], a.dtype, b.dtype, float(s))
                                      for a, b, s in loras}) == 1
-    return (len(weights) <= MAX_GROUP and adjacent and alike and adapters
-            and all(start % tile == 0 for start in starts))
+    return adjacent and alike and adapters and starts_fit([w.out_features for w in weights], tiles)
+
+
+def starts_fit(widths: Sequence[int], tiles: Tiles) -> bool:
+    """Whether projections of these widths side by side can share a launch: at most MAX_GROUP,
+    each starting at a multiple of both column tiles (a program's columns are one projection's)."""
+    tile = max(tiles.block_n, tiles.sum_block_n)
+    starts = list(itertools.accumulate(widths))[:-1]
+    return len(widths) <= MAX_GROUP and all(start % tile == 0 for start in starts)
 
 
 def nf4_group_matmul(x: torch.Tensor, weights: Sequence[PackedNF4],
@@ -206,6 +213,8 @@ def nf4_group_matmul(x: torch.Tensor, weights: Sequence[PackedNF4],
     one, and their launches' fixed costs add up. `loras`: one (A, B, s) per projection, or None."""
     tiles = tiles or TILES
     if len(weights) > 1 and not groupable(weights, loras, tiles):
+        warnings.warn(f"NF4 projections of widths {[w.out_features for w in weights]} can't "
+                      f"share a launch with {tiles}: one launch each", stacklevel=2)
         return torch.cat([nf4_matmul(x, w, None if loras is None else lora, tiles)
                           for w, lora in zip(weights, loras or [None] * len(weights))], dim=-1)
     triton, kernel, sum_splits = _kernel()

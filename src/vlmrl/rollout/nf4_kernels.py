@@ -108,8 +108,8 @@ def nf4_lora_matmul(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset,
     scale block per step, in float32 to the partial sums part[split] (stored as x W^T);
     the first column tile also writes its split's share of x A^T (float32, as PEFT) to
     xa_part[split]. SEGMENTS above 1: W is a group of projections of one input side by side
-    (q, k, v), the second starting at column `start1`, the third at `start2` (both multiples of
-    BLOCK_N), each with its own weight, nested scales and adapter (the `*1`, `*2` arguments;
+    (q, k, v), the second starting at column `start1`, the third at `start2` (multiples of
+    BLOCK_N; N where there is no third), each with its own weight, nested scales and adapter (the `*1`, `*2` arguments;
     the block scale codes are one copy of the group's columns); the first column tile of each
     writes its x A^T to its R columns of xa_part. The block scales of each step, and with XA_CHUNK equal to QBLOCK the
     adapter's tile, are loaded one step ahead, so that their latency (a code, then the lookup

@@ -11,7 +11,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from vlmrl.rollout.nf4_decode import MAX_ROWS, PackedNF4
+from vlmrl.rollout import nf4_decode
+from vlmrl.rollout.nf4_decode import MAX_ROWS, PackedNF4, starts_fit
 
 # The projections of one input a decoder layer calls in turn, by name, each set taken as an
 # `NF4Group` where a module has them all (Qwen3's attention and MLP; a benchmark may set it)
@@ -92,16 +93,18 @@ def call_nf4_op(members: Sequence[NF4DecodeLinear], x: torch.Tensor,
 
 
 class NF4Group:
-    """Projections of one input that a layer calls one after another (q, k, v; gate, up): the
-    first call computes all of them in one `vlmrl::nf4_matmul` and keeps the others' outputs
-    for their calls with the same input tensor; a call with another input, or where the
-    adapters differ in kind or scale, computes its own. Under torch.compile the kept outputs
-    are traced like any Python state, so the step's graph holds one launch per group."""
+    """Projections of one input that a layer calls in turn (q, k, v; gate, up): the first call
+    computes all of them in one `vlmrl::nf4_matmul` and keeps the others' outputs for their
+    calls with the same input tensor, in any order, until each member has taken its own; a call
+    with another input, or where the adapters differ (in rank, dtype or scale, or one the kernel
+    can't serve), computes its own. Under torch.compile the kept outputs are traced like any
+    Python state, so the step's graph holds one launch per group."""
 
     def __init__(self, members: Sequence[NF4DecodeLinear]) -> None:
         self.members = list(members)
         self.widths = [member.packed.out_features for member in members]
-        self.pending: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = None
+        # (input, the group's outputs, the members that took theirs)
+        self.pending: tuple[torch.Tensor, tuple[torch.Tensor, ...], tuple[int, ...]] | None = None
         for index, member in enumerate(members):
             member.group, member.index = self, index
 
@@ -109,15 +112,22 @@ class NF4Group:
         pending = self.pending
         if pending is None or pending[0] is not x:
             loras = [member.adapter() for member in self.members]
-            kinds = {None if lora is None else (len(lora), float(lora[2]) if lora else None)
-                     for lora in loras}
+            kinds = {_adapter_kind(lora) for lora in loras}
             if len(kinds) > 1 or None in kinds:
                 return call_nf4_op([self.members[index]], x, [loras[index]])
             outputs = torch.split(call_nf4_op(self.members, x, loras), self.widths, dim=-1)
-            pending = self.pending = (x, outputs)
-        if index == len(self.members) - 1:
-            self.pending = None
+            pending = (x, outputs, ())
+        served = pending[2] if index in pending[2] else (*pending[2], index)
+        self.pending = None if len(served) == len(self.members) else (x, pending[1], served)
         return pending[1][index]
+
+
+def _adapter_kind(lora: tuple | None) -> tuple | None:
+    """What must be alike in a group's adapters: rank, dtypes and scale (or none at all)."""
+    if not lora:
+        return lora
+    a, b, scaling = lora
+    return a.shape[0], a.dtype, b.dtype, float(scaling)
 
 
 def nf4_layers(model) -> list[tuple[torch.nn.Module, torch.nn.Module]]:
@@ -156,7 +166,7 @@ class NF4Decode:
 
     def _grouped(self) -> list[list[torch.nn.Module]]:
         """The served layers a module holds under the names of one group, of one input width
-        and kind of block scales."""
+        and kind of block scales, each starting where the module's TILES can split columns."""
         bases = dict(self.layers)
         found, taken = [], set()
         for parent in self.model.modules():
@@ -164,7 +174,8 @@ class NF4Decode:
                 members = [getattr(parent, name, None) for name in names]
                 if (all(isinstance(m, torch.nn.Module) and m in bases and m not in taken
                         for m in members) and len(set(members)) == len(members)
-                        and len({_scales_kind(bases[m]) for m in members}) == 1):
+                        and len({_scales_kind(bases[m]) for m in members}) == 1
+                        and starts_fit([_out_features(bases[m]) for m in members], nf4_decode.TILES)):
                     found.append(members)
                     taken.update(members)
         return found
@@ -203,6 +214,10 @@ class NF4Decode:
                 self.model.set_submodule(path, originals[path], strict=True)
             for group in self.groups:  # no outputs kept past the step
                 group.pending = None
+
+
+def _out_features(base) -> int:
+    return int(base.weight.quant_state.shape[0])
 
 
 def _scales_kind(base) -> tuple:
