@@ -48,6 +48,10 @@ reward fields only on steps that generate, and a clip ratio of 0 on on-policy st
 random-init model every completion runs to the maximum length, so every reward of a group ties:
 reward std 0 and grad norm 0 there are what this model gives, not a fault of the run.
 
+With `--profile-training`, one more optimizer step follows the timed ones with its micro-batches
+under torch.profiler (`training_kernels`: its kernels by device time; the timings leave it out):
+the phase timers say how long forward and backward take, not which kernels take it.
+
 Each (configuration, length) runs in its own process (Unsloth patches torch and transformers on
 import), results are merged into `--out` as they arrive (`runs`, raw; `results`, configuration ->
 one entry per completion length), and a run that would not fit in `--budget-s` is skipped and
@@ -440,8 +444,43 @@ def time_phases(trainer) -> dict[str, list[tuple[int, float]]]:
 def phase_means(calls: dict[str, list[tuple[int, float]]], warmup: int, timed_steps: int
                 ) -> dict[str, float]:
     """Seconds per timed optimizer step spent in each phase."""
-    return {phase: round(sum(t for step, t in found if step >= warmup) / timed_steps, 3)
+    timed = range(warmup, warmup + timed_steps)
+    return {phase: round(sum(t for step, t in found if step in timed) / timed_steps, 3)
             for phase, found in calls.items()} if timed_steps else {}
+
+
+def profile_training(trainer, step: int, top: int = 25) -> list[dict]:
+    """Wraps the trainer's `training_step` so that the micro-batches of optimizer step `step` run
+    under torch.profiler; returns the list it fills with that step's `top` kernels by total
+    device time (CPU operators by their own time where there is no GPU): where a training
+    step's time goes, which the phase timers cannot say."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    totals: dict[str, list[float]] = {}
+    kernels: list[dict] = []
+    original = trainer.training_step
+
+    def training_step(*args, **kwargs):
+        if trainer.state.global_step != step:
+            return original(*args, **kwargs)
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            result = original(*args, **kwargs)
+            _sync()
+        for event in prof.key_averages():
+            spent = event.device_time_total if cuda else event.self_cpu_time_total
+            if spent > 0:
+                total = totals.setdefault(event.key, [0.0, 0])
+                total[0] += spent
+                total[1] += event.count
+        ranked = sorted(totals.items(), key=lambda item: -item[1][0])[:top]
+        kernels[:] = [{"kernel": key[:90], "ms_per_step": round(spent / 1000, 3),
+                       "calls_per_step": int(count)} for key, (spent, count) in ranked]
+        return result
+
+    trainer.training_step = training_step
+    return kernels
 
 
 def allocator_counts() -> dict[str, int]:
@@ -467,7 +506,7 @@ class _KVDropDetector(logging.Handler):
 
 def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Path,
            model_name: str, seed: int, partial: Path | None = None,
-           others_bytes: int = 0) -> dict[str, Any]:
+           others_bytes: int = 0, profile: bool = False) -> dict[str, Any]:
     knobs = CONFIGS[config_name]
     if knobs.get("vllm"):
         from vlmrl.training import vllm_installed
@@ -499,7 +538,7 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
                                         "seed": seed})
     grpo = dict(params.train.grpo)
     batch = {key: knobs[key] for key in REFERENCE_BATCH}
-    grpo.update(max_steps=warmup + steps, **batch, num_generations=NUM_GENERATIONS, max_completion_length=length,
+    grpo.update(max_steps=warmup + steps + int(profile), **batch, num_generations=NUM_GENERATIONS, max_completion_length=length,
                 gradient_checkpointing=True, top_p=0.8,  # as every row was measured
                 log_completions=False, logging_steps=1,
                 report_to="none", seed=seed, **(VLLM_SETTINGS if knobs.get("vllm") else {}))
@@ -548,6 +587,7 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
                            graph_decoding=knobs.get("graph", "eager"),
                            kv_cache_dtype=knobs.get("kv_cache_dtype", "auto"))
     phase_seconds = time_phases(trainer)
+    training_kernels = profile_training(trainer, warmup + steps) if profile else None
     peaks = MemoryPeaks()
     wrapped = hasattr(trainer, "_generate_single_turn")
     if wrapped:
@@ -575,13 +615,13 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
     peak_allocated, peak_reserved = peaks.overall("allocated"), peaks.overall("reserved")
     non_pytorch = _non_pytorch_gib(others_bytes)
 
-    timed = step_times[warmup:]
-    timed_generations = [g for g in generations if g["step"] >= warmup]
+    timed = step_times[warmup:warmup + steps]  # not the profiled step after them
+    timed_generations = [g for g in generations if warmup <= g["step"] < warmup + steps]
     tokens = sum(g["tokens"] for g in timed_generations)
     completions = sum(g["completions"] for g in timed_generations)
     if not wrapped:  # fall back to the trainer's own log of mean completion length
         lengths = [e["completions/mean_length"] for e in trainer.state.log_history
-                   if "completions/mean_length" in e][warmup:]
+                   if "completions/mean_length" in e][warmup:warmup + steps]
         per_step = knobs["per_device_train_batch_size"] * knobs["gradient_accumulation_steps"]
         completions = per_step * len(lengths)
         tokens = sum(lengths) * per_step
@@ -624,6 +664,8 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
         "generation_calls": [{**g, "seconds": round(g["seconds"], 3)} for g in generations],
         "kv_cache_dropped_in_generation": detector.seen,
         "per_step": per_step_fields(trainer.state.log_history),
+        **({"profiled_step": warmup + steps, "training_kernels": training_kernels}
+           if profile else {}),
         "settings": {**knobs, "num_generations": NUM_GENERATIONS, "lora": LORA,
                      "cache_implementation": config.cache_implementation,
                      "generation_kwargs": {k: v for k, v in config.generation_kwargs.items()
@@ -801,13 +843,16 @@ def model_name(run: dict[str, Any]) -> str:
 
 
 def micro_batch_seconds(run: dict[str, Any]) -> tuple[list[float], list[float]]:
-    """Forward plus backward seconds of each timed micro-batch: those that came first after a
-    generation, and the others."""
+    """Forward plus backward seconds of each timed micro-batch (not those of the warm-up or of a
+    profiled step after the timed ones): those that came first after a generation, and the
+    others."""
     calls = run.get("phase_calls", {})
     generating = {g["step"] for g in run.get("generation_calls", [])}
+    warmup = run.get("warmup_steps", 0)
+    timed = range(warmup, warmup + run.get("timed_steps", len(calls.get("loss", []))))
     first, others, seen = [], [], set()
     for (step, loss), (_, backward) in zip(calls.get("loss", []), calls.get("backward", [])):
-        if step < run.get("warmup_steps", 0):
+        if step not in timed:
             continue
         is_first = step in generating and step not in seen
         seen.add(step)
@@ -1011,6 +1056,10 @@ def main() -> int:
     parser.add_argument("--baseline-src", type=Path,
                         help="the src/ of commit BASELINE_COMMIT, for the *_before configs: "
                              "git archive BASELINE_COMMIT src | tar -x -C DIR (then DIR/src)")
+    parser.add_argument("--profile-training", action="store_true",
+                        help="one more optimizer step after the timed ones, its micro-batches "
+                             "under torch.profiler: its kernels by device time in each run's "
+                             "training_kernels (not in the timings)")
     parser.add_argument("--worker", nargs=2, metavar=("CONFIG", "LENGTH"), help=argparse.SUPPRESS)
     parser.add_argument("--train-set", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -1027,7 +1076,7 @@ def main() -> int:
         try:
             result = worker(config, length, args.warmup, args.steps, args.train_set, args.model,
                             args.seed, partial=args.result.with_suffix(".partial"),
-                            others_bytes=args.others_bytes)
+                            others_bytes=args.others_bytes, profile=args.profile_training)
         except Exception as error:  # noqa: BLE001  (recorded: the table says why a run failed)
             traceback.print_exc()
             result = {"config": config, "completion_length": length,
@@ -1089,7 +1138,8 @@ def main() -> int:
                        "--warmup", str(args.warmup), "--steps", str(args.steps),
                        "--model", args.model, "--seed", str(args.seed),
                        "--train-set", str(train_set), "--result", str(result_file),
-                       "--others-bytes", str(device_used_bytes() or 0)]
+                       "--others-bytes", str(device_used_bytes() or 0),
+                       *(["--profile-training"] if args.profile_training else [])]
             print(f"== {key}", flush=True)
             run_started = time.perf_counter()
             try:

@@ -101,3 +101,33 @@ def test_time_phases_records_each_call_with_its_step(bench) -> None:
     import gc
 
     gc.callbacks.pop()  # time_phases' garbage-collection timer
+
+
+def test_a_profiled_step_after_the_timed_ones_is_left_out_of_the_timings(bench) -> None:
+    run = {"config": "gpu_profile_graph", "completion_length": 1024, "warmup_steps": 1,
+           "timed_steps": 2, "generation_calls": [{"step": 0}, {"step": 2}],
+           "phase_calls": {"loss": [[1, 0.3], [2, 1.5], [3, 50.0]],
+                           "backward": [[1, 0.5], [2, 2.0], [3, 50.0]]}}
+    first, others = bench.micro_batch_seconds(run)
+    assert first == [pytest.approx(3.5)] and others == [pytest.approx(0.8)]
+    means = bench.phase_means({"loss": [(0, 9.0), (1, 0.3), (2, 1.5), (3, 50.0)]}, 1, 2)
+    assert means == {"loss": pytest.approx(0.9)}
+
+
+def test_profile_training_records_the_operators_of_one_optimizer_step(bench) -> None:
+    from types import SimpleNamespace
+
+    weights = torch.randn(64, 64)
+    trainer = SimpleNamespace(state=SimpleNamespace(global_step=1))
+    trainer.training_step = lambda batch: (batch @ weights).relu().sum()
+    kernels = bench.profile_training(trainer, step=2)
+    trainer.training_step(torch.randn(8, 64))
+    assert kernels == []  # another step: not profiled
+    trainer.state.global_step = 2
+    for _ in range(3):  # the step's micro-batches, added up
+        trainer.training_step(torch.randn(8, 64))
+    by_name = {k["kernel"]: k for k in kernels}
+    assert by_name["aten::mm"]["calls_per_step"] == 3
+    assert all(k["ms_per_step"] > 0 for k in kernels)
+    assert [k["ms_per_step"] for k in kernels] == sorted((k["ms_per_step"] for k in kernels),
+                                                        reverse=True)
