@@ -74,6 +74,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -849,10 +850,10 @@ def micro_batch_seconds(run: dict[str, Any]) -> tuple[list[float], list[float]]:
     calls = run.get("phase_calls", {})
     generating = {g["step"] for g in run.get("generation_calls", [])}
     warmup = run.get("warmup_steps", 0)
-    timed = range(warmup, warmup + run.get("timed_steps", len(calls.get("loss", []))))
+    last = warmup + run["timed_steps"] if "timed_steps" in run else math.inf
     first, others, seen = [], [], set()
     for (step, loss), (_, backward) in zip(calls.get("loss", []), calls.get("backward", [])):
-        if step not in timed:
+        if not warmup <= step < last:
             continue
         is_first = step in generating and step not in seen
         seen.add(step)

@@ -163,9 +163,24 @@ def side_by_side(weights: Sequence[PackedNF4]) -> list[PackedNF4]:
     """The weights with their block scale codes moved into one K-tile-major copy, adjacent
     columns in order (what `groupable` asks of a group)."""
     codes = torch.cat([weight.absmax for weight in weights], dim=1)
-    starts = itertools.accumulate([0, *(weight.out_features for weight in weights)])
+    starts = [0, *column_starts([weight.out_features for weight in weights])]
     return [replace(weight, absmax=codes[:, start:start + weight.out_features])
             for weight, start in zip(weights, starts)]
+
+
+def column_starts(widths: Sequence[int]) -> list[int]:
+    """Where each projection after the first starts among projections of these widths side by
+    side."""
+    return list(itertools.accumulate(widths))[:-1]
+
+
+def adapter_kind(lora: tuple | None) -> tuple | None:
+    """What a group's adapters must share, (A, B, s) -> rank, dtypes and scale; no adapter (None
+    or ()) as it is."""
+    if not lora:
+        return lora
+    a, b, scaling = lora
+    return a.shape[0], a.dtype, b.dtype, float(scaling)
 
 
 def nf4_matmul(x: torch.Tensor, weight: PackedNF4, lora: tuple | None = None,
@@ -182,26 +197,24 @@ def groupable(weights: Sequence[PackedNF4], loras: Sequence[tuple] | None, tiles
     copy (`PackedNF4.group`), each starting at a multiple of both column tiles, and adapters of
     one rank, scale and dtype."""
     first = weights[0]
-    starts = list(itertools.accumulate(w.out_features for w in weights))[:-1]
+    widths = [w.out_features for w in weights]
     size = first.absmax.element_size()
     adjacent = all(
         w.absmax.data_ptr() == first.absmax.data_ptr() + start * size
         and w.absmax.stride() == first.absmax.stride() and w.absmax.dtype == first.absmax.dtype
-        for w, start in zip(weights[1:], starts))
+        for w, start in zip(weights[1:], column_starts(widths)))
     alike = all((w.in_features, w.blocksize, w.absmax2 is None, w.block2)
                 == (first.in_features, first.blocksize, first.absmax2 is None, first.block2)
                 for w in weights)
-    adapters = loras is None or len({(a.shape[0], a.dtype, b.dtype, float(s))
-                                     for a, b, s in loras}) == 1
-    return adjacent and alike and adapters and starts_fit([w.out_features for w in weights], tiles)
+    adapters = loras is None or len({adapter_kind(lora) for lora in loras}) == 1
+    return adjacent and alike and adapters and starts_fit(widths, tiles)
 
 
 def starts_fit(widths: Sequence[int], tiles: Tiles) -> bool:
     """Whether projections of these widths side by side can share a launch: at most MAX_GROUP,
     each starting at a multiple of both column tiles (a program's columns are one projection's)."""
     tile = max(tiles.block_n, tiles.sum_block_n)
-    starts = list(itertools.accumulate(widths))[:-1]
-    return len(widths) <= MAX_GROUP and all(start % tile == 0 for start in starts)
+    return len(widths) <= MAX_GROUP and all(start % tile == 0 for start in column_starts(widths))
 
 
 def nf4_group_matmul(x: torch.Tensor, weights: Sequence[PackedNF4],
@@ -221,8 +234,8 @@ def nf4_group_matmul(x: torch.Tensor, weights: Sequence[PackedNF4],
     first = weights[0]
     in_features = first.in_features
     out_features = sum(w.out_features for w in weights)
-    starts = [*itertools.accumulate(w.out_features for w in weights)][:-1]
-    starts += [out_features] * (2 - len(starts))
+    starts = column_starts([w.out_features for w in weights])
+    starts += [out_features] * (MAX_GROUP - 1 - len(starts))
     flat = x.reshape(-1, in_features)
     if flat.stride(-1) != 1:
         flat = flat.contiguous()

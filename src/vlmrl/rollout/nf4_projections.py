@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from vlmrl.rollout import nf4_decode
-from vlmrl.rollout.nf4_decode import MAX_ROWS, PackedNF4, starts_fit
+from vlmrl.rollout.nf4_decode import MAX_ROWS, PackedNF4, adapter_kind, starts_fit
 
 # The projections of one input a decoder layer calls in turn, by name, each set taken as an
 # `NF4Group` where a module has them all (Qwen3's attention and MLP; a benchmark may set it)
@@ -112,7 +112,7 @@ class NF4Group:
         pending = self.pending
         if pending is None or pending[0] is not x:
             loras = [member.adapter() for member in self.members]
-            kinds = {_adapter_kind(lora) for lora in loras}
+            kinds = {adapter_kind(lora) for lora in loras}
             if len(kinds) > 1 or None in kinds:
                 return call_nf4_op([self.members[index]], x, [loras[index]])
             outputs = torch.split(call_nf4_op(self.members, x, loras), self.widths, dim=-1)
@@ -120,14 +120,6 @@ class NF4Group:
         served = pending[2] if index in pending[2] else (*pending[2], index)
         self.pending = None if len(served) == len(self.members) else (x, pending[1], served)
         return pending[1][index]
-
-
-def _adapter_kind(lora: tuple | None) -> tuple | None:
-    """What must be alike in a group's adapters: rank, dtypes and scale (or none at all)."""
-    if not lora:
-        return lora
-    a, b, scaling = lora
-    return a.shape[0], a.dtype, b.dtype, float(scaling)
 
 
 def nf4_layers(model) -> list[tuple[torch.nn.Module, torch.nn.Module]]:
@@ -172,10 +164,13 @@ class NF4Decode:
         for parent in self.model.modules():
             for names in self.group_names:
                 members = [getattr(parent, name, None) for name in names]
-                if (all(isinstance(m, torch.nn.Module) and m in bases and m not in taken
-                        for m in members) and len(set(members)) == len(members)
-                        and len({_scales_kind(bases[m]) for m in members}) == 1
-                        and starts_fit([_out_features(bases[m]) for m in members], nf4_decode.TILES)):
+                if not all(isinstance(m, torch.nn.Module) and m in bases and m not in taken
+                           for m in members) or len(set(members)) < len(members):
+                    continue
+                states = [bases[m].weight.quant_state for m in members]
+                if (len({_scales_kind(state) for state in states}) == 1
+                        and starts_fit([int(state.shape[0]) for state in states],
+                                       nf4_decode.TILES)):
                     found.append(members)
                     taken.update(members)
         return found
@@ -216,12 +211,7 @@ class NF4Decode:
                 group.pending = None
 
 
-def _out_features(base) -> int:
-    return int(base.weight.quant_state.shape[0])
-
-
-def _scales_kind(base) -> tuple:
-    """What must be alike in a group's Linear4bit: input width, block size, nested scales."""
-    state = base.weight.quant_state
+def _scales_kind(state) -> tuple:
+    """What must be alike in a group's quant states: input width, block size, nested scales."""
     return (tuple(state.shape)[1], state.blocksize, state.nested,
             state.state2.blocksize if state.nested else None)
