@@ -171,88 +171,25 @@ def decode_attention(model, mode: str) -> Iterator[None]:
 # The kernel (commit 7c1170f measured it no faster than the grouped products on a bf16 cache):
 # each program keeps a running softmax over its share of the slots for the query heads of one
 # key/value head (flash-decoding; its products on tensor cores, the heads padded to 16 and the
-# float8 values widened to the query's dtype in registers), skipping every block of slots the
-# step's mask leaves out (empty slots, left padding); a second launch merges the shares. float32
-# inside, the output rounded once to the query's dtype.
+# float8 values widened to the query's dtype in registers). A row's slots are read from its first
+# slot the mask reads to its last (left padding and the empty slots past the step are not read):
+# a loop over computed bounds with no branch inside, which Triton pipelines, where a branch per
+# block skipping the unread ones kept it from pipelining. Slots inside the bounds that the mask
+# leaves out are scored -inf. With one share per (row, key/value head), measured fastest, the
+# program writes the output itself; with several, a second launch merges them. float32 inside, the output rounded once to the
+# query's dtype.
 BLOCK_SLOTS = 64
-SPLITS = 4  # shares of the slots per (row, key/value head): 4 x 128 programs at 16 rows
+SPLITS = 1  # shares of a row's slots per (row, key/value head); 1: no merge launch
+STAGES = 3  # Triton's software pipeline depth of the slot loop
 
 
 @functools.cache
 def _kernels():
     import triton
-    import triton.language as tl
 
-    @triton.jit
-    def partial_attention(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, length, chunk,
-                          scale, stride_qb, stride_qh, stride_kb, stride_kh, stride_kl,
-                          stride_vb, stride_vh, stride_vl, stride_mb,
-                          KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
-                          DIM: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr):
-        """Running max, sum and weighted values of one share of the slots, for the GROUP query
-        heads of one (row, key/value head)."""
-        row_head = tl.program_id(0)
-        split = tl.program_id(1)
-        row = row_head // KV_HEADS
-        kv_head = row_head % KV_HEADS
-        heads = tl.arange(0, G_PAD)
-        dims = tl.arange(0, DIM)
-        head_ok = heads < GROUP
-        q = tl.load(q_ptr + row * stride_qb + (kv_head * GROUP + heads)[:, None] * stride_qh
-                    + dims[None, :], mask=head_ok[:, None], other=0.0)
-        running_max = tl.full((G_PAD,), -1e30, tl.float32)
-        total = tl.zeros((G_PAD,), tl.float32)
-        acc = tl.zeros((G_PAD, DIM), tl.float32)
-        slots = tl.arange(0, BLOCK)
-        k_base = k_ptr + row * stride_kb + kv_head * stride_kh
-        v_base = v_ptr + row * stride_vb + kv_head * stride_vh
-        start = split * chunk
-        for first in range(start, start + chunk, BLOCK):
-            at = first + slots
-            inside = at < length
-            read = tl.load(mask_ptr + row * stride_mb + at, mask=inside, other=0).to(tl.int32)
-            if tl.sum(read, axis=0) > 0:  # a block the step's mask leaves out is not read
-                keys = tl.load(k_base + at[:, None] * stride_kl + dims[None, :],
-                               mask=inside[:, None], other=0.0).to(q.dtype)
-                scores = tl.dot(q, tl.trans(keys)) * scale
-                scores = tl.where((read > 0)[None, :], scores, -float("inf"))
-                new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-                decay = tl.exp(running_max - new_max)
-                weights = tl.exp(scores - new_max[:, None])
-                total = total * decay + tl.sum(weights, axis=1)
-                values = tl.load(v_base + at[:, None] * stride_vl + dims[None, :],
-                                 mask=inside[:, None], other=0.0).to(q.dtype)
-                acc = acc * decay[:, None] + tl.dot(weights.to(q.dtype), values)
-                running_max = new_max
-        share = (row_head * SPLITS + split) * G_PAD + heads
-        tl.store(m_ptr + share, running_max)
-        tl.store(l_ptr + share, total)
-        tl.store(acc_ptr + share[:, None] * DIM + dims[None, :], acc)
+    from vlmrl.rollout import attention_kernels
 
-    @triton.jit
-    def merge_shares(m_ptr, l_ptr, acc_ptr, out_ptr, stride_ob, stride_oh,
-                     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
-                     DIM: tl.constexpr, SPLITS: tl.constexpr):
-        """out = the shares' weighted values, each rescaled to the overall max, over their
-        summed weights."""
-        row_head = tl.program_id(0)
-        row = row_head // KV_HEADS
-        kv_head = row_head % KV_HEADS
-        heads = tl.arange(0, G_PAD)
-        dims = tl.arange(0, DIM)
-        shares = tl.arange(0, SPLITS)
-        at = (row_head * SPLITS + shares)[:, None] * G_PAD + heads[None, :]
-        maxima = tl.load(m_ptr + at)
-        overall = tl.max(maxima, axis=0)
-        scales = tl.exp(maxima - overall[None, :])
-        total = tl.sum(scales * tl.load(l_ptr + at), axis=0)
-        acc = tl.load(acc_ptr + at[:, :, None] * DIM + dims[None, None, :])
-        out = tl.sum(scales[:, :, None] * acc, axis=0) / total[:, None]
-        tl.store(out_ptr + row * stride_ob + (kv_head * GROUP + heads)[:, None] * stride_oh
-                 + dims[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=(heads < GROUP)[:, None])
-
-    return triton, partial_attention, merge_shares
+    return triton, attention_kernels
 
 
 def cache_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -260,7 +197,7 @@ def cache_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     """Attention of query [rows, heads, 1, dim] over the cache's key and value
     [rows, kv_heads, slots, dim] where `read` [rows, length] (bool, length <= slots) is true;
     returns [rows, 1, heads, dim] in the query's dtype."""
-    triton, partial_attention, merge_shares = _kernels()
+    triton, kernels = _kernels()
     rows, heads, _, dim = query.shape
     kv_heads = key.shape[1]
     group = heads // kv_heads
@@ -268,21 +205,22 @@ def cache_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     length = read.shape[-1]
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     read = read if read.stride(-1) == 1 else read.contiguous()
-    chunk = triton.cdiv(triton.cdiv(length, SPLITS), BLOCK_SLOTS) * BLOCK_SLOTS
-    shares = rows * kv_heads * SPLITS * g_pad
+    out = torch.empty(rows, 1, heads, dim, dtype=query.dtype, device=query.device)
+    shares = rows * kv_heads * SPLITS * g_pad if SPLITS > 1 else 0
     maxima = torch.empty(shares, dtype=torch.float32, device=query.device)
     totals = torch.empty(shares, dtype=torch.float32, device=query.device)
     acc = torch.empty(shares, dim, dtype=torch.float32, device=query.device)
-    partial_attention[(rows * kv_heads, SPLITS)](
-        query, key, value, read, maxima, totals, acc, length, chunk, float(scale),
+    kernels.partial_attention[(rows * kv_heads, SPLITS)](
+        query, key, value, read, maxima, totals, acc, out, length, float(scale),
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2),
-        value.stride(0), value.stride(1), value.stride(2), read.stride(0),
-        KV_HEADS=kv_heads, GROUP=group, G_PAD=g_pad, DIM=dim, BLOCK=BLOCK_SLOTS, SPLITS=SPLITS,
-        num_warps=4)
-    out = torch.empty(rows, 1, heads, dim, dtype=query.dtype, device=query.device)
-    merge_shares[(rows * kv_heads,)](maxima, totals, acc, out, out.stride(0), out.stride(2),
-                                     KV_HEADS=kv_heads, GROUP=group, G_PAD=g_pad, DIM=dim,
-                                     SPLITS=SPLITS, num_warps=4)
+        value.stride(0), value.stride(1), value.stride(2), read.stride(0), out.stride(0),
+        out.stride(2), KV_HEADS=kv_heads, GROUP=group, G_PAD=g_pad, DIM=dim, BLOCK=BLOCK_SLOTS,
+        SPLITS=SPLITS, LENGTH_PAD=triton.next_power_of_2(length), WHILE=kernels.INTERPRETED,
+        num_warps=4, num_stages=STAGES)
+    if SPLITS > 1:
+        kernels.merge_shares[(rows * kv_heads,)](
+            maxima, totals, acc, out, out.stride(0), out.stride(2), KV_HEADS=kv_heads,
+            GROUP=group, G_PAD=g_pad, DIM=dim, SPLITS=SPLITS, num_warps=4)
     return out
 
 

@@ -1,0 +1,70 @@
+"""`vlmrl.rollout.decode_attention.cache_attention` under Triton's interpreter on the CPU: each
+row reads from its first to its last read slot, in one share per (row, key/value head) or
+several merged, against float64 attention over the same values. In float16: the interpreter
+reads bfloat16 wrongly. bfloat16, float8 and speed on a GPU: tests/gpu/test_graph_decode_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vlmrl.rollout import decode_attention
+
+pytest.importorskip("triton")
+
+
+def reference(query, key, value, read, scale):
+    """float64 attention of each row's query heads over the slots `read` marks."""
+    group = query.shape[1] // key.shape[1]
+    keys = key[:, :, :read.shape[-1]].double().repeat_interleave(group, dim=1)
+    values = value[:, :, :read.shape[-1]].double().repeat_interleave(group, dim=1)
+    scores = (query.double() @ keys.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~read[:, None, None, :], -float("inf"))
+    return (scores.softmax(-1) @ values).transpose(1, 2)
+
+
+def masks(rows: int, length: int) -> dict[str, torch.Tensor]:
+    """A step's mask as generation makes it (left padding, then the slots written so far), one
+    with holes inside a row's span, and one whose rows read a single slot or run to the end."""
+    generator = torch.Generator().manual_seed(0)
+    slot = torch.arange(length)
+    pads = torch.randint(0, 70, (rows, 1), generator=generator)
+    ends = torch.randint(80, length + 1, (rows, 1), generator=generator)
+    step = (slot >= pads) & (slot < ends)
+    holes = step & (torch.rand(rows, length, generator=generator) > 0.3)
+    edges = torch.zeros(rows, length, dtype=torch.bool)
+    edges[0, length - 1] = True
+    edges[1, 0] = True
+    edges[2:, 5:] = True
+    return {"step": step, "holes": holes, "edges": edges}
+
+
+@pytest.mark.parametrize("splits", [1, 2, 4])
+@pytest.mark.parametrize("mask", ["step", "holes", "edges"])
+def test_cache_attention_reads_each_rows_span_as_float64_attention(monkeypatch, splits, mask):
+    monkeypatch.setattr(decode_attention, "SPLITS", splits)
+    monkeypatch.setattr(decode_attention, "BLOCK_SLOTS", 16)
+    rows, heads, kv_heads, dim, slots, length = 4, 4, 2, 16, 208, 200
+    generator = torch.Generator().manual_seed(1)
+    query = torch.randn(rows, heads, 1, dim, generator=generator).to(torch.float16)
+    key, value = (torch.randn(rows, kv_heads, slots, dim, generator=generator).to(torch.float16)
+                  for _ in range(2))
+    read = masks(rows, length)[mask]
+    got = decode_attention.cache_attention(query, key, value, read, dim ** -0.5)
+    expected = reference(query, key, value, read, dim ** -0.5)
+    assert got.shape == (rows, 1, heads, dim) and got.dtype == torch.float16
+    torch.testing.assert_close(got.double(), expected, atol=1e-2, rtol=1e-2)
+
+
+def test_slots_outside_the_mask_do_not_reach_the_output(monkeypatch):
+    """Values far past any real one in every slot a row does not read (its padding, the slots
+    past the step, holes): the output stays within the read values' range."""
+    monkeypatch.setattr(decode_attention, "BLOCK_SLOTS", 16)
+    rows, heads, kv_heads, dim, length = 4, 2, 1, 16, 96
+    read = masks(rows, length)["holes"]
+    query = torch.randn(rows, heads, 1, dim).to(torch.float16)
+    key = torch.randn(rows, kv_heads, length, dim).to(torch.float16)
+    value = torch.rand(rows, kv_heads, length, dim).to(torch.float16)
+    value.masked_fill_(~read[:, None, :, None], 1e4)
+    got = decode_attention.cache_attention(query, key, value, read, dim ** -0.5)
+    assert got.abs().max() <= 1.0
