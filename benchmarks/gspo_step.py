@@ -831,6 +831,7 @@ def roofline_table(results: dict[str, Any]) -> str:
             f"{_fmt(run['peak_allocated_gib'], '.2f')} ({_fmt(run['peak_reserved_gib'], '.2f')}) | "
             f"{ratio(run, REFERENCE)} | {ratio(run, TODAY)} |")
     lines += phase_table(runs)
+    lines += training_kernel_table(runs)
     failed = sorted((key, run["error"]) for key, run in results["runs"].items()
                     if run.get("error"))
     if failed:
@@ -882,6 +883,27 @@ def phase_table(runs: list[dict[str, Any]]) -> list[str]:
             + f" | {', '.join(f'{t:.2f}' for t in first) or '-'} | "
             f"{_fmt(sum(others) / len(others) if others else None, '.2f')} |")
     return ["", "Seconds per optimizer step by phase (`seconds_by_phase`, `phase_calls`):"] + lines
+
+
+TRAINING_KERNELS_SHOWN = 12
+
+
+def training_kernel_table(runs: list[dict[str, Any]]) -> list[str]:
+    """The kernels of each run's profiled training step (`--profile-training`) that took the
+    most device time, per optimizer step; runs without a profile are left out."""
+    profiled = [r for r in runs if r.get("training_kernels")]
+    if not profiled:
+        return []
+    lines = ["", (f"The {TRAINING_KERNELS_SHOWN} kernels of most device time in the profiled "
+                  "training step (`--profile-training`, `training_kernels`; not in the timings "
+                  "above):"), "",
+             "| model | configuration | kernel | calls | ms |", "| --- | --- | --- | ---: | ---: |"]
+    for run in profiled:
+        for kernel in run["training_kernels"][:TRAINING_KERNELS_SHOWN]:
+            name = kernel["kernel"].replace("|", "/")
+            lines.append(f"| {model_name(run)} | `{run['config']}` | `{name}` | "
+                         f"{kernel['calls_per_step']:.0f} | {kernel['ms_per_step']:.1f} |")
+    return lines
 
 
 def write_doc_table(results: dict[str, Any], doc: Path, block: str = "roofline") -> None:

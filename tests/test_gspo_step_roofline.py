@@ -80,6 +80,19 @@ def test_phase_table_sets_the_first_micro_batch_after_a_generation_apart(bench) 
     assert bench.phase_table([{"config": "x", "completion_length": 1}]) == []
 
 
+def test_training_kernel_table_shows_each_profiled_runs_largest_kernels(bench) -> None:
+    kernels = [{"kernel": f"kernel_{i}<a|b>", "calls_per_step": 2 * i, "ms_per_step": 100.0 - i}
+               for i in range(bench.TRAINING_KERNELS_SHOWN + 3)]
+    run = {"config": "gpu_profile_graph_fp8", "completion_length": 1024,
+           "training_kernels": kernels}
+    lines = bench.training_kernel_table([run, {"config": "x", "completion_length": 1}])
+    rows = [line for line in lines if line.startswith("| qwen3-vl-2b-shape")]
+    assert len(rows) == bench.TRAINING_KERNELS_SHOWN
+    assert rows[1] == "| qwen3-vl-2b-shape | `gpu_profile_graph_fp8` | `kernel_1<a/b>` | 2 | 99.0 |"
+    assert not any("`x`" in line for line in lines)
+    assert bench.training_kernel_table([{"config": "x", "completion_length": 1}]) == []
+
+
 def test_time_phases_records_each_call_with_its_step(bench) -> None:
     from types import SimpleNamespace
 
