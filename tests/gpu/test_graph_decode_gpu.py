@@ -240,6 +240,38 @@ def test_fp8_cache_attention_matches_sdpa_over_its_values(heads):
     assert error < 1e-2
 
 
+@pytest.mark.parametrize("splits", [1, 2, 4])
+@pytest.mark.parametrize("mask_kind", ["filled", "apart"])
+def test_fp8_cache_attention_reads_each_rows_span_in_shares(monkeypatch, splits, mask_kind):
+    """The float8 cache's kernel as compiled (its slot loop a `for`, which the CPU tests'
+    interpreter cannot run) in one share per row or several merged, over a step's mask and one
+    of two runs of slots far apart, against SDPA in float32 over the same values."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from vlmrl.rollout import decode_attention
+    from vlmrl.rollout.decode_attention import FP8, stored
+
+    class Module:
+        num_key_value_groups = 2
+        is_causal = True
+
+    monkeypatch.setattr(decode_attention, "SPLITS", splits)
+    torch.manual_seed(3)
+    query = torch.randn(32, 16, 1, 128, device="cuda", dtype=torch.bfloat16)
+    key8, value8 = (stored(torch.randn(32, 8, 1408, 128, device="cuda"), FP8) for _ in range(2))
+    if mask_kind == "filled":
+        mask = filled_mask(32, 1408, filled=1000)
+    else:
+        mask = torch.zeros(32, 1, 1, 1408, dtype=torch.bool, device="cuda")
+        mask[..., 5:40] = mask[..., 900:1300] = True
+    expected, _ = sdpa_attention_forward(Module(), query.float(), key8.float(), value8.float(),
+                                         mask)
+    got = decode_attention.cache_attention(query, key8, value8, mask[:, 0, 0], 128 ** -0.5)
+    error = ((got.float() - expected).norm() / expected.norm()).item()
+    assert got.shape == expected.shape
+    assert error < 1e-2
+
+
 def test_fp8_cache_graph_replays_equal_the_eager_loop_and_stay_near_bf16():
     """The shipped fast path with `kv_cache_dtype: fp8` (NF4 kernel, compiled forward, 16 rows):
     the graph's replays give the eager loop's tokens over the same float8 cache, and the first

@@ -36,6 +36,7 @@ def attend_block(q, k_base, v_base, row_mask, first, stop, scale, stride_kl, str
     acc = acc * decay[:, None] + tl.dot(weights.to(q.dtype), values)
     return new_max, total, acc
 
+
 @triton.jit
 def partial_attention(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, length,
                       scale, stride_qb, stride_qh, stride_kb, stride_kh, stride_kl,
@@ -88,6 +89,7 @@ def partial_attention(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, out_
         tl.store(m_ptr + share, running_max)
         tl.store(l_ptr + share, total)
         tl.store(acc_ptr + share[:, None] * DIM + dims[None, :], acc)
+
 
 @triton.jit
 def merge_shares(m_ptr, l_ptr, acc_ptr, out_ptr, stride_ob, stride_oh,

@@ -172,12 +172,12 @@ def decode_attention(model, mode: str) -> Iterator[None]:
 # each program keeps a running softmax over its share of the slots for the query heads of one
 # key/value head (flash-decoding; its products on tensor cores, the heads padded to 16 and the
 # float8 values widened to the query's dtype in registers). A row's slots are read from its first
-# slot the mask reads to its last (left padding and the empty slots past the step are not read):
-# a loop over computed bounds with no branch inside, which Triton pipelines, where a branch per
-# block skipping the unread ones kept it from pipelining. Slots inside the bounds that the mask
-# leaves out are scored -inf. With one share per (row, key/value head), measured fastest, the
-# program writes the output itself; with several, a second launch merges them. float32 inside, the output rounded once to the
-# query's dtype.
+# slot the mask reads to its last (left padding and the empty slots past the step are not read),
+# in a loop over those bounds with no branch inside, which Triton pipelines. Slots inside the
+# bounds that the mask leaves out are scored -inf. With one share per (row, key/value head) the
+# program writes the output itself; with several, a second launch merges them. float32 inside,
+# the output rounded once to the query's dtype. A row that reads no slot gets NaN (generation's
+# rows read at least the slot the step writes).
 BLOCK_SLOTS = 64
 SPLITS = 1  # shares of a row's slots per (row, key/value head); 1: no merge launch
 STAGES = 3  # Triton's software pipeline depth of the slot loop
