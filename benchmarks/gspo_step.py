@@ -168,6 +168,12 @@ CONFIGS["gpu_profile_graph_fp8_mb4"] = {**CONFIGS["gpu_profile_graph_fp8"],
                                         "gradient_accumulation_steps": 4,
                                         "steps_per_generation": 8}
 RECIPE_8B_PROFILE = "gpu_profile_graph_fp8_mb4"  # recipes/mathvista-qwen3-vl-8b.yaml's
+# The float8 profiles with the training forward's rows rolled, causal SDPA without a padding mask
+# (train.training_attention rolled, vlmrl.training_attention).
+CONFIGS["gpu_profile_graph_fp8_rolled"] = {**CONFIGS["gpu_profile_graph_fp8"],
+                                           "training_attention": "rolled"}
+CONFIGS["gpu_profile_graph_fp8_mb4_rolled"] = {**CONFIGS["gpu_profile_graph_fp8_mb4"],
+                                               "training_attention": "rolled"}
 # The float8 profile as it stood before issue 41 (the NF4 kernel's tree decode and float32
 # block scales, old log-probs for every row): the same knobs run on the library exported from
 # that commit (`--baseline-src`), so one device call measures it beside the new one.
@@ -586,7 +592,9 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
     trainer = make_trainer(model, processor, config, dataset, reward_funcs,
                            generation_rows=knobs.get("max_generation_rows"), callbacks=[Timer()],
                            graph_decoding=knobs.get("graph", "eager"),
-                           kv_cache_dtype=knobs.get("kv_cache_dtype", "auto"))
+                           kv_cache_dtype=knobs.get("kv_cache_dtype", "auto"),
+                           **({"training_attention": knobs["training_attention"]}
+                              if "training_attention" in knobs else {}))
     phase_seconds = time_phases(trainer)
     training_kernels = profile_training(trainer, warmup + steps) if profile else None
     peaks = MemoryPeaks()

@@ -256,6 +256,17 @@ def test_train_gspo_generates_in_chunks(fresh_repo: Path) -> None:
     assert all(value > 0 for value in lora_b_norms(fresh_repo / "data/models/adapter").values())
 
 
+@pytest.mark.slow
+def test_train_gspo_trains_with_the_rolled_training_attention(fresh_repo: Path) -> None:
+    update_params(fresh_repo, {"train.grpo.max_steps": 2, "train.training_attention": "rolled"})
+    dvc_repro(fresh_repo, "sft_cold_start")
+    result = run(stage_command("train_gspo"), fresh_repo)
+    assert "training attention: rows rolled" in result.stdout
+    summary = json.loads((fresh_repo / "data/metrics/train.json").read_text())
+    assert summary["steps"] == 2
+    assert all(value > 0 for value in lora_b_norms(fresh_repo / "data/models/adapter").values())
+
+
 def readme_gpu_overrides() -> dict[str, object]:
     """The params of the recipe the README's GPU command applies (`vlmrl recipe NAME`), as
     dotted keys (`train.grpo.steps_per_generation`), the form `dvc exp run -S` takes."""

@@ -192,13 +192,15 @@ class TrainResult:
 
 def make_trainer(model, processor, config, dataset, reward_funcs, *,
                  generation_rows: int | None, callbacks: list, graph_decoding: str = "eager",
-                 kv_cache_dtype: str = "auto", max_nonfinite_steps: int = 3,
-                 completions_table: Path | None = None):
+                 kv_cache_dtype: str = "auto", training_attention: str = "sdpa",
+                 max_nonfinite_steps: int = 3, completions_table: Path | None = None):
     """TRL's GRPOTrainer with the project's generation switches: the processor's suppressed
     tokens, compiled decoding when `generation_kwargs.disable_compile` is false (TRL itself
     always disables it), generation in chunks of `generation_rows`, on a GPU with
     `graph_decoding` the decode step in one CUDA graph (`vlmrl.rollout.graph_decode`) over a cache
-    of `kv_cache_dtype` (`vlmrl.rollout.decode_attention`), on a CPU top-k sampling among k tokens
+    of `kv_cache_dtype` (`vlmrl.rollout.decode_attention`), the training forward's attention over
+    rolled rows where `training_attention` is "rolled" (`vlmrl.training_attention`), on a CPU
+    top-k sampling among k tokens
     (`vlmrl.rollout.generation`; both need the policy loaded with `rollout_class`), and steps
     with a non-finite loss or gradient skipped (`vlmrl.nonfinite`, at most
     `max_nonfinite_steps` in a row); TRL's sample completions table goes to
@@ -217,9 +219,26 @@ def make_trainer(model, processor, config, dataset, reward_funcs, *,
     sample_top_k_on_cpu(trainer.model, top_k_settings(
         True, config.temperature, config.top_k, config.top_p, config.min_p,
         suppress=config.generation_kwargs.get("suppress_tokens")))
+    if training_attention == "rolled":
+        use_rolled_attention(trainer.model)
     if graph_decoding != "eager" and not on_cpu(trainer.model):
         install_graph_decoding(trainer.model, graph_decoding, kv_cache_dtype=kv_cache_dtype)
     return trainer
+
+
+def use_rolled_attention(model) -> None:
+    """The text model attends with `vlmrl.training_attention.rolled_causal_attention`, which
+    needs transformers' SDPA under it."""
+    from vlmrl.rollout.decode_attention import attention_implementation, set_text_attention
+    from vlmrl.training_attention import rolled_attention_name
+
+    current = attention_implementation(model)
+    if current != "sdpa":
+        raise ParamsError("params.yaml train.training_attention: rolled needs the model's SDPA "
+                          f"attention, not {current!r}")
+    set_text_attention(model, rolled_attention_name())
+    print("training attention: rows rolled, causal SDPA without a padding mask "
+          "(train.training_attention: rolled)")
 
 
 def cuda_initialised() -> bool:
@@ -290,6 +309,7 @@ def train(*, train_set: Path, params: Params, adapter_out: Path, checkpoints: Pa
                            generation_rows=rows, callbacks=list(callbacks or []),
                            graph_decoding=train_params.graph_decoding,
                            kv_cache_dtype=train_params.kv_cache_dtype,
+                           training_attention=train_params.training_attention,
                            max_nonfinite_steps=train_params.max_nonfinite_steps,
                            completions_table=live.samples if live is not None else None)
     live = live if trainer.accelerator.is_main_process else None  # rank 0 alone writes

@@ -20,9 +20,12 @@ from collections.abc import Iterator
 import torch
 from transformers.cache_utils import StaticCache, StaticLayer
 
+from vlmrl.training_attention import ROLLED
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value; conversion past it gives NaN
 KV_CACHE_DTYPES = ("auto", "fp8")  # train.kv_cache_dtype; "auto": the model's dtype
+SDPA_BASED = ("sdpa", ROLLED)  # text attentions over transformers' SDPA
 
 
 def stored(states: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -153,12 +156,12 @@ def set_text_attention(model, name: str) -> None:
 @contextlib.contextmanager
 def decode_attention(model, mode: str) -> Iterator[None]:
     """While active, the model's language model attends with `grouped_decode_attention` (mode
-    "grouped") where its attention is SDPA; mode "model", or any other attention, leaves it
+    "grouped") where its attention is SDPA-based; mode "model", or any other attention, leaves it
     alone. On exit its attention implementation is set back."""
     if mode not in ("grouped", "model"):
         raise ValueError(f"graph decoding attention must be 'grouped' or 'model', not {mode!r}")
     saved = attention_implementation(model)
-    if mode == "model" or saved != "sdpa":
+    if mode == "model" or saved not in SDPA_BASED:
         yield
         return
     set_text_attention(model, grouped_attention_name())

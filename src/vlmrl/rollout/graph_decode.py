@@ -34,6 +34,7 @@ import torch
 
 from vlmrl.models.sampling import SamplingSettings, candidate_probs
 from vlmrl.rollout.decode_attention import (
+    SDPA_BASED,
     attention_implementation,
     decode_attention,
     generative_model,
@@ -329,7 +330,7 @@ class GraphDecoding:
         input_ids = kwargs.get("input_ids")
         if (args or input_ids is None or input_ids.device.type != "cuda"
                 or not served(config, kwargs)
-                or attention_implementation(self.model) not in ("sdpa", "eager")):
+                or attention_implementation(self.model) not in (*SDPA_BASED, "eager")):
             return self.original(*args, generation_config=generation_config, **kwargs)
         self.calls += 1
         return self._decode(config, kwargs)

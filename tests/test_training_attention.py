@@ -1,0 +1,157 @@
+"""`vlmrl.training_attention`: the training forward's attention over rolled rows, causal with no
+mask, against transformers' SDPA with its padding mask, on tensors and on the tiny Qwen3-VL with
+left-padded prompts, right-padded completions and images."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoModelForImageTextToText
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from vlmrl import training_attention
+from vlmrl.models.embedded import ensure_embedded_model
+from vlmrl.models.processor import load_processor
+from vlmrl.rollout.decode_attention import set_text_attention
+from vlmrl.training_attention import (
+    ROLLED,
+    roll_rows,
+    rolled_attention_name,
+    rolled_causal_attention,
+    row_starts,
+)
+
+
+class Module:
+    num_key_value_groups = 2
+    is_causal = True
+    training = True
+
+
+def padded(rows: int, length: int) -> torch.Tensor:
+    """[rows, length]: each row's tokens one run, after left padding and before right padding."""
+    mask = torch.zeros(rows, length, dtype=torch.bool)
+    for row, (left, right) in enumerate([(0, 0), (5, 0), (2, 7), (11, 3)][:rows]):
+        mask[row, left:length - right] = True
+    return mask
+
+
+def sdpa_mask_of(keys: torch.Tensor) -> torch.Tensor:
+    """SDPA's 4D mask as transformers builds it for a forward without a cache."""
+    length = keys.shape[-1]
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    return (causal[None] & keys[:, None, :])[:, None]
+
+
+def test_roll_rows_rolls_each_row_by_its_shift_and_back() -> None:
+    states = torch.arange(2 * 5).view(2, 5)
+    rolled = roll_rows(states, torch.tensor([0, 2]), dim=1)
+    assert rolled.tolist() == [[0, 1, 2, 3, 4], [7, 8, 9, 5, 6]]
+    assert torch.equal(roll_rows(rolled, torch.tensor([0, -2]), dim=1), states)
+
+
+def test_row_starts_are_each_runs_first_slot_and_none_for_a_row_with_holes() -> None:
+    keys = padded(4, 20)
+    assert row_starts(sdpa_mask_of(keys)).tolist() == [0, 5, 2, 11]
+    holes = keys.clone()
+    holes[2, 9] = False
+    assert row_starts(sdpa_mask_of(holes)) is None
+
+
+@pytest.mark.parametrize("holes", [False, True])
+def test_rolled_attention_equals_masked_sdpa_on_real_tokens_with_their_gradients(holes) -> None:
+    torch.manual_seed(0)
+    rows, heads, length, dim = 4, 4, 24, 8
+    keys = padded(rows, length)
+    if holes:  # not one run per row: SDPA with the mask, as before
+        keys[1, 9] = False
+    mask = sdpa_mask_of(keys)
+    inputs = [torch.randn(rows, h, length, dim, dtype=torch.float64, requires_grad=True)
+              for h in (heads, heads // 2, heads // 2)]
+    weight = torch.randn(rows, length, heads, dim, dtype=torch.float64) * keys[:, :, None, None]
+    outputs, grads = [], []
+    for attention in (sdpa_attention_forward, rolled_causal_attention(sdpa_attention_forward)):
+        out, _ = attention(Module(), *inputs, mask, dropout=0.0, scaling=dim ** -0.5)
+        assert out.isfinite().all()
+        real = out * keys[:, :, None, None]
+        outputs.append(real.detach())
+        grads.append(torch.autograd.grad((real * weight).sum(), inputs))
+    torch.testing.assert_close(outputs[1], outputs[0])
+    for rolled, masked in zip(grads[1], grads[0]):
+        torch.testing.assert_close(rolled, masked)
+
+
+def test_a_decode_step_and_a_cache_go_to_sdpa_unchanged() -> None:
+    calls = []
+
+    def original(module, query, key, value, attention_mask, **kwargs):
+        calls.append(attention_mask)
+        return query.transpose(1, 2), None
+
+    attend = rolled_causal_attention(original)
+    step = torch.ones(2, 1, 1, 6, dtype=torch.bool)
+    attend(Module(), torch.randn(2, 4, 1, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8),
+           step)
+    cached = torch.ones(2, 1, 3, 6, dtype=torch.bool)
+    attend(Module(), torch.randn(2, 4, 3, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8),
+           cached)
+    assert calls[0] is step and calls[1] is cached
+
+
+def test_the_tiny_qwen3_vl_gives_the_masked_logits_on_its_real_tokens(monkeypatch) -> None:
+    """Left-padded prompts with images, right-padded completions: the logits of every real token
+    equal SDPA's with the padding mask, and every logit is finite."""
+    path = ensure_embedded_model("embedded:tiny-qwen3-vl", seed=0)
+    model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=torch.float32).eval()
+    processor = load_processor(str(path))
+    processor.tokenizer.padding_side = "left"
+    texts = [processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}],
+        add_generation_prompt=True, tokenize=False)
+        for question in ("What is 2 + 2?", "Name the largest value in the chart, please.")]
+    images = [Image.new("RGB", (64 + 32 * i, 64), (40 * i, 90, 200)) for i in range(2)]
+    batch = dict(processor(text=texts, images=images, return_tensors="pt", padding=True))
+    completion = torch.randint(10, 1000, (2, 9))
+    completion_mask = torch.ones(2, 9, dtype=torch.long)
+    completion_mask[1, 5:] = 0
+    batch["input_ids"] = torch.cat([batch["input_ids"], completion], 1)
+    batch["attention_mask"] = torch.cat([batch["attention_mask"], completion_mask], 1)
+    for key in ("mm_token_type_ids", "token_type_ids"):
+        if key in batch:
+            batch[key] = torch.cat([batch[key], torch.zeros_like(completion)], 1)
+    assert (batch["attention_mask"][:, 0] == 0).any()
+    rolled_masks = []
+
+    def counted(mask):
+        rolled_masks.append(mask)
+        return row_starts(mask)
+
+    monkeypatch.setattr(training_attention, "row_starts", counted)
+    logits = {}
+    for name in ("sdpa", rolled_attention_name()):
+        set_text_attention(model, name)
+        with torch.no_grad():
+            logits[name] = model(**batch).logits
+    real = batch["attention_mask"].bool()
+    assert len(rolled_masks) == model.config.text_config.num_hidden_layers  # every layer rolled
+    assert logits[ROLLED].isfinite().all()
+    torch.testing.assert_close(logits[ROLLED][real], logits["sdpa"][real], atol=1e-4, rtol=1e-4)
+
+
+def test_use_rolled_attention_sets_it_over_sdpa_and_names_the_param_otherwise() -> None:
+    from vlmrl.params import ParamsError
+    from vlmrl.rollout.decode_attention import attention_implementation, decode_attention
+    from vlmrl.training import use_rolled_attention
+
+    path = ensure_embedded_model("embedded:tiny-qwen3-vl", seed=0)
+    model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=torch.float32)
+    use_rolled_attention(model)
+    assert attention_implementation(model) == ROLLED
+    with decode_attention(model, "grouped"):  # graph decoding's steps: the grouped attention
+        assert attention_implementation(model) != ROLLED
+    assert attention_implementation(model) == ROLLED
+    set_text_attention(model, "eager")
+    with pytest.raises(ParamsError, match="train.training_attention: rolled needs the model's "
+                                          "SDPA attention, not 'eager'"):
+        use_rolled_attention(model)
