@@ -527,6 +527,17 @@ def test_graph_decoding_needs_the_transformers_backend() -> None:
         check_graph_backend("merged", "unsloth")
 
 
+def test_rolled_training_attention_needs_the_transformers_backend() -> None:
+    from vlmrl.params import ParamsError
+    from vlmrl.training import check_rolled_backend
+
+    check_rolled_backend("sdpa", "unsloth")
+    check_rolled_backend("rolled", "transformers")
+    with pytest.raises(ParamsError, match=r"^params\.yaml train\.training_attention: rolled "
+                                          r"needs model\.backend transformers, not unsloth"):
+        check_rolled_backend("rolled", "unsloth")
+
+
 def test_train_sets_the_allocator_before_building_the_config(tmp_path: Path, monkeypatch) -> None:
     """`train()` called in process (benchmarks, probes) sets PYTORCH_CUDA_ALLOC_CONF before the
     GRPO config is built: TrainingArguments picks the device there, which initialises CUDA, and

@@ -51,12 +51,19 @@ def test_roll_rows_rolls_each_row_by_its_shift_and_back() -> None:
     assert torch.equal(roll_rows(rolled, torch.tensor([0, -2]), dim=1), states)
 
 
-def test_row_starts_are_each_runs_first_slot_and_none_for_a_row_with_holes() -> None:
+def test_row_starts_are_each_runs_first_slot_once_per_mask_and_none_unless_rollable() -> None:
     keys = padded(4, 20)
-    assert row_starts(sdpa_mask_of(keys)).tolist() == [0, 5, 2, 11]
+    mask, other = sdpa_mask_of(keys), sdpa_mask_of(padded(2, 20))
+    assert row_starts(mask).tolist() == [0, 5, 2, 11]
+    assert row_starts(other).tolist() == [0, 5]  # two masks alive: each its own
+    assert mask in training_attention._ROW_STARTS and other in training_attention._ROW_STARTS
     holes = keys.clone()
     holes[2, 9] = False
     assert row_starts(sdpa_mask_of(holes)) is None
+    packed = mask.clone()  # two sequences in row 0: its second half does not see its first
+    packed[0, 0, 10:, :10] = False
+    assert row_starts(packed) is None
+    assert row_starts(keys[:, None, None, :].expand(4, 1, 20, 20)) is None  # not causal
 
 
 @pytest.mark.parametrize("holes", [False, True])
@@ -70,8 +77,14 @@ def test_rolled_attention_equals_masked_sdpa_on_real_tokens_with_their_gradients
     inputs = [torch.randn(rows, h, length, dim, dtype=torch.float64, requires_grad=True)
               for h in (heads, heads // 2, heads // 2)]
     weight = torch.randn(rows, length, heads, dim, dtype=torch.float64) * keys[:, :, None, None]
+    calls = []
+
+    def recorded(module, query, key, value, attention_mask, **kwargs):
+        calls.append((attention_mask, kwargs.get("is_causal")))
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
     outputs, grads = [], []
-    for attention in (sdpa_attention_forward, rolled_causal_attention(sdpa_attention_forward)):
+    for attention in (sdpa_attention_forward, rolled_causal_attention(recorded)):
         out, _ = attention(Module(), *inputs, mask, dropout=0.0, scaling=dim ** -0.5)
         assert out.isfinite().all()
         real = out * keys[:, :, None, None]
@@ -80,6 +93,25 @@ def test_rolled_attention_equals_masked_sdpa_on_real_tokens_with_their_gradients
     torch.testing.assert_close(outputs[1], outputs[0])
     for rolled, masked in zip(grads[1], grads[0]):
         torch.testing.assert_close(rolled, masked)
+    assert calls == [(mask, None)] if holes else calls == [(None, True)]
+
+
+def test_a_module_that_is_not_causal_goes_to_sdpa_with_its_mask() -> None:
+    calls = []
+
+    def original(module, query, key, value, attention_mask, **kwargs):
+        calls.append(attention_mask)
+        return query.transpose(1, 2), None
+
+    mask = sdpa_mask_of(padded(2, 12))
+    inputs = [torch.randn(2, h, 12, 8) for h in (4, 2, 2)]
+
+    class Bidirectional(Module):
+        is_causal = False
+
+    rolled_causal_attention(original)(Bidirectional(), *inputs, mask)
+    rolled_causal_attention(original)(Module(), *inputs, mask, is_causal=False)
+    assert calls[0] is mask and calls[1] is mask
 
 
 def test_a_decode_step_and_a_cache_go_to_sdpa_unchanged() -> None:
@@ -121,20 +153,21 @@ def test_the_tiny_qwen3_vl_gives_the_masked_logits_on_its_real_tokens(monkeypatc
         if key in batch:
             batch[key] = torch.cat([batch[key], torch.zeros_like(completion)], 1)
     assert (batch["attention_mask"][:, 0] == 0).any()
-    rolled_masks = []
+    rolls = []
 
-    def counted(mask):
-        rolled_masks.append(mask)
-        return row_starts(mask)
+    def counted(states, shift, dim):
+        rolls.append(dim)
+        return roll_rows(states, shift, dim)
 
-    monkeypatch.setattr(training_attention, "row_starts", counted)
+    monkeypatch.setattr(training_attention, "roll_rows", counted)
     logits = {}
     for name in ("sdpa", rolled_attention_name()):
         set_text_attention(model, name)
         with torch.no_grad():
             logits[name] = model(**batch).logits
     real = batch["attention_mask"].bool()
-    assert len(rolled_masks) == model.config.text_config.num_hidden_layers  # every layer rolled
+    layers = model.config.text_config.num_hidden_layers
+    assert rolls == [2, 2, 2, 1] * layers  # every layer: query, key, value, and its output back
     assert logits[ROLLED].isfinite().all()
     torch.testing.assert_close(logits[ROLLED][real], logits["sdpa"][real], atol=1e-4, rtol=1e-4)
 

@@ -289,6 +289,7 @@ def train(*, train_set: Path, params: Params, adapter_out: Path, checkpoints: Pa
     distributed = distributed_settings(train_params)
     check_distributed(distributed, model_params)
     check_graph_backend(train_params.graph_decoding, backend.name)
+    check_rolled_backend(train_params.training_attention, backend.name)
     config = build_grpo_config(split_batch(train_params.grpo, distributed.num_processes),
                                output_dir=checkpoints, save_steps=train_params.save_steps,
                                reward_weights=reward_weights, model_settings=model_params)
@@ -351,6 +352,14 @@ def check_graph_backend(graph_decoding: str, backend: str) -> None:
         raise ParamsError(f"params.yaml train.graph_decoding: {graph_decoding} needs "
                           f"model.backend transformers, not {backend} (it loads its own model "
                           "classes); set train.graph_decoding: eager for it")
+
+
+def check_rolled_backend(training_attention: str, backend: str) -> None:
+    """The rolled attention is registered with transformers' attention functions, which Unsloth's
+    own model classes do not call."""
+    if training_attention == "rolled" and backend != "transformers":
+        raise ParamsError(f"params.yaml train.training_attention: rolled needs model.backend "
+                          f"transformers, not {backend}; set train.training_attention: sdpa for it")
 
 
 def rows_report(rows_per_process: list[list[Any]]) -> dict[str, Any]:

@@ -7,8 +7,10 @@ memory-efficient one, which computes every block of the masked square. Each row'
 run of slots, so rolling the row until that run starts at slot 0 leaves only padding after it,
 which a causal mask keeps out of every real token's attention: SDPA then runs causal with no mask.
 Queries and keys carry their rotary positions already, so the roll changes no score; the output
-is rolled back. Padding queries attend to real tokens and stay finite. Anything else (a decode
-step, a cache, a mask whose rows are not one run) goes to transformers' SDPA unchanged."""
+is rolled back. Padding queries attend to real tokens and stay finite. A prefill into an empty
+cache is such a forward too (the cache keeps the keys and values unrolled). Anything else (a
+decode step, a filled cache, a mask that is not causal over one run of keys per row, a
+non-causal module) goes to transformers' SDPA unchanged."""
 
 from __future__ import annotations
 
@@ -23,8 +25,8 @@ _ROW_STARTS = WeakIdKeyDictionary()  # by mask tensor, kept while the mask lives
 
 def row_starts(mask: torch.Tensor) -> torch.Tensor | None:
     """Where each row's run of read slots starts, from SDPA's 4D mask [rows, 1, slots, slots] of
-    a forward without a cache (its last query reads each row's keys), or None where a row's read
-    slots are not one run. Once per mask tensor: every layer of one forward, and its recompute
+    a forward without a cache, or None unless the mask is causal over one run of keys per row
+    (its last query's keys). Once per mask tensor: every layer of one forward, and its recompute
     under gradient checkpointing, gets the same mask (one host synchronisation per forward)."""
     if mask in _ROW_STARTS:
         return _ROW_STARTS[mask]
@@ -32,8 +34,11 @@ def row_starts(mask: torch.Tensor) -> torch.Tensor | None:
     slots = torch.arange(keys.shape[-1], device=keys.device)
     first = torch.where(keys, slots, keys.shape[-1]).amin(-1)
     last = torch.where(keys, slots, -1).amax(-1)
-    one_run = bool(((last - first + 1) == keys.sum(-1)).all())
-    _ROW_STARTS[mask] = first if one_run else None
+    causal = torch.ones(keys.shape[-1], keys.shape[-1], dtype=torch.bool,
+                        device=keys.device).tril()
+    expected = causal[None] & keys[:, None, :]
+    rollable = ((last - first + 1) == keys.sum(-1)).all() & (mask[:, 0] == expected).all()
+    _ROW_STARTS[mask] = first if bool(rollable) else None
     return _ROW_STARTS[mask]
 
 
@@ -55,8 +60,12 @@ def rolled_causal_attention(original):
 
     def attend(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         length = query.shape[2]
+        causal = kwargs.get("is_causal")
+        causal = getattr(module, "is_causal", True) if causal is None else causal
         if (attention_mask is None or attention_mask.dtype != torch.bool
-                or attention_mask.dim() != 4 or length == 1 or key.shape[2] != length):
+                or attention_mask.dim() != 4 or length == 1 or key.shape[2] != length
+                or attention_mask.shape[-2:] != (length, length) or not causal
+                or kwargs.get("position_bias") is not None):
             return original(module, query, key, value, attention_mask, dropout=dropout,
                             scaling=scaling, **kwargs)
         starts = row_starts(attention_mask)
