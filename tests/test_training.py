@@ -246,22 +246,15 @@ def test_generation_in_chunks_keeps_the_row_order() -> None:
 
 
 @pytest.mark.slow
-def test_train_gspo_generates_in_chunks(fresh_repo: Path) -> None:
-    update_params(fresh_repo, {"train.grpo.max_steps": 2, "train.max_generation_rows": 4})
+@pytest.mark.parametrize(("setting", "printed"), [
+    ({"train.max_generation_rows": 4}, "generating 8 rows per generation batch in chunks of 4"),
+    ({"train.training_attention": "rolled"}, "training attention: rows rolled"),
+], ids=["generation_in_chunks", "rolled_training_attention"])
+def test_train_gspo_trains_with(fresh_repo: Path, setting: dict, printed: str) -> None:
+    update_params(fresh_repo, {"train.grpo.max_steps": 2, **setting})
     dvc_repro(fresh_repo, "sft_cold_start")
     result = run(stage_command("train_gspo"), fresh_repo)
-    assert "generating 8 rows per generation batch in chunks of 4" in result.stdout
-    summary = json.loads((fresh_repo / "data/metrics/train.json").read_text())
-    assert summary["steps"] == 2
-    assert all(value > 0 for value in lora_b_norms(fresh_repo / "data/models/adapter").values())
-
-
-@pytest.mark.slow
-def test_train_gspo_trains_with_the_rolled_training_attention(fresh_repo: Path) -> None:
-    update_params(fresh_repo, {"train.grpo.max_steps": 2, "train.training_attention": "rolled"})
-    dvc_repro(fresh_repo, "sft_cold_start")
-    result = run(stage_command("train_gspo"), fresh_repo)
-    assert "training attention: rows rolled" in result.stdout
+    assert printed in result.stdout
     summary = json.loads((fresh_repo / "data/metrics/train.json").read_text())
     assert summary["steps"] == 2
     assert all(value > 0 for value in lora_b_norms(fresh_repo / "data/models/adapter").values())
