@@ -52,6 +52,18 @@ def roll_rows(states: torch.Tensor, shift: torch.Tensor, dim: int) -> torch.Tens
     return states.gather(dim, index.view(shape).expand_as(states))
 
 
+def rollable_call(module, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None,
+                  kwargs: dict) -> bool:
+    """Whether an attention call is a causal forward without a cache over SDPA's 4D bool mask
+    (what `row_starts` then checks), with no position bias to roll."""
+    length = query.shape[2]
+    causal = kwargs.get("is_causal")
+    causal = getattr(module, "is_causal", True) if causal is None else causal
+    return (mask is not None and mask.dtype == torch.bool and mask.dim() == 4 and length > 1
+            and key.shape[2] == length and mask.shape[-2:] == (length, length) and causal
+            and kwargs.get("position_bias") is None)
+
+
 @functools.cache  # one function per original: torch.compile's guards on it then hold
 def rolled_causal_attention(original):
     """An attention function for the training forward: where the mask is causal over rows that
@@ -59,16 +71,8 @@ def rolled_causal_attention(original):
     goes to `original` (transformers' SDPA)."""
 
     def attend(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-        length = query.shape[2]
-        causal = kwargs.get("is_causal")
-        causal = getattr(module, "is_causal", True) if causal is None else causal
-        if (attention_mask is None or attention_mask.dtype != torch.bool
-                or attention_mask.dim() != 4 or length == 1 or key.shape[2] != length
-                or attention_mask.shape[-2:] != (length, length) or not causal
-                or kwargs.get("position_bias") is not None):
-            return original(module, query, key, value, attention_mask, dropout=dropout,
-                            scaling=scaling, **kwargs)
-        starts = row_starts(attention_mask)
+        starts = (row_starts(attention_mask)
+                  if rollable_call(module, query, key, attention_mask, kwargs) else None)
         if starts is None:
             return original(module, query, key, value, attention_mask, dropout=dropout,
                             scaling=scaling, **kwargs)
@@ -80,14 +84,20 @@ def rolled_causal_attention(original):
     return attend
 
 
-@functools.cache
-def rolled_attention_name() -> str:
-    """Registers `rolled_causal_attention` over transformers' SDPA with transformers' public
-    `AttentionInterface` (and SDPA's mask builder under the same name) and returns its name."""
+def register_over_sdpa(name: str, wrap) -> str:
+    """Registers `wrap(transformers' SDPA)` under `name` with transformers' public
+    `AttentionInterface`, and SDPA's mask builder under the same name (so a 2D mask still becomes
+    SDPA's 4D one); returns the name a model's attention implementation is set to."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    AttentionInterface.register(ROLLED, rolled_causal_attention(ALL_ATTENTION_FUNCTIONS["sdpa"]))
-    AttentionMaskInterface.register(ROLLED, sdpa_mask)
-    return ROLLED
+    AttentionInterface.register(name, wrap(ALL_ATTENTION_FUNCTIONS["sdpa"]))
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name
+
+
+@functools.cache
+def rolled_attention_name() -> str:
+    """`rolled_causal_attention` registered over transformers' SDPA; its name."""
+    return register_over_sdpa(ROLLED, rolled_causal_attention)

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import torch
 from transformers.cache_utils import StaticCache, StaticLayer
 
-from vlmrl.training_attention import ROLLED
+from vlmrl.training_attention import ROLLED, register_over_sdpa
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value; conversion past it gives NaN
@@ -114,16 +114,8 @@ GROUPED = "vlmrl_grouped_decode"  # the name `grouped_decode_attention` is regis
 
 @functools.cache
 def grouped_attention_name() -> str:
-    """Registers `grouped_decode_attention` over transformers' SDPA with transformers' public
-    `AttentionInterface` (and SDPA's mask builder under the same name, so a 2D mask still becomes
-    SDPA's 4D one) and returns the name a model's attention implementation is set to."""
-    from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import sdpa_mask
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    AttentionInterface.register(GROUPED, grouped_decode_attention(ALL_ATTENTION_FUNCTIONS["sdpa"]))
-    AttentionMaskInterface.register(GROUPED, sdpa_mask)
-    return GROUPED
+    """`grouped_decode_attention` registered over transformers' SDPA; its name."""
+    return register_over_sdpa(GROUPED, grouped_decode_attention)
 
 
 def generative_model(model):
