@@ -174,6 +174,10 @@ CONFIGS["gpu_profile_graph_fp8_rolled"] = {**CONFIGS["gpu_profile_graph_fp8"],
                                            "training_attention": "rolled"}
 CONFIGS["gpu_profile_graph_fp8_mb4_rolled"] = {**CONFIGS["gpu_profile_graph_fp8_mb4"],
                                                "training_attention": "rolled"}
+# The float8 profiles with the text decoder layers compiled for training (train.compile_layers,
+# vlmrl.compiled_layers).
+for _name in ("gpu_profile_graph_fp8", "gpu_profile_graph_fp8_mb4", "gpu_profile_graph_fp8_mb4_rolled"):
+    CONFIGS[f"{_name}_compiled"] = {**CONFIGS[_name], "compile_layers": True}
 # The float8 profile as it stood before issue 41 (the NF4 kernel's tree decode and float32
 # block scales, old log-probs for every row): the same knobs run on the library exported from
 # that commit (`--baseline-src`), so one device call measures it beside the new one.
@@ -593,8 +597,8 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
                            generation_rows=knobs.get("max_generation_rows"), callbacks=[Timer()],
                            graph_decoding=knobs.get("graph", "eager"),
                            kv_cache_dtype=knobs.get("kv_cache_dtype", "auto"),
-                           **({"training_attention": knobs["training_attention"]}
-                              if "training_attention" in knobs else {}))
+                           **{key: knobs[key] for key in ("training_attention", "compile_layers")
+                              if key in knobs})
     phase_seconds = time_phases(trainer)
     training_kernels = profile_training(trainer, warmup + steps) if profile else None
     peaks = MemoryPeaks()

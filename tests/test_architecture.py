@@ -26,7 +26,7 @@ FLOORS: dict[str, tuple[str, ...]] = {
                "vlmrl.logprob_fallback", "vlmrl.private_names", "vlmrl.tables", "vlmrl.dvc_env", "vlmrl.dvc_records",
                "vlmrl.launch", "vlmrl.data_parallel", "vlmrl.gguf_release", "vlmrl.export_checks",
                "vlmrl.portable", "vlmrl.metric_files"),
-    "models": ("vlmrl.models", "vlmrl.rollout", "vlmrl.training_attention", "vlmrl.nonfinite",
+    "models": ("vlmrl.models", "vlmrl.rollout", "vlmrl.training_attention", "vlmrl.compiled_layers", "vlmrl.nonfinite",
                "vlmrl.trainers", "vlmrl.trainer_config"),
     "stages": ("vlmrl.evaluation", "vlmrl.training", "vlmrl.verify", "vlmrl.export",
                "vlmrl.sft"),

@@ -249,7 +249,8 @@ def test_generation_in_chunks_keeps_the_row_order() -> None:
 @pytest.mark.parametrize(("setting", "printed"), [
     ({"train.max_generation_rows": 4}, "generating 8 rows per generation batch in chunks of 4"),
     ({"train.training_attention": "rolled"}, "training attention: rows rolled"),
-], ids=["generation_in_chunks", "rolled_training_attention"])
+    ({"train.compile_layers": True}, "text decoder layers compiled for training"),
+], ids=["generation_in_chunks", "rolled_training_attention", "compiled_layers"])
 def test_train_gspo_trains_with(fresh_repo: Path, setting: dict, printed: str) -> None:
     update_params(fresh_repo, {"train.grpo.max_steps": 2, **setting})
     dvc_repro(fresh_repo, "sft_cold_start")
@@ -520,15 +521,24 @@ def test_graph_decoding_needs_the_transformers_backend() -> None:
         check_graph_backend("merged", "unsloth")
 
 
-def test_rolled_training_attention_needs_the_transformers_backend() -> None:
-    from vlmrl.params import ParamsError
-    from vlmrl.training import check_rolled_backend
+@pytest.mark.parametrize(("setting", "message"), [
+    ({"training_attention": "rolled"}, r"train\.training_attention: rolled needs model\.backend "
+                                       r"transformers, not unsloth"),
+    ({"compile_layers": True}, r"train\.compile_layers: true needs model\.backend transformers, "
+                               r"not unsloth"),
+])
+def test_training_switches_need_the_transformers_backend(setting: dict, message: str) -> None:
+    from vlmrl.training import check_training_switches
 
-    check_rolled_backend("sdpa", "unsloth")
-    check_rolled_backend("rolled", "transformers")
-    with pytest.raises(ParamsError, match=r"^params\.yaml train\.training_attention: rolled "
-                                          r"needs model\.backend transformers, not unsloth"):
-        check_rolled_backend("rolled", "unsloth")
+    import yaml
+    from conftest import ROOT
+
+    section = yaml.safe_load((ROOT / "params.yaml").read_text())["train"]
+    check_training_switches(TrainParams.from_params(section), "unsloth")
+    switched = TrainParams.from_params({**section, **setting})
+    check_training_switches(switched, "transformers")
+    with pytest.raises(ParamsError, match=r"^params\.yaml " + message):
+        check_training_switches(switched, "unsloth")
 
 
 def test_train_sets_the_allocator_before_building_the_config(tmp_path: Path, monkeypatch) -> None:

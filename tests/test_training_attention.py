@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from PIL import Image
 from transformers import AutoModelForImageTextToText
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from tiny_batches import padded_vl_batch
 from vlmrl import training_attention
 from vlmrl.models.embedded import ensure_embedded_model
 from vlmrl.models.processor import load_processor
@@ -136,23 +136,7 @@ def test_the_tiny_qwen3_vl_gives_the_masked_logits_on_its_real_tokens(monkeypatc
     equal SDPA's with the padding mask, and every logit is finite."""
     path = ensure_embedded_model("embedded:tiny-qwen3-vl", seed=0)
     model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=torch.float32).eval()
-    processor = load_processor(str(path))
-    processor.tokenizer.padding_side = "left"
-    texts = [processor.apply_chat_template(
-        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}],
-        add_generation_prompt=True, tokenize=False)
-        for question in ("What is 2 + 2?", "Name the largest value in the chart, please.")]
-    images = [Image.new("RGB", (64 + 32 * i, 64), (40 * i, 90, 200)) for i in range(2)]
-    batch = dict(processor(text=texts, images=images, return_tensors="pt", padding=True))
-    completion = torch.randint(10, 1000, (2, 9))
-    completion_mask = torch.ones(2, 9, dtype=torch.long)
-    completion_mask[1, 5:] = 0
-    batch["input_ids"] = torch.cat([batch["input_ids"], completion], 1)
-    batch["attention_mask"] = torch.cat([batch["attention_mask"], completion_mask], 1)
-    for key in ("mm_token_type_ids", "token_type_ids"):
-        if key in batch:
-            batch[key] = torch.cat([batch[key], torch.zeros_like(completion)], 1)
-    assert (batch["attention_mask"][:, 0] == 0).any()
+    batch = padded_vl_batch(load_processor(str(path)))
     rolls = []
 
     def counted(states, shift, dim):

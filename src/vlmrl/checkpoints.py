@@ -28,6 +28,7 @@ MEMORY_ONLY = {  # the same updates, computed in more or fewer pieces or with re
     "train.max_generation_rows": "rows per generate call: the same rollouts, in chunks",
     "train.graph_decoding": "the same decode step replayed as one CUDA graph (GPU only)",
     "train.training_attention": "the same attention, over rows rolled and causal without a mask",
+    "train.compile_layers": "the same layers, compiled",
     "train.grpo.gradient_checkpointing": "recomputes activations instead of keeping them",
     "train.grpo.gradient_checkpointing_kwargs": "how the recomputation runs",
     "train.grpo.torch_empty_cache_steps": "frees the CUDA cache between steps",

@@ -3,7 +3,8 @@ every behaviour the project changes held in overridden methods of the subclass (
 assigned onto TRL's objects from outside):
 - the non-finite guard (vlmrl.nonfinite) and, where TRL's Triton log-prob kernel cannot run,
   the plain-torch one (vlmrl.logprob_fallback);
-- GRPO only: generation in chunks of rows and compiled decoding (vlmrl.chunked_generation), old
+- GRPO only: generation in chunks of rows and compiled decoding (vlmrl.chunked_generation), the
+  text decoder layers compiled outside generation (vlmrl.compiled_layers), old
   log-probabilities only for the micro-batches trained off-policy, the rows each
   process trained on, every rank's RNG state written by rank 0, an optimizer state resumed on
   CPU processes, a finished run restored from its checkpoint, and TRL's sample completions table
@@ -34,6 +35,7 @@ from vlmrl.chunked_generation import (
     compileable_quantizer,
     generate_in_chunks,
 )
+from vlmrl.compiled_layers import CompiledLayers, text_decoder_layers
 from vlmrl.data_parallel import load_optimizer_state_on_cpu, write_gathered_files
 from vlmrl.logprob_fallback import TorchChunkedLogProb, kernel_cannot_run
 from vlmrl.models.backend import avoid_cudnn_attention
@@ -130,6 +132,22 @@ class ChunkedGeneration:
             self.chunks_announced = True
         return generate_in_chunks(generate, rows, prompt_ids, images, multimodal_fields,
                                   num_generations, has_tool_images)
+
+
+class CompiledTrainingLayers:
+    """`compile_layers`: the text decoder layers run compiled in the training forward and
+    backward and in the log-probability passes (vlmrl.compiled_layers), and eager in generation,
+    whose decode step is compiled, where it is, as a whole."""
+
+    def __init__(self, *args: Any, compile_layers: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.compiled_layers = (CompiledLayers(text_decoder_layers(self.model))
+                                if compile_layers else None)
+
+    def _generate_single_turn(self, *args: Any, **kwargs: Any):
+        layers = self.compiled_layers
+        with layers.eager() if layers is not None else contextlib.nullcontext():
+            return super()._generate_single_turn(*args, **kwargs)
 
 
 class OldLogProbsWhereNeeded:
@@ -319,7 +337,8 @@ def grpo_class() -> type:
     base = trl.GRPOTrainer
     trls_own = base.__module__.startswith("trl.")
     return _subclass(base, GRPO_NAMES + (OLD_LOGPS_NAMES if trls_own else ()),
-                     (ChunkedGeneration, *((OldLogProbsWhereNeeded,) if trls_own else ()),
+                     (ChunkedGeneration, CompiledTrainingLayers,
+                      *((OldLogProbsWhereNeeded,) if trls_own else ()),
                       DataParallelRun, RestorableRun, CompletionsTableToFile),
                      (TrainerLogToStdout,))
 
@@ -330,15 +349,17 @@ def sft_class() -> type:
 
 
 def grpo_trainer(*, max_nonfinite_steps: int, generation_rows: int | None = None,
-                 compile_generation: bool = False, completions_table: Path | None = None,
-                 **kwargs: Any):
+                 compile_generation: bool = False, compile_layers: bool = False,
+                 completions_table: Path | None = None, **kwargs: Any):
     """`trl.GRPOTrainer(**kwargs)` with the non-finite guard (`train.max_nonfinite_steps`),
     generation in chunks of `generation_rows` (`train.max_generation_rows`), compiled decoding
-    where `compile_generation`, and the sample completions table in `completions_table`."""
+    where `compile_generation`, the text decoder layers compiled outside generation where
+    `compile_layers` (`train.compile_layers`), and the sample completions table in
+    `completions_table`."""
     avoid_cudnn_attention()
     return grpo_class()(max_nonfinite_steps=max_nonfinite_steps,
                         limit_key="train.max_nonfinite_steps", generation_rows=generation_rows,
-                        compile_generation=compile_generation,
+                        compile_generation=compile_generation, compile_layers=compile_layers,
                         completions_table=completions_table, **kwargs)
 
 

@@ -44,7 +44,7 @@ from vlmrl.models.processor import (
 )
 from vlmrl.models.sampling import on_cpu, top_k_settings
 from vlmrl.outputs import atomic_dir
-from vlmrl.params import ModelParams, Params, ParamsError
+from vlmrl.params import ModelParams, Params, ParamsError, TrainParams
 from vlmrl.portable import make_adapter_portable
 from vlmrl.rewards import build_rewards
 from vlmrl.rollout.generation import rollout_class, sample_top_k_on_cpu
@@ -193,13 +193,15 @@ class TrainResult:
 def make_trainer(model, processor, config, dataset, reward_funcs, *,
                  generation_rows: int | None, callbacks: list, graph_decoding: str = "eager",
                  kv_cache_dtype: str = "auto", training_attention: str = "sdpa",
-                 max_nonfinite_steps: int = 3, completions_table: Path | None = None):
+                 compile_layers: bool = False, max_nonfinite_steps: int = 3, completions_table: Path | None = None):
     """TRL's GRPOTrainer with the project's generation switches: the processor's suppressed
     tokens, compiled decoding when `generation_kwargs.disable_compile` is false (TRL itself
     always disables it), generation in chunks of `generation_rows`, on a GPU with
     `graph_decoding` the decode step in one CUDA graph (`vlmrl.rollout.graph_decode`) over a cache
     of `kv_cache_dtype` (`vlmrl.rollout.decode_attention`), the training forward's attention over
-    rolled rows where `training_attention` is "rolled" (`vlmrl.training_attention`), on a CPU
+    rolled rows where `training_attention` is "rolled" (`vlmrl.training_attention`), the text
+    decoder layers compiled outside generation where `compile_layers`
+    (`vlmrl.compiled_layers`), on a CPU
     top-k sampling among k tokens
     (`vlmrl.rollout.generation`; both need the policy loaded with `rollout_class`), and steps
     with a non-finite loss or gradient skipped (`vlmrl.nonfinite`, at most
@@ -214,8 +216,11 @@ def make_trainer(model, processor, config, dataset, reward_funcs, *,
     trainer = grpo_trainer(model=model, reward_funcs=reward_funcs, args=config,
                            train_dataset=dataset, processing_class=processor, callbacks=callbacks,
                            max_nonfinite_steps=max_nonfinite_steps, generation_rows=generation_rows,
-                           compile_generation=compile_generation,
+                           compile_generation=compile_generation, compile_layers=compile_layers,
                            completions_table=completions_table)
+    if compile_layers:
+        print("text decoder layers compiled for training, eager in generation "
+              "(train.compile_layers)")
     sample_top_k_on_cpu(trainer.model, top_k_settings(
         True, config.temperature, config.top_k, config.top_p, config.min_p,
         suppress=config.generation_kwargs.get("suppress_tokens")))
@@ -289,7 +294,7 @@ def train(*, train_set: Path, params: Params, adapter_out: Path, checkpoints: Pa
     distributed = distributed_settings(train_params)
     check_distributed(distributed, model_params)
     check_graph_backend(train_params.graph_decoding, backend.name)
-    check_rolled_backend(train_params.training_attention, backend.name)
+    check_training_switches(train_params, backend.name)
     config = build_grpo_config(split_batch(train_params.grpo, distributed.num_processes),
                                output_dir=checkpoints, save_steps=train_params.save_steps,
                                reward_weights=reward_weights, model_settings=model_params)
@@ -311,6 +316,7 @@ def train(*, train_set: Path, params: Params, adapter_out: Path, checkpoints: Pa
                            graph_decoding=train_params.graph_decoding,
                            kv_cache_dtype=train_params.kv_cache_dtype,
                            training_attention=train_params.training_attention,
+                           compile_layers=train_params.compile_layers,
                            max_nonfinite_steps=train_params.max_nonfinite_steps,
                            completions_table=live.samples if live is not None else None)
     live = live if trainer.accelerator.is_main_process else None  # rank 0 alone writes
@@ -354,12 +360,18 @@ def check_graph_backend(graph_decoding: str, backend: str) -> None:
                           "classes); set train.graph_decoding: eager for it")
 
 
-def check_rolled_backend(training_attention: str, backend: str) -> None:
+def check_training_switches(train_params: TrainParams, backend: str) -> None:
     """The rolled attention is registered with transformers' attention functions, which Unsloth's
-    own model classes do not call."""
-    if training_attention == "rolled" and backend != "transformers":
+    own model classes do not call; Unsloth compiles its own layers."""
+    if backend == "transformers":
+        return
+    if train_params.training_attention == "rolled":
         raise ParamsError(f"params.yaml train.training_attention: rolled needs model.backend "
                           f"transformers, not {backend}; set train.training_attention: sdpa for it")
+    if train_params.compile_layers:
+        raise ParamsError(f"params.yaml train.compile_layers: true needs model.backend "
+                          f"transformers, not {backend} (it compiles its own); set "
+                          "train.compile_layers: false for it")
 
 
 def rows_report(rows_per_process: list[list[Any]]) -> dict[str, Any]:

@@ -1,0 +1,72 @@
+"""The training forward and backward of a GSPO step on a GPU wait on the host: each text decoder
+layer launches dozens of small kernels from Python (LoRA's scaling and adds, RMSNorm's float32
+steps, the rotary embedding, bitsandbytes' dequantisation), so a faster attention kernel barely
+moves the step (benchmarks/gspo_step.py, `training_kernels`). Compiled, a layer's element-wise
+work is fused and launched from one graph (`train.compile_layers`).
+
+Generation keeps the layers eager: its decode step is compiled and captured as a whole
+(vlmrl.rollout.graph_decode), with the cache's attention swapped in. A layer is compiled through
+its public `forward`, set on the instance over the class's method and removed again for as long
+as `CompiledLayers.eager()` lasts. One compiled function serves every layer (dynamo takes a
+layer's weights as inputs, so the layers share its traces), and shapes are dynamic from the first
+call: each generation batch brings its own prompt length."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from vlmrl.errors import ParamsError
+
+
+def text_decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers of `model`'s text model (under a PEFT wrapper too), in order."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
+        raise ParamsError(f"params.yaml train.compile_layers: {type(base).__name__} has no text "
+                          "decoder layers to compile (get_decoder().layers); set "
+                          "train.compile_layers: false for it")
+    return list(layers)
+
+
+class CompiledLayers:
+    """Each of `layers` runs its forward through `torch.compile` (with `backend`) from now on,
+    except inside `eager()`."""
+
+    def __init__(self, layers: Iterable[torch.nn.Module], *, backend: str = "inductor") -> None:
+        self.layers = tuple(layers)
+        for layer in self.layers:
+            if "forward" in vars(layer):
+                raise ValueError(f"{type(layer).__name__} already has its own forward; "
+                                 "its layers are compiled once")
+        self.compiled = tuple(torch.compile(layer.forward, dynamic=True, backend=backend)
+                              for layer in self.layers)
+        self.on()
+
+    def on(self) -> None:
+        for layer, forward in zip(self.layers, self.compiled, strict=True):
+            layer.forward = forward
+
+    def off(self) -> None:
+        for layer in self.layers:
+            vars(layer).pop("forward", None)
+
+    @property
+    def compiling(self) -> bool:
+        return all(vars(layer).get("forward") is forward
+                   for layer, forward in zip(self.layers, self.compiled, strict=True))
+
+    @contextlib.contextmanager
+    def eager(self) -> Iterator[None]:
+        """The class's own forward for every layer while it lasts (re-entrant)."""
+        was_on = self.compiling
+        self.off()
+        try:
+            yield
+        finally:
+            if was_on:
+                self.on()

@@ -1,0 +1,143 @@
+"""`vlmrl.compiled_layers` on the tiny Qwen3-VL with a LoRA adapter and gradient checkpointing:
+the compiled layers give eager's logits and adapter gradients, one trace serves every layer,
+`eager()` runs the class's forward, and the GRPO subclass generates with eager layers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForImageTextToText
+
+from tiny_batches import padded_vl_batch
+from vlmrl.compiled_layers import CompiledLayers, text_decoder_layers
+from vlmrl.errors import ParamsError
+from vlmrl.models.embedded import ensure_embedded_model
+from vlmrl.models.processor import load_processor
+
+
+class CountingBackend:
+    """A torch.compile backend that runs dynamo's graph as traced, counting traces and runs."""
+
+    def __init__(self) -> None:
+        self.traces = 0
+        self.runs = 0
+
+    def __call__(self, graph: torch.fx.GraphModule, example_inputs):
+        self.traces += 1
+
+        def run(*args):
+            self.runs += 1
+            return graph.forward(*args)
+
+        return run
+
+
+@pytest.fixture(scope="module")
+def tiny_policy():
+    path = ensure_embedded_model("embedded:tiny-qwen3-vl", seed=0)
+    model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                             target_modules=["q_proj", "v_proj", "gate_proj"]))
+    model.gradient_checkpointing_enable({"use_reentrant": False})
+    model.enable_input_require_grads()
+    return model.train(), padded_vl_batch(load_processor(str(path)))
+
+
+def loss_and_grads(model, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    logits = model(**batch).logits
+    real = batch["attention_mask"].bool()
+    loss = logits[real].float().logsumexp(-1).mean()
+    loss.backward()
+    grads = {name: param.grad.clone() for name, param in model.named_parameters()
+             if param.requires_grad}
+    return logits.detach(), grads
+
+
+def test_text_decoder_layers_are_the_text_models_under_peft(tiny_policy) -> None:
+    model, _ = tiny_policy
+    layers = text_decoder_layers(model)
+    assert len(layers) == model.config.text_config.num_hidden_layers >= 2
+    assert all(type(layer).__name__ == "Qwen3VLTextDecoderLayer" for layer in layers)
+    with pytest.raises(ParamsError, match=r"^params\.yaml train\.compile_layers: Linear has no "
+                                          r"text decoder layers"):
+        text_decoder_layers(torch.nn.Linear(2, 2))
+
+
+def test_compiled_layers_give_eagers_logits_and_gradients_from_one_trace(tiny_policy) -> None:
+    model, batch = tiny_policy
+    layers = text_decoder_layers(model)
+    eager_logits, eager_grads = loss_and_grads(model, batch)
+    backend = CountingBackend()
+    compiled = CompiledLayers(layers, backend=backend)
+    try:
+        logits, grads = loss_and_grads(model, batch)
+        real = batch["attention_mask"].bool()
+        torch.testing.assert_close(logits[real], eager_logits[real], atol=1e-5, rtol=1e-5)
+        assert grads.keys() == eager_grads.keys() and grads
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, eager_grads[name], atol=1e-5, rtol=1e-5, msg=name)
+        # checkpointing runs each layer twice: its forward and its recompute in backward
+        assert backend.runs == 2 * len(layers)
+        assert backend.traces == 1  # the layers share it: their weights are its inputs
+        longer = {**batch, "input_ids": torch.cat([batch["input_ids"], batch["input_ids"][:, -3:]], 1),
+                  "attention_mask": torch.cat([batch["attention_mask"],
+                                               torch.ones_like(batch["attention_mask"][:, -3:])], 1)}
+        for key in ("mm_token_type_ids", "token_type_ids"):
+            if key in batch:
+                longer[key] = torch.cat([batch[key], torch.zeros_like(batch[key][:, -3:])], 1)
+        loss_and_grads(model, longer)
+        assert backend.traces == 1  # dynamic from the first call: another length, no retrace
+    finally:
+        compiled.off()
+    assert all("forward" not in vars(layer) for layer in layers)
+
+
+def test_eager_runs_the_class_forward_and_restores_the_compiled_one(tiny_policy) -> None:
+    model, batch = tiny_policy
+    layers = text_decoder_layers(model)
+    backend = CountingBackend()
+    compiled = CompiledLayers(layers, backend=backend)
+    try:
+        assert compiled.compiling
+        with torch.no_grad(), compiled.eager():
+            assert not compiled.compiling
+            with compiled.eager():
+                pass
+            assert not compiled.compiling  # re-entered: still eager until the outer one ends
+            model(**batch)
+        assert backend.runs == 0 and compiled.compiling
+        with torch.no_grad():
+            model(**batch)
+        assert backend.runs == len(layers)
+        with pytest.raises(ValueError, match="already has its own forward"):
+            CompiledLayers(layers, backend=backend)
+    finally:
+        compiled.off()
+
+
+def test_the_grpo_subclass_generates_with_eager_layers(monkeypatch) -> None:
+    from vlmrl import trainers
+
+    layers = [torch.nn.Linear(2, 2) for _ in range(3)]
+    monkeypatch.setattr(trainers, "text_decoder_layers", lambda model: layers)
+    seen = []
+
+    class Base:
+        def __init__(self, *args, **kwargs):
+            self.model = object()
+
+        def _generate_single_turn(self, *args, **kwargs):
+            seen.append(["forward" in vars(layer) for layer in layers])
+            return args
+
+    class Trainer(trainers.CompiledTrainingLayers, Base):
+        pass
+
+    trainer = Trainer(compile_layers=True)
+    assert trainer.compiled_layers.compiling
+    assert trainer._generate_single_turn(1, 2) == (1, 2)
+    assert seen == [[False] * 3] and trainer.compiled_layers.compiling
+    trainer.compiled_layers.off()
+    assert Trainer().compiled_layers is None

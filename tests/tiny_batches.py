@@ -1,0 +1,27 @@
+"""A GRPO-shaped batch for the tiny Qwen3-VL: two left-padded prompts with images of different
+sizes, then completions whose second is right-padded."""
+
+from __future__ import annotations
+
+import torch
+from PIL import Image
+
+
+def padded_vl_batch(processor) -> dict[str, torch.Tensor]:
+    processor.tokenizer.padding_side = "left"
+    texts = [processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}],
+        add_generation_prompt=True, tokenize=False)
+        for question in ("What is 2 + 2?", "Name the largest value in the chart, please.")]
+    images = [Image.new("RGB", (64 + 32 * i, 64), (40 * i, 90, 200)) for i in range(2)]
+    batch = dict(processor(text=texts, images=images, return_tensors="pt", padding=True))
+    completion = torch.randint(10, 1000, (2, 9), generator=torch.Generator().manual_seed(0))
+    completion_mask = torch.ones(2, 9, dtype=torch.long)
+    completion_mask[1, 5:] = 0
+    batch["input_ids"] = torch.cat([batch["input_ids"], completion], 1)
+    batch["attention_mask"] = torch.cat([batch["attention_mask"], completion_mask], 1)
+    for key in ("mm_token_type_ids", "token_type_ids"):
+        if key in batch:
+            batch[key] = torch.cat([batch[key], torch.zeros_like(completion)], 1)
+    assert (batch["attention_mask"][:, 0] == 0).any()
+    return batch
