@@ -43,8 +43,10 @@ def gspo_step_block(block: str, *files: str, doc: str = "{history}") -> list[str
 # stand for the files in DOCS (or their copies under --check).
 TABLES: tuple[list[str], ...] = (
     # docs/benchmarks.md: the current tables
-    [*gspo_step_block("speed", "gspo_step_attention_2b",
-                      "gspo_step_issue41_2b::gpu_profile_mb8_spg4_rows16", "gspo_step_attention_8b",
+    [*gspo_step_block("speed", "gspo_step_compiled_2b",
+                      "gspo_step_attention_2b::gpu_profile_graph_fp8_before",
+                      "gspo_step_issue41_2b::gpu_profile_mb8_spg4_rows16",
+                      "gspo_step_compiled_8b::gpu_profile_graph_fp8_mb4_rolled_compiled",
                       "gspo_step_issue41_8b::gpu_profile_graph_fp8_before",
                       "gspo_step_fp8_cache::unsloth_4bit",
                       "gspo_step_8b_today::gpu_profile_mb8_spg4_rows16", doc="{doc}"),
@@ -63,6 +65,9 @@ TABLES: tuple[list[str], ...] = (
      f"{RESULTS}/decode_profile_prmt_8b.json",
      f"{RESULTS}/decode_profile_fp8_8b.json", "--doc", "{doc}"],
     ["nf4_registers.py", "--from-json", f"{RESULTS}/nf4_registers.json", "--doc", "{doc}"],
+    gspo_step_block("compiled-2b", "gspo_step_compiled_2b", doc="{doc}"),
+    gspo_step_block("compiled-8b", "gspo_step_compiled_8b", doc="{doc}"),
+    gspo_step_block("rolled-2b", "gspo_step_rolled_2b", doc="{doc}"),
     gspo_step_block("attention-2b", "gspo_step_attention_2b", doc="{doc}"),
     gspo_step_block("attention-8b", "gspo_step_attention_8b", doc="{doc}"),
     gspo_step_block("training-profile-2b", "gspo_step_training_profile_2b", doc="{doc}"),

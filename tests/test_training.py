@@ -320,6 +320,8 @@ def test_readme_gpu_profile_is_the_benchmarked_one_and_valid(gspo_step) -> None:
     assert overrides["train.graph_decoding"] == profile["graph"]
     assert overrides["train.kv_cache_dtype"] == profile["kv_cache_dtype"]
     assert overrides["train.expandable_segments"] is profile["expandable_segments"]
+    assert overrides["train.training_attention"] == profile["training_attention"]
+    assert overrides["train.compile_layers"] is profile["compile_layers"]
     assert overrides["train.grpo.cache_implementation"] == "static"
     # the profile's memory figures were measured with it; the tiny default turns it off
     assert overrides["train.grpo.gradient_checkpointing"] is True
