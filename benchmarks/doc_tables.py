@@ -46,7 +46,7 @@ TABLES: tuple[list[str], ...] = (
     [*gspo_step_block("speed", "gspo_step_compiled_2b",
                       "gspo_step_attention_2b::gpu_profile_graph_fp8_before",
                       "gspo_step_issue41_2b::gpu_profile_mb8_spg4_rows16",
-                      "gspo_step_compiled_8b::gpu_profile_graph_fp8_mb4_rolled_compiled",
+                      "gspo_step_compiled_8b::gpu_profile_graph_fp8_mb4_compiled",
                       "gspo_step_issue41_8b::gpu_profile_graph_fp8_before",
                       "gspo_step_fp8_cache::unsloth_4bit",
                       "gspo_step_8b_today::gpu_profile_mb8_spg4_rows16", doc="{doc}"),

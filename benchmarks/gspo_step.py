@@ -177,7 +177,7 @@ CONFIGS["gpu_profile_graph_fp8_mb4_rolled"] = {**CONFIGS["gpu_profile_graph_fp8_
 # vlmrl.compiled_layers).
 for _name in ("gpu_profile_graph_fp8", "gpu_profile_graph_fp8_mb4", "gpu_profile_graph_fp8_mb4_rolled"):
     CONFIGS[f"{_name}_compiled"] = {**CONFIGS[_name], "compile_layers": True}
-RECIPE_8B_PROFILE = "gpu_profile_graph_fp8_mb4_rolled_compiled"  # recipes/mathvista-qwen3-vl-8b.yaml's
+RECIPE_8B_PROFILE = "gpu_profile_graph_fp8_mb4_compiled"  # recipes/mathvista-qwen3-vl-8b.yaml's
 # The float8 profile as it stood before issue 41 (the NF4 kernel's tree decode and float32
 # block scales, old log-probs for every row): the same knobs run on the library exported from
 # that commit (`--baseline-src`), so one device call measures it beside the new one.

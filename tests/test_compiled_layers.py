@@ -1,15 +1,16 @@
 """`vlmrl.compiled_layers` on the tiny Qwen3-VL with a LoRA adapter and gradient checkpointing:
 the compiled layers give eager's logits and adapter gradients, one trace serves every layer,
-`eager()` runs the class's forward, and the GRPO subclass generates with eager layers."""
+`eager()` runs the class's forward, and the GRPO subclass trains with compiled layers and
+generates with eager ones."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
+from tiny_batches import padded_vl_batch
 from transformers import AutoModelForImageTextToText
 
-from tiny_batches import padded_vl_batch
 from vlmrl.compiled_layers import CompiledLayers, text_decoder_layers
 from vlmrl.errors import ParamsError
 from vlmrl.models.embedded import ensure_embedded_model
@@ -71,6 +72,7 @@ def test_compiled_layers_give_eagers_logits_and_gradients_from_one_trace(tiny_po
     eager_logits, eager_grads = loss_and_grads(model, batch)
     backend = CountingBackend()
     compiled = CompiledLayers(layers, backend=backend)
+    compiled.on()
     try:
         logits, grads = loss_and_grads(model, batch)
         real = batch["attention_mask"].bool()
@@ -99,6 +101,8 @@ def test_eager_runs_the_class_forward_and_restores_the_compiled_one(tiny_policy)
     layers = text_decoder_layers(model)
     backend = CountingBackend()
     compiled = CompiledLayers(layers, backend=backend)
+    assert not compiled.compiling
+    compiled.on()
     try:
         assert compiled.compiling
         with torch.no_grad(), compiled.eager():
@@ -111,33 +115,44 @@ def test_eager_runs_the_class_forward_and_restores_the_compiled_one(tiny_policy)
         with torch.no_grad():
             model(**batch)
         assert backend.runs == len(layers)
-        with pytest.raises(ValueError, match="already has its own forward"):
-            CompiledLayers(layers, backend=backend)
+        with pytest.raises(ParamsError, match=r"^params\.yaml train\.compile_layers: "
+                                              r"Qwen3VLTextDecoderLayer already has a forward"):
+            CompiledLayers(layers, backend=backend).on()  # a second trainer's, say
     finally:
         compiled.off()
 
 
-def test_the_grpo_subclass_generates_with_eager_layers(monkeypatch) -> None:
+def test_the_grpo_subclass_trains_compiled_and_generates_eager(monkeypatch, capsys) -> None:
     from vlmrl import trainers
 
     layers = [torch.nn.Linear(2, 2) for _ in range(3)]
     monkeypatch.setattr(trainers, "text_decoder_layers", lambda model: layers)
     seen = []
 
+    def installed() -> list[bool]:
+        return ["forward" in vars(layer) for layer in layers]
+
     class Base:
         def __init__(self, *args, **kwargs):
             self.model = object()
 
+        def train(self):
+            seen.append(("train", installed()))
+            return self._generate_single_turn(1, 2)
+
         def _generate_single_turn(self, *args, **kwargs):
-            seen.append(["forward" in vars(layer) for layer in layers])
+            seen.append(("generate", installed()))
             return args
 
     class Trainer(trainers.CompiledTrainingLayers, Base):
         pass
 
     trainer = Trainer(compile_layers=True)
-    assert trainer.compiled_layers.compiling
-    assert trainer._generate_single_turn(1, 2) == (1, 2)
-    assert seen == [[False] * 3] and trainer.compiled_layers.compiling
-    trainer.compiled_layers.off()
-    assert Trainer().compiled_layers is None
+    assert installed() == [False] * 3  # not before `train`
+    assert trainer.train() == (1, 2)
+    assert seen == [("train", [True] * 3), ("generate", [False] * 3)]
+    assert installed() == [False] * 3  # nor after it
+    assert "text decoder layers compiled for training" in capsys.readouterr().out
+    untouched = Trainer()
+    assert untouched.compiled_layers is None and untouched.train() == (1, 2)
+    assert "compiled" not in capsys.readouterr().out

@@ -320,7 +320,8 @@ def test_readme_gpu_profile_is_the_benchmarked_one_and_valid(gspo_step) -> None:
     assert overrides["train.graph_decoding"] == profile["graph"]
     assert overrides["train.kv_cache_dtype"] == profile["kv_cache_dtype"]
     assert overrides["train.expandable_segments"] is profile["expandable_segments"]
-    assert overrides["train.training_attention"] == profile["training_attention"]
+    assert (overrides.get("train.training_attention", "sdpa")
+            == profile.get("training_attention", "sdpa"))
     assert overrides["train.compile_layers"] is profile["compile_layers"]
     assert overrides["train.grpo.cache_implementation"] == "static"
     # the profile's memory figures were measured with it; the tiny default turns it off
@@ -524,16 +525,16 @@ def test_graph_decoding_needs_the_transformers_backend() -> None:
 
 
 @pytest.mark.parametrize(("setting", "message"), [
-    ({"training_attention": "rolled"}, r"train\.training_attention: rolled needs model\.backend "
-                                       r"transformers, not unsloth"),
-    ({"compile_layers": True}, r"train\.compile_layers: true needs model\.backend transformers, "
-                               r"not unsloth"),
+    ({"training_attention": "rolled"},
+     r"train\.training_attention: rolled needs model\.backend transformers, not unsloth"),
+    ({"compile_layers": True},
+     r"train\.compile_layers: true needs model\.backend transformers, not unsloth"),
 ])
 def test_training_switches_need_the_transformers_backend(setting: dict, message: str) -> None:
-    from vlmrl.training import check_training_switches
-
     import yaml
     from conftest import ROOT
+
+    from vlmrl.training import check_training_switches
 
     section = yaml.safe_load((ROOT / "params.yaml").read_text())["train"]
     check_training_switches(TrainParams.from_params(section), "unsloth")

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_batches import padded_vl_batch
 from transformers import AutoModelForImageTextToText
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from tiny_batches import padded_vl_batch
 from vlmrl import training_attention
 from vlmrl.models.embedded import ensure_embedded_model
 from vlmrl.models.processor import load_processor

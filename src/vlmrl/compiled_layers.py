@@ -6,10 +6,12 @@ work is fused and launched from one graph (`train.compile_layers`).
 
 Generation keeps the layers eager: its decode step is compiled and captured as a whole
 (vlmrl.rollout.graph_decode), with the cache's attention swapped in. A layer is compiled through
-its public `forward`, set on the instance over the class's method and removed again for as long
-as `CompiledLayers.eager()` lasts. One compiled function serves every layer (dynamo takes a
-layer's weights as inputs, so the layers share its traces), and shapes are dynamic from the first
-call: each generation batch brings its own prompt length."""
+its public `forward`, set on the instance over the class's method while the layers are on, and
+removed for generation (`CompiledLayers.eager()`) and after training: an instance `forward` is
+bound to its own layer, so a copy or pickle of the model made while it is set would run the
+original's layers. Each layer gets its own `torch.compile`, and they share dynamo's cache of
+traces through the class's `forward` code (a layer's weights are the trace's inputs); shapes are
+dynamic from the first call, since each generation batch brings its own prompt length."""
 
 from __future__ import annotations
 
@@ -34,20 +36,22 @@ def text_decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 class CompiledLayers:
-    """Each of `layers` runs its forward through `torch.compile` (with `backend`) from now on,
-    except inside `eager()`."""
+    """Each of `layers` runs its forward through `torch.compile` (with `backend`) between `on()`
+    and `off()`, except inside `eager()`."""
 
     def __init__(self, layers: Iterable[torch.nn.Module], *, backend: str = "inductor") -> None:
         self.layers = tuple(layers)
-        for layer in self.layers:
-            if "forward" in vars(layer):
-                raise ValueError(f"{type(layer).__name__} already has its own forward; "
-                                 "its layers are compiled once")
-        self.compiled = tuple(torch.compile(layer.forward, dynamic=True, backend=backend)
-                              for layer in self.layers)
-        self.on()
+        self.compiled = tuple(torch.compile(type(layer).forward.__get__(layer), dynamic=True,
+                                            backend=backend) for layer in self.layers)
 
     def on(self) -> None:
+        for layer, forward in zip(self.layers, self.compiled, strict=True):
+            own = vars(layer).get("forward")
+            if own is not None and own is not forward:
+                raise ParamsError(f"params.yaml train.compile_layers: {type(layer).__name__} "
+                                  "already has a forward of its own on the instance (another "
+                                  "trainer's compiled layers, or a hook): set "
+                                  "train.compile_layers: false for this model")
         for layer, forward in zip(self.layers, self.compiled, strict=True):
             layer.forward = forward
 

@@ -135,14 +135,26 @@ class ChunkedGeneration:
 
 
 class CompiledTrainingLayers:
-    """`compile_layers`: the text decoder layers run compiled in the training forward and
-    backward and in the log-probability passes (vlmrl.compiled_layers), and eager in generation,
-    whose decode step is compiled, where it is, as a whole."""
+    """`compile_layers`: while `train` runs, the text decoder layers run compiled in the training
+    forward and backward and in the log-probability passes (vlmrl.compiled_layers), and eager in
+    generation, whose decode step is compiled, where it is, as a whole."""
 
     def __init__(self, *args: Any, compile_layers: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.compiled_layers = (CompiledLayers(text_decoder_layers(self.model))
                                 if compile_layers else None)
+
+    def train(self, *args: Any, **kwargs: Any):
+        layers = self.compiled_layers
+        if layers is None:
+            return super().train(*args, **kwargs)
+        layers.on()
+        print("text decoder layers compiled for training, eager in generation "
+              "(train.compile_layers)")
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            layers.off()
 
     def _generate_single_turn(self, *args: Any, **kwargs: Any):
         layers = self.compiled_layers

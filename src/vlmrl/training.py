@@ -193,7 +193,8 @@ class TrainResult:
 def make_trainer(model, processor, config, dataset, reward_funcs, *,
                  generation_rows: int | None, callbacks: list, graph_decoding: str = "eager",
                  kv_cache_dtype: str = "auto", training_attention: str = "sdpa",
-                 compile_layers: bool = False, max_nonfinite_steps: int = 3, completions_table: Path | None = None):
+                 compile_layers: bool = False, max_nonfinite_steps: int = 3,
+                 completions_table: Path | None = None):
     """TRL's GRPOTrainer with the project's generation switches: the processor's suppressed
     tokens, compiled decoding when `generation_kwargs.disable_compile` is false (TRL itself
     always disables it), generation in chunks of `generation_rows`, on a GPU with
@@ -218,9 +219,6 @@ def make_trainer(model, processor, config, dataset, reward_funcs, *,
                            max_nonfinite_steps=max_nonfinite_steps, generation_rows=generation_rows,
                            compile_generation=compile_generation, compile_layers=compile_layers,
                            completions_table=completions_table)
-    if compile_layers:
-        print("text decoder layers compiled for training, eager in generation "
-              "(train.compile_layers)")
     sample_top_k_on_cpu(trainer.model, top_k_settings(
         True, config.temperature, config.top_k, config.top_p, config.min_p,
         suppress=config.generation_kwargs.get("suppress_tokens")))

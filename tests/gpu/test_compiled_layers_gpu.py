@@ -1,8 +1,9 @@
 """`vlmrl.compiled_layers` on a GPU, on the model with Qwen3-VL-2B's shapes in NF4 with a LoRA
-adapter and gradient checkpointing, as train_gspo trains it: with the text decoder layers
-compiled by inductor, the loss and the adapter's gradients stay within bf16 rounding of eager
-ones (all of them together, and each within looser bounds: the rounding compounds over 28
-layers), and a batch of another length runs without error."""
+adapter and gradient checkpointing, as train_gspo trains it but computing in float32: with the
+text decoder layers compiled by inductor, the loss and every adapter gradient equal eager's
+within float32 rounding (in bf16 the rounding of 28 layers' backward moves single gradients by
+several percent either way, too much to tell a wrong layer from noise), and a batch of another
+length runs without error."""
 
 from __future__ import annotations
 
@@ -38,31 +39,31 @@ def loss_and_grads(model, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Te
                            for name, param in model.named_parameters() if param.requires_grad}
 
 
-def test_compiled_layers_train_within_bf16_rounding_of_eager_ones():
+def test_compiled_layers_train_within_float32_rounding_of_eager_ones(monkeypatch):
     from vlmrl.compiled_layers import CompiledLayers, text_decoder_layers
 
-    model, processor = load(four_bit=True)
+    model, processor = load(four_bit=True, dtype=torch.float32)
     model.train()
     model.gradient_checkpointing_enable({"use_reentrant": False})
     model.enable_input_require_grads()
     batch = with_completions(inputs(processor), 96)
     eager_loss, eager_grads = loss_and_grads(model, batch)
     compiled = CompiledLayers(text_decoder_layers(model))
+    compiled.on()
+    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)  # never eager unseen
+    torch._dynamo.utils.counters.clear()
     try:
         loss, grads = loss_and_grads(model, batch)
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # it compiled
         other_loss, _ = loss_and_grads(model, with_completions(inputs(processor, 2), 160))
     finally:
         compiled.off()
     assert other_loss.isfinite()
-    torch.testing.assert_close(loss, eager_loss, rtol=2e-2, atol=0.0)
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-4, atol=0.0)
     assert grads.keys() == eager_grads.keys() and grads
-    names = sorted(grads)
-    whole = cosine(torch.cat([grads[n].flatten() for n in names]),
-                   torch.cat([eager_grads[n].flatten() for n in names]))
-    assert whole > 0.99, whole
-    for name in names:  # bf16 rounding moves each a little; a wrong layer moves one far
-        assert cosine(grads[name].flatten(), eager_grads[name].flatten()) > 0.95, name
-        assert abs(grads[name].norm() / eager_grads[name].norm() - 1) < 0.1, name
+    for name in sorted(grads):
+        assert cosine(grads[name].flatten(), eager_grads[name].flatten()) > 0.999, name
+        assert abs(grads[name].norm() / eager_grads[name].norm() - 1) < 0.01, name
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -24,7 +24,7 @@ NEW_TOKENS = 48
 CACHE_LEN = 512
 
 
-def load(four_bit: bool, attention: str = "sdpa"):
+def load(four_bit: bool, attention: str = "sdpa", dtype: torch.dtype = torch.bfloat16):
     from peft import LoraConfig, get_peft_model
 
     from vlmrl.models.backend import bnb_4bit_config
@@ -35,8 +35,8 @@ def load(four_bit: bool, attention: str = "sdpa"):
 
     path = str(ensure_embedded_model(MODEL, seed=0, device="cuda"))
     model = rollout_class(checkpoint_class(path)).from_pretrained(  # as train_gspo loads the policy
-        path, dtype=torch.bfloat16, device_map="cuda", attn_implementation=attention,
-        quantization_config=bnb_4bit_config(torch.bfloat16) if four_bit else None)
+        path, dtype=dtype, device_map="cuda", attn_implementation=attention,
+        quantization_config=bnb_4bit_config(dtype) if four_bit else None)
     config = LoraConfig(r=16, lora_alpha=16, target_modules=r".*language_model.*\.(q|v|down)_proj")
     model = get_peft_model(model, config)
     torch.manual_seed(0)

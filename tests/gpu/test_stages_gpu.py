@@ -54,11 +54,10 @@ CONFIGS = {
 # the fastest profile: the graph profile over a float8 cache (vlmrl.rollout.decode_attention)
 CONFIGS["transformers-4bit-graph-fp8"] = {**CONFIGS["transformers-4bit-graph"],
                                           "train.kv_cache_dtype": "fp8"}
-# the recipes' profile: the float8 cache, and the text decoder layers compiled for training over
-# rolled rows (vlmrl.compiled_layers, vlmrl.training_attention)
+# the recipes' profile: the float8 cache, and the text decoder layers compiled for training
+# (vlmrl.compiled_layers)
 CONFIGS["transformers-4bit-graph-fp8-compiled"] = {**CONFIGS["transformers-4bit-graph-fp8"],
-                                                   "train.compile_layers": True,
-                                                   "train.training_attention": "rolled"}
+                                                   "train.compile_layers": True}
 DOWNSTREAM_CONFIGS = [name for name in CONFIGS if "-graph" not in name]
 # The cold start is the shipped one (params.yaml sft.args: 40 steps, cosine decay from 2e-3) at
 # batch 8. Measured on an H100 (transformers bf16) with `tests/gpu/run_on_device.sh probe --sft
