@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from tiny_batches import padded_vl_batch
+from tiny_batches import padded_vl_batch, with_completions
 from transformers import AutoModelForImageTextToText
 
 from vlmrl.compiled_layers import CompiledLayers, text_decoder_layers
@@ -83,13 +83,8 @@ def test_compiled_layers_give_eagers_logits_and_gradients_from_one_trace(tiny_po
         # checkpointing runs each layer twice: its forward and its recompute in backward
         assert backend.runs == 2 * len(layers)
         assert backend.traces == 1  # the layers share it: their weights are its inputs
-        longer = {**batch, "input_ids": torch.cat([batch["input_ids"], batch["input_ids"][:, -3:]], 1),
-                  "attention_mask": torch.cat([batch["attention_mask"],
-                                               torch.ones_like(batch["attention_mask"][:, -3:])], 1)}
-        for key in ("mm_token_type_ids", "token_type_ids"):
-            if key in batch:
-                longer[key] = torch.cat([batch[key], torch.zeros_like(batch[key][:, -3:])], 1)
-        loss_and_grads(model, longer)
+        tail = batch["input_ids"][:, -3:]
+        loss_and_grads(model, with_completions(batch, tail, torch.ones_like(tail)))
         assert backend.traces == 1  # dynamic from the first call: another length, no retrace
     finally:
         compiled.off()

@@ -18,10 +18,17 @@ def padded_vl_batch(processor) -> dict[str, torch.Tensor]:
     completion = torch.randint(10, 1000, (2, 9), generator=torch.Generator().manual_seed(0))
     completion_mask = torch.ones(2, 9, dtype=torch.long)
     completion_mask[1, 5:] = 0
-    batch["input_ids"] = torch.cat([batch["input_ids"], completion], 1)
-    batch["attention_mask"] = torch.cat([batch["attention_mask"], completion_mask], 1)
-    for key in ("mm_token_type_ids", "token_type_ids"):
-        if key in batch:
-            batch[key] = torch.cat([batch[key], torch.zeros_like(completion)], 1)
+    batch = with_completions(batch, completion, completion_mask)
     assert (batch["attention_mask"][:, 0] == 0).any()
     return batch
+
+
+def with_completions(batch: dict[str, torch.Tensor], completion: torch.Tensor,
+                     mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """`batch` with `completion` after each row's ids (`mask`: which of them are real), as text."""
+    longer = {**batch, "input_ids": torch.cat([batch["input_ids"], completion], 1),
+              "attention_mask": torch.cat([batch["attention_mask"], mask], 1)}
+    for key in ("mm_token_type_ids", "token_type_ids"):
+        if key in batch:
+            longer[key] = torch.cat([batch[key], torch.zeros_like(completion)], 1)
+    return longer

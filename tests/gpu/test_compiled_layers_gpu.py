@@ -10,23 +10,19 @@ from __future__ import annotations
 import pytest
 import torch
 from test_graph_decode_gpu import inputs, load
+from tiny_batches import with_completions
 
 pytestmark = pytest.mark.gpu
 
 
-def with_completions(batch: dict, length: int) -> dict:
+def completed(batch: dict, length: int) -> dict:
     """`batch` with `length` completion tokens per row, the last row's right-padded by half."""
     rows = batch["input_ids"].shape[0]
     completion = torch.randint(10, 5000, (rows, length), device="cuda",
                                generator=torch.Generator("cuda").manual_seed(length))
     mask = torch.ones_like(completion)
     mask[-1, length // 2:] = 0
-    longer = {**batch, "input_ids": torch.cat([batch["input_ids"], completion], 1),
-              "attention_mask": torch.cat([batch["attention_mask"], mask], 1)}
-    for key in ("mm_token_type_ids", "token_type_ids"):
-        if key in batch:
-            longer[key] = torch.cat([batch[key], torch.zeros_like(completion)], 1)
-    return longer
+    return with_completions(batch, completion, mask)
 
 
 def loss_and_grads(model, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -46,7 +42,7 @@ def test_compiled_layers_train_within_float32_rounding_of_eager_ones(monkeypatch
     model.train()
     model.gradient_checkpointing_enable({"use_reentrant": False})
     model.enable_input_require_grads()
-    batch = with_completions(inputs(processor), 96)
+    batch = completed(inputs(processor), 96)
     eager_loss, eager_grads = loss_and_grads(model, batch)
     compiled = CompiledLayers(text_decoder_layers(model))
     compiled.on()
@@ -55,7 +51,7 @@ def test_compiled_layers_train_within_float32_rounding_of_eager_ones(monkeypatch
     try:
         loss, grads = loss_and_grads(model, batch)
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # it compiled
-        other_loss, _ = loss_and_grads(model, with_completions(inputs(processor, 2), 160))
+        other_loss, _ = loss_and_grads(model, completed(inputs(processor, 2), 160))
     finally:
         compiled.off()
     assert other_loss.isfinite()
