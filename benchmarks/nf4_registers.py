@@ -60,7 +60,7 @@ def recorded_launch(out_features: int, in_features: int, tiles: Tiles) -> tuple[
     import triton
 
     kernel, saved = nf4_decode._kernel, nf4_decode._sm_count
-    nf4_decode._kernel = lambda: (triton, Recorder(), Recorder())
+    nf4_decode._kernel = lambda: (triton, Recorder(), Recorder(), Recorder())
     nf4_decode._sm_count = lambda device: SMS
     try:
         nf4_decode.nf4_matmul(torch.zeros(ROWS, in_features, dtype=torch.bfloat16), weight, lora,

@@ -377,7 +377,11 @@ def test_nf4_kernel_is_as_exact_as_bitsandbytes_and_peft(rows):
             assert torch.equal(wired, nf4_matmul(x, weight, lora or None, TILES)), kind
             their_error = (theirs - exact).abs().max().item()
             for tiles in (TILES, Tiles(block_n=64, programs_per_sm=1), Tiles(block_n=128, pdl=True),
-                          Tiles(block_n=128, xa_chunk=16, max_registers=168)):
+                          Tiles(block_n=128, xa_chunk=16, max_registers=168),
+                          Tiles(block_n=64, xa_precision="tf32"),
+                          Tiles(block_n=64, k_blocks=2, xa_precision="tf32"),
+                          Tiles(block_n=64, k_blocks=4, warps=8, programs_per_sm=2,
+                                xa_precision="tf32")):
                 ours = nf4_matmul(x, weight, lora or None, tiles).float()
                 our_error = (ours - exact).abs().max().item()
                 print(f"{kind} bare={bare} rows={rows} {tiles}: "
@@ -415,7 +419,8 @@ def test_nf4_groups_are_as_exact_as_their_projections_one_by_one(rows):
         x[-1] *= 2.0 ** 17
         loras = [(torch.randn(16, in_features, device="cuda") * 0.02,
                   torch.randn(w.out_features, 16, device="cuda") * 0.02, 2.0) for w in weights]
-        for tiles in (TILES, Tiles(block_n=64, programs_per_sm=1)):
+        for tiles in (TILES, Tiles(block_n=64, programs_per_sm=1),
+                      Tiles(block_n=64, k_blocks=4, warps=8, xa_precision="tf32")):
             assert groupable(weights, loras, tiles)
             together = nf4_group_matmul(x, weights, loras, tiles).float()
             start = 0

@@ -54,7 +54,8 @@ def _kernel():
 
     from vlmrl.rollout import nf4_kernels
 
-    return triton, nf4_kernels.nf4_lora_matmul, nf4_kernels.sum_splits
+    return triton, nf4_kernels.nf4_lora_matmul, nf4_kernels.sum_splits, \
+        nf4_kernels.nf4_lora_matmul_wide
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,13 @@ class Tiles:
     (the scale block where it is larger). `max_registers`: a cap on the first kernel's
     registers per thread (Triton's maxnreg), for more programs per SM. The last two apply
     where a program takes several K steps only: with one, the adapter's tile is not loaded
-    ahead, and ptxas takes the cap as a target, so it would raise the registers instead."""
+    ahead, and ptxas takes the cap as a target, so it would raise the registers instead.
+    `k_blocks`: scale blocks a K step (above 1, `nf4_lora_matmul_wide`: the weights rounded to
+    fp16 before the product, larger loads, fewer steps; fewer blocks where the input width has
+    no whole steps of that many; `xa_chunk` and `max_registers` do not apply). `xa_precision`:
+    the adapter's x A^T as `tl.dot` takes it: "ieee" (float32 on CUDA cores, whose registers then
+    set the kernel's), "tf32" (tensor cores; x, bf16, is exact in tf32, A rounded to 11
+    significant bits) or "tf32x3"."""
 
     block_n: int = 64
     warps: int = 4
@@ -79,14 +86,19 @@ class Tiles:
     pdl: bool = False
     xa_chunk: int = 64
     max_registers: int | None = None
+    k_blocks: int = 1
+    xa_precision: str = "ieee"
 
     def __post_init__(self) -> None:
-        for name in ("block_n", "sum_block_n", "sum_rows", "xa_chunk"):
+        for name in ("block_n", "sum_block_n", "sum_rows", "xa_chunk", "k_blocks"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"Tiles.{name} is {value}: Triton's tiles are powers of two")
         if self.xa_chunk < 16:
             raise ValueError(f"Tiles.xa_chunk is {self.xa_chunk}: tl.dot's K is 16 or more")
+        if self.xa_precision not in ("ieee", "tf32", "tf32x3"):
+            raise ValueError(f"Tiles.xa_precision is {self.xa_precision!r}, not 'ieee' (float32 "
+                             "on CUDA cores), 'tf32' or 'tf32x3' (tensor cores)")
         if self.max_registers is not None and not 32 <= self.max_registers <= 255:
             raise ValueError(f"Tiles.max_registers is {self.max_registers}, not 32 to 255")
 
@@ -99,13 +111,22 @@ TILES = Tiles(block_n=128)
 
 def k_splits(out_features: int, in_features: int, tiles: Tiles, sms: int,
              blocksize: int = 64) -> int:
-    """The fewest splits of K (a divisor of its count of scale blocks) that give every SM
-    `programs_per_sm` programs, or all of them."""
+    """The fewest splits of K (a divisor of its count of K steps, `step_blocks` scale blocks
+    each) that give every SM `programs_per_sm` programs, or all of them."""
     column_blocks = -(-out_features // tiles.block_n)
-    k_tiles = in_features // blocksize
+    k_tiles = in_features // (blocksize * step_blocks(in_features, tiles, blocksize))
     divisors = [d for d in range(1, k_tiles + 1) if k_tiles % d == 0]
     wanted = tiles.programs_per_sm * sms
     return next((d for d in divisors if column_blocks * d >= wanted), divisors[-1])
+
+
+def step_blocks(in_features: int, tiles: Tiles, blocksize: int = 64) -> int:
+    """Scale blocks a K step: `tiles.k_blocks`, or the largest power of two below it that
+    divides the input width's blocks."""
+    blocks = tiles.k_blocks
+    while (in_features // blocksize) % blocks:
+        blocks //= 2
+    return blocks
 
 
 @dataclass(frozen=True)
@@ -230,7 +251,7 @@ def nf4_group_matmul(x: torch.Tensor, weights: Sequence[PackedNF4],
                       f"share a launch with {tiles}: one launch each", stacklevel=2)
         return torch.cat([nf4_matmul(x, w, None if loras is None else lora, tiles)
                           for w, lora in zip(weights, loras or [None] * len(weights))], dim=-1)
-    triton, kernel, sum_splits = _kernel()
+    triton, kernel, sum_splits, wide_kernel = _kernel()
     first = weights[0]
     in_features = first.in_features
     out_features = sum(w.out_features for w in weights)
@@ -260,7 +281,10 @@ def nf4_group_matmul(x: torch.Tensor, weights: Sequence[PackedNF4],
     a, b = each([lora[0] for lora in adapters]), each([lora[1] for lora in adapters])
     use_pdl = tiles.pdl and _hopper(x.device)
     pdl = {"PDL": use_pdl, "launch_pdl": use_pdl}
-    kernel[(triton.cdiv(out_features, tiles.block_n), splits)](
+    blocks = step_blocks(in_features, tiles, first.blocksize)
+    options = ({"KB": blocks} if blocks > 1
+               else _step_options(tiles, in_features // splits, first.blocksize))
+    (wide_kernel if blocks > 1 else kernel)[(triton.cdiv(out_features, tiles.block_n), splits)](
         flat, packed[0], first.absmax, absmax2[0], code2[0], offsets[0], a[0], parts, xa_parts,
         rows, out_features, in_features, rank, flat.stride(0), first.absmax.stride(0),
         packed[1], packed[2], absmax2[1], absmax2[2], code2[1], code2[2], offsets[1],
@@ -268,7 +292,7 @@ def nf4_group_matmul(x: torch.Tensor, weights: Sequence[PackedNF4],
         K_SPLIT=in_features // splits, NESTED=nested, BLOCK2=first.block2,
         HAS_LORA=loras is not None, QBLOCK=first.blocksize, R=r_tile, BLOCK_M=block_m,
         BLOCK_N=tiles.block_n, num_warps=tiles.warps, num_stages=tiles.stages, **pdl,
-        SEGMENTS=len(weights), **_step_options(tiles, in_features // splits, first.blocksize))
+        SEGMENTS=len(weights), XA_PRECISION=tiles.xa_precision, **options)
     out = torch.empty(rows, out_features, dtype=torch.bfloat16, device=x.device)
     sum_rows = min(block_m, tiles.sum_rows)
     sum_splits[(triton.cdiv(out_features, tiles.sum_block_n), triton.cdiv(rows, sum_rows))](

@@ -103,7 +103,8 @@ def nf4_lora_matmul(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset,
                     K_SPLIT: tl.constexpr, NESTED: tl.constexpr, BLOCK2: tl.constexpr,
                     HAS_LORA: tl.constexpr, QBLOCK: tl.constexpr, R: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
-                    XA_CHUNK: tl.constexpr, SEGMENTS: tl.constexpr):
+                    XA_CHUNK: tl.constexpr, SEGMENTS: tl.constexpr,
+                    XA_PRECISION: tl.constexpr = "ieee"):
     """One [BLOCK_N, rows] tile of W x^T over K_SPLIT of K (program_id 1 says which), one
     scale block per step, in float32 to the partial sums part[split] (stored as x W^T);
     the first column tile also writes its split's share of x A^T (float32, as PEFT) to
@@ -187,7 +188,7 @@ def nf4_lora_matmul(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset,
         if HAS_LORA:  # noqa: SIM102  (a compile-time branch around a run-time one)
             if first_tile:
                 if XA_CHUNK == QBLOCK:
-                    xa += tl.dot(x, tl.trans(a.to(tl.float32)), input_precision="ieee")
+                    xa += tl.dot(x, tl.trans(a.to(tl.float32)), input_precision=XA_PRECISION)
                 else:
                     for chunk in tl.static_range(0, QBLOCK, XA_CHUNK):
                         at = k0 + chunk + tl.arange(0, XA_CHUNK)
@@ -195,7 +196,7 @@ def nf4_lora_matmul(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset,
                                      mask=row_ok[:, None], other=0.0).to(tl.float32)
                         ak = tl.load(a_ptr + ranks[:, None] * K + at[None, :],
                                      mask=ranks[:, None] < rank, other=0.0).to(tl.float32)
-                        xa += tl.dot(xk, tl.trans(ak), input_precision="ieee")
+                        xa += tl.dot(xk, tl.trans(ak), input_precision=XA_PRECISION)
         codes, scales2, a = next_codes, next_scales2, next_a
     tl.store(part_ptr + split * M * N + rows[None, :] * N + cols[:, None], acc,
              mask=row_ok[None, :] & col_ok[:, None])
@@ -238,3 +239,88 @@ def sum_splits(part_ptr, xa_part_ptr, b_ptr, out_ptr, M, N, rank, scaling, b1_pt
                     mask=(cols < N)[:, None] & (ranks[None, :] < rank), other=0.0).to(tl.float32)
         total += tl.dot(xa, tl.trans(b), input_precision="ieee") * scaling
     tl.store(out_ptr + where, total.to(tl.bfloat16), mask=ok)
+
+
+@triton.jit
+def nf4_lora_matmul_wide(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset,
+                         a_ptr, part_ptr, xa_part_ptr, M, N, K, rank, stride_x, stride_codes,
+                         w1_ptr, w2_ptr, absmax2_1_ptr, absmax2_2_ptr, code2_1_ptr, code2_2_ptr,
+                         offset1, offset2, a1_ptr, a2_ptr, start1, start2,
+                         K_SPLIT: tl.constexpr, NESTED: tl.constexpr, BLOCK2: tl.constexpr,
+                         HAS_LORA: tl.constexpr, QBLOCK: tl.constexpr, R: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+                         SEGMENTS: tl.constexpr, KB: tl.constexpr,
+                         XA_PRECISION: tl.constexpr = "ieee"):
+    """`nf4_lora_matmul` with KB scale blocks a K step: each weight is its NF4 value times its
+    block scale in fp16 (the scale brought near fp16's largest by a power of two per column and
+    step, rounded to fp16, then the product rounded: 11 significant bits, where bitsandbytes
+    rounds the weight to bf16's 8), so that one product of K = KB x QBLOCK, one scaling of x's
+    rows and one update of the accumulator serve KB blocks, and each step loads KB blocks of the
+    packed weight at once. The arguments and outputs are `nf4_lora_matmul`'s."""
+    if PDL:
+        after_the_kernel_before()
+    split = tl.program_id(1)
+    segment, start = segment_of(tl.program_id(0) * BLOCK_N, start1, start2, SEGMENTS)
+    if SEGMENTS > 1:
+        w_ptr = pick(segment, w_ptr, w1_ptr, w2_ptr)
+        absmax2_ptr = pick(segment, absmax2_ptr, absmax2_1_ptr, absmax2_2_ptr)
+        code2_ptr = pick(segment, code2_ptr, code2_1_ptr, code2_2_ptr)
+        offset = pick(segment, offset, offset1, offset2)
+        a_ptr = pick(segment, a_ptr, a1_ptr, a2_ptr)
+    first_tile = tl.program_id(0) * BLOCK_N == start
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    local_cols = cols - start
+    row_ok = rows < M
+    col_ok = cols < N
+    STEP: tl.constexpr = KB * QBLOCK
+    blocks = tl.arange(0, KB)
+    pairs = tl.arange(0, QBLOCK // 2)
+    within = tl.arange(0, STEP)
+    ranks = tl.arange(0, R)
+    a_ok = (ranks[:, None] < rank) & first_tile & HAS_LORA
+    k_tiles = K // QBLOCK
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    xa = tl.zeros((BLOCK_M, R), dtype=tl.float32)
+    for step in range(0, K_SPLIT, STEP):
+        k0 = split * K_SPLIT + step
+        k_tile = k0 // QBLOCK
+        tiles = k_tile + blocks  # [KB]
+        codes = tl.load(codes_ptr + tiles[None, :] * stride_codes + cols[:, None],
+                        mask=col_ok[:, None], other=0)  # [BLOCK_N, KB]
+        if NESTED:
+            scales2 = tl.load(absmax2_ptr + (local_cols[:, None] * k_tiles + tiles[None, :])
+                              // BLOCK2, mask=col_ok[:, None], other=0.0)
+            scale = tl.load(code2_ptr + codes.to(tl.int32)) * scales2 + offset
+        else:
+            scale = codes
+        packed = tl.load(w_ptr + local_cols[:, None, None] * (K // 2)
+                         + (k0 // 2 + blocks * (QBLOCK // 2))[None, :, None]
+                         + pairs[None, None, :], mask=col_ok[:, None, None], other=0)
+        high, low = nf4_values(packed)  # [BLOCK_N, KB, QBLOCK // 2] each
+        values = tl.reshape(tl.join(high, low), (BLOCK_N, KB, QBLOCK))
+        # each column's scales brought near fp16's largest by a power of two (undone with x's)
+        column_shift = fp16_shift(tl.max(tl.abs(scale), 1))
+        column_down = ((127 - column_shift) << 23).to(tl.float32, bitcast=True)
+        column_up = ((127 + column_shift) << 23).to(tl.float32, bitcast=True)
+        scale16 = (scale * column_down[:, None]).to(tl.float16)
+        weights = tl.reshape(values * scale16[:, :, None], (BLOCK_N, STEP))
+        x = tl.load(x_ptr + rows[:, None] * stride_x + (k0 + within)[None, :],
+                    mask=row_ok[:, None], other=0.0).to(tl.float32)
+        shift = fp16_shift(tl.max(tl.abs(x), 1))
+        down = ((127 - shift) << 23).to(tl.float32, bitcast=True)
+        up = ((127 + shift) << 23).to(tl.float32, bitcast=True)
+        product = tl.dot(weights, tl.trans((x * down[:, None]).to(tl.float16)))
+        acc += product * column_up[:, None] * up[None, :]
+        if HAS_LORA:  # noqa: SIM102  (a compile-time branch around a run-time one)
+            if first_tile:
+                a = tl.load(a_ptr + ranks[:, None] * K + (k0 + within)[None, :], mask=a_ok,
+                            other=0.0)
+                xa += tl.dot(x, tl.trans(a.to(tl.float32)), input_precision=XA_PRECISION)
+    tl.store(part_ptr + split * M * N + rows[None, :] * N + cols[:, None], acc,
+             mask=row_ok[None, :] & col_ok[:, None])
+    if HAS_LORA:  # noqa: SIM102  (a compile-time branch around a run-time one)
+        if first_tile:
+            xa_width = SEGMENTS * R
+            tl.store(xa_part_ptr + split * M * xa_width + rows[:, None] * xa_width
+                     + segment * R + ranks[None, :], xa, mask=row_ok[:, None])
