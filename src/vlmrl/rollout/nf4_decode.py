@@ -72,7 +72,7 @@ class Tiles:
     ahead, and ptxas takes the cap as a target, so it would raise the registers instead.
     `k_blocks`: scale blocks a K step (above 1, `nf4_lora_matmul_wide`: the weights rounded to
     fp16 before the product, larger loads, fewer steps; fewer blocks where the input width has
-    no whole steps of that many; `xa_chunk` and `max_registers` do not apply). `xa_precision`:
+    no whole steps of that many; `xa_chunk` does not apply). `xa_precision`:
     the adapter's x A^T as `tl.dot` takes it: "ieee" (float32 on CUDA cores, whose registers then
     set the kernel's), "tf32" (tensor cores; x, bf16, is exact in tf32, A rounded to 11
     significant bits) or "tf32x3"."""
@@ -103,10 +103,9 @@ class Tiles:
             raise ValueError(f"Tiles.max_registers is {self.max_registers}, not 32 to 255")
 
 
-# The tiles the sweeps of earlier kernels chose (NF4 decode kernel in docs/benchmarks-history.md);
-# on this kernel, the tile shapes timed per projection shape of both models found none clearly
-# faster but on the 2B shape's k and v projections (tests/gpu/README.md, 2026-11-27).
-TILES = Tiles(block_n=128)
+# The tiles `benchmarks/nf4_sweep.py` found fastest over the decode step's projections of both
+# shapes (docs/benchmarks.md, the NF4 sweep).
+TILES = Tiles(block_n=128, k_blocks=2, xa_precision="tf32")
 
 
 def k_splits(out_features: int, in_features: int, tiles: Tiles, sms: int,
@@ -282,8 +281,9 @@ def nf4_group_matmul(x: torch.Tensor, weights: Sequence[PackedNF4],
     use_pdl = tiles.pdl and _hopper(x.device)
     pdl = {"PDL": use_pdl, "launch_pdl": use_pdl}
     blocks = step_blocks(in_features, tiles, first.blocksize)
-    options = ({"KB": blocks} if blocks > 1
-               else _step_options(tiles, in_features // splits, first.blocksize))
+    options = _step_options(tiles, in_features // splits, first.blocksize * blocks)
+    if blocks > 1:
+        options = {"KB": blocks, **{k: v for k, v in options.items() if k != "XA_CHUNK"}}
     (wide_kernel if blocks > 1 else kernel)[(triton.cdiv(out_features, tiles.block_n), splits)](
         flat, packed[0], first.absmax, absmax2[0], code2[0], offsets[0], a[0], parts, xa_parts,
         rows, out_features, in_features, rank, flat.stride(0), first.absmax.stride(0),
