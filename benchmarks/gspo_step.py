@@ -178,6 +178,10 @@ CONFIGS["gpu_profile_graph_fp8_mb4_rolled"] = {**CONFIGS["gpu_profile_graph_fp8_
 for _name in ("gpu_profile_graph_fp8", "gpu_profile_graph_fp8_mb4", "gpu_profile_graph_fp8_mb4_rolled"):
     CONFIGS[f"{_name}_compiled"] = {**CONFIGS[_name], "compile_layers": True}
 RECIPE_8B_PROFILE = "gpu_profile_graph_fp8_mb4_compiled"  # recipes/mathvista-qwen3-vl-8b.yaml's
+# The same with the NF4 decode kernel's tiles before the wide kernel (one scale block a K step,
+# the adapter's x A^T in float32 on CUDA cores): one device call measures the kernel's change.
+for _name in ("gpu_profile_graph_fp8_compiled", "gpu_profile_graph_fp8_mb4_compiled"):
+    CONFIGS[f"{_name}_narrow"] = {**CONFIGS[_name], "decode_tiles": {"block_n": 128}}
 # The float8 profile as it stood before issue 41 (the NF4 kernel's tree decode and float32
 # block scales, old log-probs for every row): the same knobs run on the library exported from
 # that commit (`--baseline-src`), so one device call measures it beside the new one.
@@ -542,7 +546,7 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
     detector = _KVDropDetector()
     logging.getLogger("transformers").addHandler(detector)
 
-    params = load_params(ROOT / "params.yaml")
+    params = load_params(library_params())
     settings = ModelParams.from_params({**params.section("model"), "name": model_name,
                                         "backend": knobs["backend"],
                                         "load_in_4bit": knobs["load_in_4bit"], "dtype": "auto",
@@ -593,6 +597,10 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
                     "peak_allocated_gib": _peak_gib("allocated"),
                     "peak_reserved_gib": _peak_gib("reserved")}))
 
+    if "decode_tiles" in knobs:  # the NF4 decode kernel's tiles of an earlier commit
+        from vlmrl.rollout import nf4_decode
+
+        nf4_decode.TILES = nf4_decode.Tiles(**knobs["decode_tiles"])
     trainer = make_trainer(model, processor, config, dataset, reward_funcs,
                            generation_rows=knobs.get("max_generation_rows"), callbacks=[Timer()],
                            graph_decoding=knobs.get("graph", "eager"),
@@ -688,15 +696,25 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
 
 # ------------------------------------------------------------------ driver
 
+def library_params() -> Path:
+    """The params.yaml of the library the worker imports: the baseline's own beside its src/
+    (its params refuse the keys added since), else the repository's."""
+    import vlmrl
+
+    beside = Path(vlmrl.__file__).resolve().parents[2] / "params.yaml"
+    return beside if beside.is_file() else ROOT / "params.yaml"
+
+
 def worker_env(knobs: dict[str, Any], baseline_src: Path | None) -> dict[str, str]:
     """The environment of a worker: the library of BASELINE_COMMIT first on the path for a
     configuration measured on it."""
     env = dict(os.environ)
     if knobs.get("library") != "baseline":
         return env
-    if baseline_src is None or not (baseline_src / "vlmrl").is_dir():
+    if (baseline_src is None or not (baseline_src / "vlmrl").is_dir()
+            or not (baseline_src.parent / "params.yaml").is_file()):
         raise SystemExit(f"--baseline-src must be the src/ of {BASELINE_COMMIT} (with vlmrl/ in "
-                         f"it), not {baseline_src}")
+                         f"it), with that commit's params.yaml beside it, not {baseline_src}")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(baseline_src.resolve()),
                                                       env.get("PYTHONPATH")]))
     return env
@@ -1090,7 +1108,8 @@ def main() -> int:
                              "file's speed-readme block")
     parser.add_argument("--baseline-src", type=Path,
                         help="the src/ of commit BASELINE_COMMIT, for the *_before configs: "
-                             "git archive BASELINE_COMMIT src | tar -x -C DIR (then DIR/src)")
+                             "git archive BASELINE_COMMIT src params.yaml | tar -x -C DIR "
+                             "(then DIR/src)")
     parser.add_argument("--profile-training", action="store_true",
                         help="one more optimizer step after the timed ones, its micro-batches "
                              "under torch.profiler: its kernels by device time in each run's "
