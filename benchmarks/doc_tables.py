@@ -43,8 +43,7 @@ def gspo_step_block(block: str, *files: str, doc: str = "{history}") -> list[str
 # stand for the files in DOCS (or their copies under --check).
 TABLES: tuple[list[str], ...] = (
     # docs/benchmarks.md: the current tables
-    [*gspo_step_block("speed", "gspo_step_compiled_2b",
-                      "gspo_step_attention_2b::gpu_profile_graph_fp8_before",
+    [*gspo_step_block("speed", "gspo_step_wide_2b",
                       "gspo_step_issue41_2b::gpu_profile_mb8_spg4_rows16",
                       "gspo_step_compiled_8b::gpu_profile_graph_fp8_mb4_compiled",
                       "gspo_step_issue41_8b::gpu_profile_graph_fp8_before",
@@ -65,6 +64,11 @@ TABLES: tuple[list[str], ...] = (
      f"{RESULTS}/decode_profile_prmt_8b.json",
      f"{RESULTS}/decode_profile_fp8_8b.json", "--doc", "{doc}"],
     ["nf4_registers.py", "--from-json", f"{RESULTS}/nf4_registers.json", "--doc", "{doc}"],
+    ["nf4_sweep.py", "--from-json", f"{RESULTS}/nf4_sweep_1.json", "--doc", "{doc}",
+     "--doc-block", "-1"],
+    ["nf4_sweep.py", "--from-json", f"{RESULTS}/nf4_sweep.json", "--doc", "{doc}",
+     "--doc-block", "-2"],
+    gspo_step_block("wide-2b", "gspo_step_wide_2b", doc="{doc}"),
     gspo_step_block("compiled-2b", "gspo_step_compiled_2b", doc="{doc}"),
     gspo_step_block("compiled-8b", "gspo_step_compiled_8b", doc="{doc}"),
     gspo_step_block("rolled-2b", "gspo_step_rolled_2b", doc="{doc}"),

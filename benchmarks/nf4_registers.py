@@ -33,9 +33,14 @@ from vlmrl.rollout.nf4_decode import TILES, PackedNF4, Tiles
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {"qwen3-vl-2b-shape": [(2048, 2048), (1024, 2048), (6144, 2048), (2048, 6144)],
           "qwen3-vl-8b-shape": [(4096, 4096), (1024, 4096), (12288, 4096), (4096, 12288)]}
-VARIANTS = {"shipped": TILES, "xa_chunk=16": dataclasses.replace(TILES, xa_chunk=16),
-            "xa_chunk=16, max_registers=168": dataclasses.replace(TILES, xa_chunk=16,
-                                                                  max_registers=168)}
+# One scale block a K step, the adapter in float32 on CUDA cores: the tiles shipped when the
+# table in docs/benchmarks.md was measured, and the options that lower its registers; `wide`:
+# TILES since (nf4_lora_matmul_wide, the adapter in tf32).
+NARROW = Tiles(block_n=128)
+VARIANTS = {"shipped": NARROW, "xa_chunk=16": dataclasses.replace(NARROW, xa_chunk=16),
+            "xa_chunk=16, max_registers=168": dataclasses.replace(NARROW, xa_chunk=16,
+                                                                  max_registers=168),
+            "wide": TILES}
 ROWS, RANK, SMS = 32, 16, 132  # the decode step's rows, the recipes' LoRA rank, an H100's SMs
 SM_REGISTERS, SM_THREADS = 65536, 2048
 TYPES = {torch.uint8: "*u8", torch.bfloat16: "*bf16", torch.float32: "*fp32",
@@ -48,8 +53,11 @@ def recorded_launch(out_features: int, in_features: int, tiles: Tiles) -> tuple[
     launches = []
 
     class Recorder:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
         def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append((args, kwargs))
+            return lambda *args, **kwargs: launches.append((self.name, args, kwargs))
 
     blocks = out_features * in_features // 64
     weight = PackedNF4(torch.zeros(out_features * in_features // 2, 1, dtype=torch.uint8),
@@ -60,21 +68,26 @@ def recorded_launch(out_features: int, in_features: int, tiles: Tiles) -> tuple[
     import triton
 
     kernel, saved = nf4_decode._kernel, nf4_decode._sm_count
-    nf4_decode._kernel = lambda: (triton, Recorder(), Recorder(), Recorder())
+    nf4_decode._kernel = lambda: (triton, Recorder("nf4_lora_matmul"), Recorder("sum_splits"),
+                                  Recorder("nf4_lora_matmul_wide"))
     nf4_decode._sm_count = lambda device: SMS
     try:
         nf4_decode.nf4_matmul(torch.zeros(ROWS, in_features, dtype=torch.bfloat16), weight, lora,
                               tiles)
     finally:
         nf4_decode._kernel, nf4_decode._sm_count = kernel, saved
-    args, kwargs = launches[0]
-    from vlmrl.rollout.nf4_kernels import nf4_lora_matmul
-
-    names = nf4_lora_matmul.arg_names
+    name, args, kwargs = launches[0]
+    names = kernel_named(name).arg_names
     options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages", "maxnreg")
                if key in kwargs}
     kwargs.pop("launch_pdl", None)
-    return {**dict(zip(names, args)), **kwargs}, options
+    return {"kernel": name, **dict(zip(names, args)), **kwargs}, options
+
+
+def kernel_named(name: str):
+    from vlmrl.rollout import nf4_kernels
+
+    return getattr(nf4_kernels, name)
 
 
 def compile_stats(arguments: dict, options: dict) -> dict:
@@ -83,12 +96,11 @@ def compile_stats(arguments: dict, options: dict) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from vlmrl.rollout.nf4_kernels import nf4_lora_matmul
-
+    kernel = kernel_named(arguments["kernel"])
     signature, constexprs, aligned = {}, {}, []
-    for index, name in enumerate(nf4_lora_matmul.arg_names):
+    for index, name in enumerate(kernel.arg_names):
         value = arguments[name]
-        if index in nf4_lora_matmul.constexprs:
+        if index in kernel.constexprs:
             signature[name], constexprs[name] = "constexpr", value
         elif isinstance(value, torch.Tensor):
             signature[name] = TYPES[value.dtype]
@@ -99,7 +111,7 @@ def compile_stats(arguments: dict, options: dict) -> dict:
             signature[name] = "i32"
             if value % 16 == 0:
                 aligned.append(index)
-    source = ASTSource(fn=nf4_lora_matmul, signature=signature, constexprs=constexprs,
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs,
                        attrs={(index,): [["tt.divisibility", 16]] for index in aligned})
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
@@ -128,7 +140,7 @@ def measure() -> dict:
                 arguments, options = recorded_launch(out_features, in_features, tiles)
                 run = {"model": model, "out": out_features, "in": in_features,
                        "variant": variant, "tiles": dataclasses.asdict(tiles),
-                       "k_steps": arguments["K_SPLIT"] // arguments["QBLOCK"],
+                       "k_steps": arguments["K_SPLIT"] // (arguments["QBLOCK"] * arguments.get("KB", 1)),
                        **compile_stats(arguments, options)}
                 print(json.dumps(run), flush=True)
                 results["runs"].append(run)

@@ -129,15 +129,22 @@ def measure(variants: dict[str, Tiles]) -> dict:
     return results
 
 
+def difference(run: dict) -> float:
+    """The run's largest difference to the first variant (named `difference_to_shipped` in the
+    first round's file, where the first variant was the shipped tiles)."""
+    return run["difference_to_first"] if "difference_to_first" in run else run["difference_to_shipped"]
+
+
 def table(results: dict) -> str:
     """Per model, projection and variant: microseconds per call; the last column the decode
     step's NF4 time (each projection once a layer)."""
     runs = results["runs"]
     variants = list(results["variants"])
-    lines = [f"Written by `benchmarks/nf4_sweep.py`: {results['device']}, {results['rows']} rows, "
-             f"adapter rank {results['rank']}, nested scales; microseconds per call (a CUDA "
-             "graph cycling through copies of each projection past twice the L2); the step: "
-             "each projection once a layer, all layers, in ms.", ""]
+    caption = (f"Written by `benchmarks/nf4_sweep.py`: {results['device']}, {results['rows']} "
+               f"rows, adapter rank {results['rank']}, nested scales; microseconds per call (a "
+               "CUDA graph cycling through copies of each projection past twice the L2); the "
+               "step: each projection once a layer, all layers, in ms.")
+    lines = [caption, ""]
     models = list(dict.fromkeys(run["model"] for run in runs))
     for model in models:
         mine = [run for run in runs if run["model"] == model]
@@ -149,7 +156,7 @@ def table(results: dict) -> str:
             if len(cells) < len(names):
                 continue
             step = sum(cells[name]["us_per_call"] * cells[name]["layers"] for name in names)
-            worst = max(cells[name].get("difference_to_first", cells[name].get("difference_to_shipped")) for name in names)
+            worst = max(difference(cells[name]) for name in names)
             lines.append(f"| `{variant}` | " + " | ".join(
                 f"{cells[name]['us_per_call']:.1f}" for name in names)
                 + f" | {step / 1000:.2f} | {worst:.1e} |")
@@ -164,6 +171,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("nf4_sweep.json"))
     parser.add_argument("--from-json", type=Path, metavar="RESULTS")
     parser.add_argument("--doc", type=Path)
+    parser.add_argument("--doc-block", default="", help="the block's name after the markers' "
+                        "begin/end (`:begin-1`: --doc-block -1)")
     args = parser.parse_args()
     if args.from_json:
         results = read_results(args.from_json)
@@ -173,7 +182,7 @@ def main() -> int:
         args.out.write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
     print(table(results))
     if args.doc:
-        write_doc_block(args.doc, table(results), "nf4_sweep")
+        write_doc_block(args.doc, table(results), "nf4_sweep", args.doc_block)
     return 0
 
 

@@ -20,12 +20,13 @@ from vlmrl.rollout.nf4_projections import servable
 def test_k_splits_divide_k_and_fill_the_sms(out_features, in_features):
     sms = 132
     splits = k_splits(out_features, in_features, TILES, sms)
-    k_tiles = in_features // 64  # bitsandbytes' block size: the kernel's K tile
-    assert k_tiles % splits == 0
+    # bitsandbytes' block size of 64, step_blocks of them a K step
+    k_steps = in_features // (64 * step_blocks(in_features, TILES))
+    assert k_steps % splits == 0
     programs = -(-out_features // TILES.block_n) * splits
-    assert programs >= TILES.programs_per_sm * sms or splits == k_tiles
+    assert programs >= TILES.programs_per_sm * sms or splits == k_steps
     if splits > 1:  # the fewest such splits: one fewer divisor would not fill the SMs
-        smaller = max(d for d in range(1, splits) if k_tiles % d == 0)
+        smaller = max(d for d in range(1, splits) if k_steps % d == 0)
         assert -(-out_features // TILES.block_n) * smaller < TILES.programs_per_sm * sms
 
 

@@ -21,13 +21,21 @@ def registers():
 
 
 def test_the_recorded_launch_is_nf4_matmuls(registers) -> None:
-    tiles = dataclasses.replace(TILES, xa_chunk=16, max_registers=168)
+    tiles = dataclasses.replace(registers.NARROW, xa_chunk=16, max_registers=168)
     arguments, options = registers.recorded_launch(12288, 4096, tiles)
+    assert arguments["kernel"] == "nf4_lora_matmul"
     splits = k_splits(12288, 4096, tiles, registers.SMS)
     assert arguments["K_SPLIT"] == 4096 // splits
     assert (arguments["N"], arguments["K"], arguments["M"]) == (12288, 4096, registers.ROWS)
     assert (arguments["XA_CHUNK"], arguments["HAS_LORA"], arguments["NESTED"]) == (16, True, True)
     assert options == {"num_warps": 4, "num_stages": 3, "maxnreg": 168}
+
+
+def test_the_shipped_tiles_record_the_wide_kernel(registers) -> None:
+    arguments, _ = registers.recorded_launch(12288, 4096, TILES)
+    assert arguments["kernel"] == "nf4_lora_matmul_wide"
+    assert (arguments["KB"], arguments["XA_PRECISION"]) == (TILES.k_blocks, TILES.xa_precision)
+    assert arguments["K_SPLIT"] == 4096 // k_splits(12288, 4096, TILES, registers.SMS)
 
 
 def test_a_compile_reports_registers_and_programs_per_sm() -> None:
