@@ -33,14 +33,15 @@ from vlmrl.rollout.nf4_decode import TILES, PackedNF4, Tiles
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {"qwen3-vl-2b-shape": [(2048, 2048), (1024, 2048), (6144, 2048), (2048, 6144)],
           "qwen3-vl-8b-shape": [(4096, 4096), (1024, 4096), (12288, 4096), (4096, 12288)]}
-# One scale block a K step, the adapter in float32 on CUDA cores: the tiles shipped when the
-# table in docs/benchmarks.md was measured, and the options that lower its registers; `wide`:
-# TILES since (nf4_lora_matmul_wide, the adapter in tf32).
+# One scale block a K step, the adapter in float32 on CUDA cores (the tiles before the wide
+# kernel), the options that lower its registers, the adapter in tf32; `shipped`: TILES
+# (nf4_lora_matmul_wide), and the same with four blocks a step.
 NARROW = Tiles(block_n=128)
-VARIANTS = {"shipped": NARROW, "xa_chunk=16": dataclasses.replace(NARROW, xa_chunk=16),
+VARIANTS = {"before": NARROW, "xa_chunk=16": dataclasses.replace(NARROW, xa_chunk=16),
             "xa_chunk=16, max_registers=168": dataclasses.replace(NARROW, xa_chunk=16,
                                                                   max_registers=168),
-            "wide": TILES}
+            "xa tf32": dataclasses.replace(NARROW, xa_precision="tf32"), "shipped": TILES,
+            "four blocks a step": dataclasses.replace(TILES, k_blocks=4)}
 ROWS, RANK, SMS = 32, 16, 132  # the decode step's rows, the recipes' LoRA rank, an H100's SMs
 SM_REGISTERS, SM_THREADS = 65536, 2048
 TYPES = {torch.uint8: "*u8", torch.bfloat16: "*bf16", torch.float32: "*fp32",
@@ -125,7 +126,8 @@ def compile_stats(arguments: dict, options: dict) -> dict:
     spilled = int(re.search(r"(\d+) bytes spill stores", report).group(1))
     threads = 32 * options["num_warps"]
     per_sm = min(SM_REGISTERS // (-(-registers // 8) * 8 * threads), SM_THREADS // threads)
-    return {"registers": registers, "spill_bytes": spilled, "shared_bytes": compiled.metadata.shared,
+    return {"registers": registers, "spill_bytes": spilled,
+            "shared_bytes": compiled.metadata.shared,
             "programs_per_sm_by_registers": per_sm}
 
 
@@ -138,9 +140,10 @@ def measure() -> dict:
         for out_features, in_features in shapes:
             for variant, tiles in VARIANTS.items():
                 arguments, options = recorded_launch(out_features, in_features, tiles)
+                step = arguments["QBLOCK"] * arguments.get("KB", 1)
                 run = {"model": model, "out": out_features, "in": in_features,
                        "variant": variant, "tiles": dataclasses.asdict(tiles),
-                       "k_steps": arguments["K_SPLIT"] // (arguments["QBLOCK"] * arguments.get("KB", 1)),
+                       "kernel": arguments["kernel"], "k_steps": arguments["K_SPLIT"] // step,
                        **compile_stats(arguments, options)}
                 print(json.dumps(run), flush=True)
                 results["runs"].append(run)
@@ -149,21 +152,24 @@ def measure() -> dict:
 
 def table(results: dict) -> str:
     variants = list(dict.fromkeys(run["variant"] for run in results["runs"]))
+    kernels = {run["variant"]: run["kernel"] for run in results["runs"]}
     cells: dict[tuple, dict] = {}
     for run in results["runs"]:
-        key = (run["model"], run["out"], run["in"], run["k_steps"])
-        cells.setdefault(key, {})[run["variant"]] = (
-            f"{run['registers']} ({run['spill_bytes']} B) / {run['programs_per_sm_by_registers']}")
-    caption = (f"Written by `benchmarks/nf4_registers.py`: `nf4_lora_matmul` compiled for "
+        cells.setdefault((run["model"], run["out"], run["in"]), {})[run["variant"]] = (
+            f"{run['registers']} ({run['spill_bytes']} B) / {run['programs_per_sm_by_registers']}"
+            f" / {run['k_steps']}")
+    names = ", ".join(f"`{kernel}`" for kernel in dict.fromkeys(kernels.values()))
+    caption = (f"Written by `benchmarks/nf4_registers.py`: {names} compiled for "
                f"{results['target']} by Triton {results['triton']} and its ptxas, launched as "
                f"`nf4_matmul` launches it for {results['rows']} rows, an adapter of rank "
                f"{results['rank']} and nested scales on {results['sms']} SMs. Each cell: "
-               "registers per thread (bytes spilled) / programs an SM can keep by its registers.")
+               "registers per thread (bytes spilled) / programs an SM can keep by its registers "
+               "/ K steps a program.")
     lines = [caption, "",
-             "| model | out x in | K steps a program | " + " | ".join(f"`{v}`" for v in variants)
-             + " |", "| --- | --- | ---: |" + " ---: |" * len(variants)]
-    for (model, out_features, in_features, steps), by_variant in cells.items():
-        lines.append(f"| {model} | {out_features} x {in_features} | {steps} | "
+             "| model | out x in | " + " | ".join(f"`{v}` ({kernels[v]})" for v in variants)
+             + " |", "| --- | --- |" + " ---: |" * len(variants)]
+    for (model, out_features, in_features), by_variant in cells.items():
+        lines.append(f"| {model} | {out_features} x {in_features} | "
                      + " | ".join(by_variant[v] for v in variants) + " |")
     return "\n".join(lines)
 

@@ -129,12 +129,6 @@ def measure(variants: dict[str, Tiles]) -> dict:
     return results
 
 
-def difference(run: dict) -> float:
-    """The run's largest difference to the first variant (named `difference_to_shipped` in the
-    first round's file, where the first variant was the shipped tiles)."""
-    return run["difference_to_first"] if "difference_to_first" in run else run["difference_to_shipped"]
-
-
 def table(results: dict) -> str:
     """Per model, projection and variant: microseconds per call; the last column the decode
     step's NF4 time (each projection once a layer)."""
@@ -156,7 +150,7 @@ def table(results: dict) -> str:
             if len(cells) < len(names):
                 continue
             step = sum(cells[name]["us_per_call"] * cells[name]["layers"] for name in names)
-            worst = max(difference(cells[name]) for name in names)
+            worst = max(cells[name]["difference_to_first"] for name in names)
             lines.append(f"| `{variant}` | " + " | ".join(
                 f"{cells[name]['us_per_call']:.1f}" for name in names)
                 + f" | {step / 1000:.2f} | {worst:.1e} |")

@@ -124,3 +124,16 @@ def stop_process(process: subprocess.Popen, timeout_s: float) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
+
+
+@pytest.fixture
+def interpreted_kernel(monkeypatch):
+    """`nf4_decode`'s kernels under Triton's interpreter (the CPU, where this file turns it on;
+    the code lookup by selects, as the interpreter runs no PTX), on a pretend GPU of 4 SMs."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton's interpreter is off (a GPU is present): tests/gpu cover the kernel")
+    from vlmrl.rollout import nf4_decode
+
+    monkeypatch.setattr(nf4_decode, "_sm_count", lambda device: 4)
+    return nf4_decode

@@ -6,13 +6,18 @@ times the weight's bytes per projection. Here two Triton launches do it: the fir
 4-bit weight once and decodes it in registers, with K split over the SMs so that a few rows still
 keep the GPU busy, and its first column tile also computes the adapter's `x A^T`; the second adds
 the splits in a fixed order (replays give equal bits) plus `s (x A^T) B^T` and rounds once to bf16.
-Each K tile is one scale block. The codes become fp16 NF4 values by byte permutes (`prmt`, a table
-lookup in registers; with bitsandbytes' selects the kernel's loop had about twice the
-instructions), and the product runs in fp16 with the weight as the tensor cores' register operand:
-the values are tf32's rounding of the float32 code book, each row of x's K tile is scaled by a
-power of two that puts its largest element near fp16's largest (exact in fp16 but for elements
-2**-29 of it or smaller), and the block scale and that power of two multiply the float32 product,
-so the weights are never rounded to bf16. The block scales (8-bit codes with nested quantization,
+A K step takes `Tiles.k_blocks` scale blocks. The codes become fp16 NF4 values by byte permutes
+(`prmt`, a table lookup in registers; with bitsandbytes' selects the kernel's loop had about twice
+the instructions), and the product runs in fp16 with the weight as the tensor cores' register
+operand: the values are tf32's rounding of the float32 code book, and each row of x's K step is
+scaled by a power of two that puts its largest element near fp16's largest (exact in fp16 but
+for elements 2**-29 of it or smaller). With one block a step (`nf4_lora_matmul`) the block scale
+and that power of two multiply the float32 product, so the weights are never rounded; with
+several (`nf4_lora_matmul_wide`, the shipped tiles) each weight, its NF4 value times its block
+scale, is rounded to fp16 before the product: 11 significant bits where bitsandbytes rounds the
+same product to bf16's 8, for blocks whose scale is at least 2**-24 of the largest of its column
+in the step (smaller ones lose bits, down to zero at 2**-40; bitsandbytes' block scales of one
+weight row are nowhere near that apart). The block scales (8-bit codes with nested quantization,
 undone in the kernel) are copied once in K-tile-major order, next to bitsandbytes' own, so that a
 program reads its columns' scales in one coalesced load. The adapter is read where it lives
 (`lora_A.weight`, `lora_B.weight`), so a CUDA graph captured over it sees every optimizer step; it
@@ -60,7 +65,7 @@ def _kernel():
 
 @dataclass(frozen=True)
 class Tiles:
-    """The kernel's tile shape (its K tile is one scale block); `programs_per_sm` is how many
+    """The kernel's tile shape (its K step `k_blocks` scale blocks); `programs_per_sm` is how many
     programs per SM it aims for when it splits K. The sum of the splits takes `sum_rows` rows by
     `sum_block_n` columns a program: a small tile, so that even a projection of 1024 columns
     spreads its partial sums over most SMs. `pdl`: both launches use programmatic dependent
@@ -120,8 +125,8 @@ def k_splits(out_features: int, in_features: int, tiles: Tiles, sms: int,
 
 
 def step_blocks(in_features: int, tiles: Tiles, blocksize: int = 64) -> int:
-    """Scale blocks a K step: `tiles.k_blocks`, or the largest power of two below it that
-    divides the input width's blocks."""
+    """Scale blocks a K step: `tiles.k_blocks`, halved until it divides the input width's
+    blocks."""
     blocks = tiles.k_blocks
     while (in_features // blocksize) % blocks:
         blocks //= 2

@@ -80,6 +80,35 @@ def segment_of(column, start1, start2, SEGMENTS: tl.constexpr):
 
 
 @triton.jit
+def projection_of(segment, SEGMENTS: tl.constexpr, w_ptr, w1_ptr, w2_ptr, absmax2_ptr,
+                  absmax2_1_ptr, absmax2_2_ptr, code2_ptr, code2_1_ptr, code2_2_ptr, offset,
+                  offset1, offset2, a_ptr, a1_ptr, a2_ptr):
+    """The weight, nested scales, offset and adapter of a program's projection in a group."""
+    if SEGMENTS > 1:
+        w_ptr = pick(segment, w_ptr, w1_ptr, w2_ptr)
+        absmax2_ptr = pick(segment, absmax2_ptr, absmax2_1_ptr, absmax2_2_ptr)
+        code2_ptr = pick(segment, code2_ptr, code2_1_ptr, code2_2_ptr)
+        offset = pick(segment, offset, offset1, offset2)
+        a_ptr = pick(segment, a_ptr, a1_ptr, a2_ptr)
+    return w_ptr, absmax2_ptr, code2_ptr, offset, a_ptr
+
+
+@triton.jit
+def store_partials(part_ptr, xa_part_ptr, acc, xa, split, M, N, rows, cols, ranks, segment,
+                   first_tile, row_ok, col_ok, HAS_LORA: tl.constexpr, SEGMENTS: tl.constexpr,
+                   R: tl.constexpr):
+    """A program's float32 partial sums (stored as x W^T) in its split's part, and, for the first
+    column tile of its projection, its x A^T in the projection's R columns of xa_part."""
+    tl.store(part_ptr + split * M * N + rows[None, :] * N + cols[:, None], acc,
+             mask=row_ok[None, :] & col_ok[:, None])
+    if HAS_LORA:  # noqa: SIM102  (a compile-time branch around a run-time one)
+        if first_tile:
+            xa_width = SEGMENTS * R
+            tl.store(xa_part_ptr + split * M * xa_width + rows[:, None] * xa_width
+                     + segment * R + ranks[None, :], xa, mask=row_ok[:, None])
+
+
+@triton.jit
 def scale_codes(codes_ptr, absmax2_ptr, k_tile, cols, local_cols, col_ok, stride_codes,
                 k_tiles, NESTED: tl.constexpr, BLOCK2: tl.constexpr):
     """What the block scales of one K tile are read from (`codes_ptr`: [k_tiles, columns], rows
@@ -123,12 +152,9 @@ def nf4_lora_matmul(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset,
         after_the_kernel_before()
     split = tl.program_id(1)
     segment, start = segment_of(tl.program_id(0) * BLOCK_N, start1, start2, SEGMENTS)
-    if SEGMENTS > 1:
-        w_ptr = pick(segment, w_ptr, w1_ptr, w2_ptr)
-        absmax2_ptr = pick(segment, absmax2_ptr, absmax2_1_ptr, absmax2_2_ptr)
-        code2_ptr = pick(segment, code2_ptr, code2_1_ptr, code2_2_ptr)
-        offset = pick(segment, offset, offset1, offset2)
-        a_ptr = pick(segment, a_ptr, a1_ptr, a2_ptr)
+    w_ptr, absmax2_ptr, code2_ptr, offset, a_ptr = projection_of(
+        segment, SEGMENTS, w_ptr, w1_ptr, w2_ptr, absmax2_ptr, absmax2_1_ptr, absmax2_2_ptr,
+        code2_ptr, code2_1_ptr, code2_2_ptr, offset, offset1, offset2, a_ptr, a1_ptr, a2_ptr)
     first_tile = tl.program_id(0) * BLOCK_N == start
     rows = tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -198,13 +224,8 @@ def nf4_lora_matmul(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset,
                                      mask=ranks[:, None] < rank, other=0.0).to(tl.float32)
                         xa += tl.dot(xk, tl.trans(ak), input_precision=XA_PRECISION)
         codes, scales2, a = next_codes, next_scales2, next_a
-    tl.store(part_ptr + split * M * N + rows[None, :] * N + cols[:, None], acc,
-             mask=row_ok[None, :] & col_ok[:, None])
-    if HAS_LORA:  # noqa: SIM102  (a compile-time branch around a run-time one)
-        if first_tile:
-            xa_width = SEGMENTS * R
-            tl.store(xa_part_ptr + split * M * xa_width + rows[:, None] * xa_width
-                     + segment * R + ranks[None, :], xa, mask=row_ok[:, None])
+    store_partials(part_ptr, xa_part_ptr, acc, xa, split, M, N, rows, cols, ranks, segment,
+                   first_tile, row_ok, col_ok, HAS_LORA, SEGMENTS, R)
 
 
 @triton.jit
@@ -254,19 +275,18 @@ def nf4_lora_matmul_wide(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset
     """`nf4_lora_matmul` with KB scale blocks a K step: each weight is its NF4 value times its
     block scale in fp16 (the scale brought near fp16's largest by a power of two per column and
     step, rounded to fp16, then the product rounded: 11 significant bits, where bitsandbytes
-    rounds the weight to bf16's 8), so that one product of K = KB x QBLOCK, one scaling of x's
-    rows and one update of the accumulator serve KB blocks, and each step loads KB blocks of the
-    packed weight at once. The arguments and outputs are `nf4_lora_matmul`'s."""
+    rounds the weight to bf16's 8, for blocks whose scale is at least 2**-24 of the column's
+    largest in the step; smaller ones lose bits, down to zero at 2**-40, where the one-block
+    kernel stays exact), so that one product of K = KB x QBLOCK, one scaling of x's rows and one
+    update of the accumulator serve KB blocks, and each step loads KB blocks of the packed
+    weight at once. The arguments and outputs are `nf4_lora_matmul`'s."""
     if PDL:
         after_the_kernel_before()
     split = tl.program_id(1)
     segment, start = segment_of(tl.program_id(0) * BLOCK_N, start1, start2, SEGMENTS)
-    if SEGMENTS > 1:
-        w_ptr = pick(segment, w_ptr, w1_ptr, w2_ptr)
-        absmax2_ptr = pick(segment, absmax2_ptr, absmax2_1_ptr, absmax2_2_ptr)
-        code2_ptr = pick(segment, code2_ptr, code2_1_ptr, code2_2_ptr)
-        offset = pick(segment, offset, offset1, offset2)
-        a_ptr = pick(segment, a_ptr, a1_ptr, a2_ptr)
+    w_ptr, absmax2_ptr, code2_ptr, offset, a_ptr = projection_of(
+        segment, SEGMENTS, w_ptr, w1_ptr, w2_ptr, absmax2_ptr, absmax2_1_ptr, absmax2_2_ptr,
+        code2_ptr, code2_1_ptr, code2_2_ptr, offset, offset1, offset2, a_ptr, a1_ptr, a2_ptr)
     first_tile = tl.program_id(0) * BLOCK_N == start
     rows = tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -317,10 +337,5 @@ def nf4_lora_matmul_wide(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset
                 a = tl.load(a_ptr + ranks[:, None] * K + (k0 + within)[None, :], mask=a_ok,
                             other=0.0)
                 xa += tl.dot(x, tl.trans(a.to(tl.float32)), input_precision=XA_PRECISION)
-    tl.store(part_ptr + split * M * N + rows[None, :] * N + cols[:, None], acc,
-             mask=row_ok[None, :] & col_ok[:, None])
-    if HAS_LORA:  # noqa: SIM102  (a compile-time branch around a run-time one)
-        if first_tile:
-            xa_width = SEGMENTS * R
-            tl.store(xa_part_ptr + split * M * xa_width + rows[:, None] * xa_width
-                     + segment * R + ranks[None, :], xa, mask=row_ok[:, None])
+    store_partials(part_ptr, xa_part_ptr, acc, xa, split, M, N, rows, cols, ranks, segment,
+                   first_tile, row_ok, col_ok, HAS_LORA, SEGMENTS, R)

@@ -1,0 +1,131 @@
+"""The NF4 decode kernel with several scale blocks a K step (`nf4_lora_matmul_wide`, the shipped
+tiles) under Triton's interpreter: against float64, alone and in a group, and where its fp16
+weights stop being exact. The interpreter ignores `tl.dot`'s input precision, so the adapter's
+tf32 rounding is covered by tests/gpu/test_graph_decode_gpu.py only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_nf4_decode import random_nf4
+
+from vlmrl.rollout.nf4_decode import PackedNF4, Tiles, k_splits, step_blocks
+
+
+@pytest.mark.parametrize(("in_features", "asked", "taken"),
+                         [(2048, 4, 4), (2048, 2, 2), (320, 4, 1), (384, 4, 2), (12288, 8, 8)])
+def test_a_step_takes_the_blocks_asked_where_they_divide_the_input(in_features, asked, taken):
+    assert step_blocks(in_features, Tiles(k_blocks=asked)) == taken
+
+
+def test_splits_count_steps_of_several_blocks():
+    """64 columns: one column tile, so K splits fill the SMs, as many as there are steps."""
+    assert k_splits(64, 2048, Tiles(block_n=64, k_blocks=4), sms=132) == 8  # 8 steps of 256
+    assert k_splits(64, 2048, Tiles(block_n=64), sms=132) == 32  # 32 blocks of 64
+
+
+def test_an_unknown_adapter_precision_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="Tiles.xa_precision is 'bf16'"):
+        Tiles(xa_precision="bf16")
+
+
+def largest_row_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """The largest error of a row over that row's largest expected value (0 for rows of 0)."""
+    worst = 0.0
+    for row in range(expected.shape[0]):
+        largest = expected[row].abs().max()
+        if largest == 0:
+            assert torch.equal(got[row], expected[row]), row
+        else:
+            worst = max(worst, ((got[row] - expected[row]).abs().max() / largest).item())
+    return worst
+
+
+@pytest.mark.parametrize(("rows", "out_features", "in_features", "nested", "lora", "tiles",
+                          "row_scales"), [
+    # four blocks a step, two steps a split (one column tile of 64 on 4 SMs: 4 splits of 512)
+    (19, 64, 2048, True, True, Tiles(block_n=64, programs_per_sm=1, k_blocks=4,
+                                     xa_precision="tf32"), {4: 2.0 ** -20, 0: 2.0 ** 17}),
+    # four blocks asked, where the input's five blocks take one a step (the one-block kernel)
+    (6, 128, 320, False, True, Tiles(block_n=64, programs_per_sm=1, k_blocks=4), {2: 0.0}),
+    (32, 256, 512, True, False, Tiles(block_n=128, programs_per_sm=1, k_blocks=2), {1: 2.0 ** 40})])
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+def test_the_wide_kernel_matches_a_float64_product(interpreted_kernel, rows, out_features,
+                                                   in_features, nested, lora, tiles, row_scales):
+    """As the one-block kernel's test: rows far above and below fp16's range, a row of zeros,
+    the adapter; 2e-2 of a row's largest value (the interpreter truncates bf16)."""
+    generator = torch.Generator().manual_seed(rows)
+    weight, dense = random_nf4(out_features, in_features, nested, generator)
+    x = torch.randn(rows, in_features, generator=generator).to(torch.bfloat16)
+    for row, scale in row_scales.items():
+        x[row] *= scale
+    expected = x.double() @ dense.t()
+    adapter = None
+    if lora:
+        a = torch.randn(16, in_features, generator=generator) * 0.05
+        b = torch.randn(out_features, 16, generator=generator) * 0.05
+        expected += 0.5 * (x.double() @ a.double().t()) @ b.double().t()
+        adapter = (a, b, 0.5)
+    got = interpreted_kernel.nf4_matmul(x, weight, adapter, tiles).double()
+    assert largest_row_error(got, expected) < 2e-2
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+def test_a_wide_group_matches_its_projections(interpreted_kernel):
+    """q, k, v in one launch of the wide kernel, each with its own nested scales and adapter."""
+    generator = torch.Generator().manual_seed(3)
+    members = [random_nf4(width, 512, True, generator, offset=0.01 * (index + 1))
+               for index, width in enumerate((128, 64, 64))]
+    weights = interpreted_kernel.side_by_side([weight for weight, _ in members])
+    x = torch.randn(7, 512, generator=generator).to(torch.bfloat16)
+    loras = [(torch.randn(16, 512, generator=generator) * 0.05,
+              torch.randn(weight.out_features, 16, generator=generator) * 0.05, 0.5)
+             for weight in weights]
+    tiles = Tiles(block_n=64, programs_per_sm=1, k_blocks=2)
+    assert interpreted_kernel.groupable(weights, loras, tiles)
+    got = interpreted_kernel.nf4_group_matmul(x, weights, loras, tiles).double()
+    start = 0
+    for (_, dense), (a, b, scaling) in zip(members, loras):
+        width = dense.shape[0]
+        expected = (x.double() @ dense.t()
+                    + scaling * (x.double() @ a.double().t()) @ b.double().t())
+        assert largest_row_error(got[:, start:start + width], expected) < 2e-2
+        start += width
+
+
+def far_apart_scales(ratio: float) -> tuple[PackedNF4, torch.Tensor, torch.Tensor]:
+    """A weight whose block scales alternate 1 and `ratio` along each row, its float64 dense
+    weight, and x that is non-zero only on the small blocks."""
+    from vlmrl.rollout.nf4_codes import NF4_CODES
+
+    generator = torch.Generator().manual_seed(7)
+    out_features, in_features = 64, 512
+    packed = torch.randint(0, 256, (out_features * in_features // 2, 1), dtype=torch.uint8,
+                           generator=generator)
+    scales = torch.tensor([1.0, ratio]).repeat(out_features * in_features // 128)
+    weight = PackedNF4(packed, scales.view(out_features, -1).t().contiguous(), out_features,
+                       in_features, 64)
+    codes = torch.tensor(NF4_CODES, dtype=torch.float64)
+    flat = packed.view(-1).long()
+    values = torch.stack([codes[flat >> 4], codes[flat & 15]], 1).reshape(-1, 64)
+    dense = (values * scales.double()[:, None]).reshape(out_features, in_features)
+    x = torch.randn(4, in_features, generator=generator)
+    x.view(4, -1, 64)[:, 0::2] = 0.0  # the blocks of scale 1
+    return weight, dense, (x / ratio).to(torch.bfloat16)
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+def test_fp16_weights_hold_blocks_down_to_2_to_the_minus_24_of_the_largest(interpreted_kernel):
+    """Two blocks a step share their column's power of two: a block 2**-20 of the other keeps
+    fp16's bits; at 2**-44 its weights round to zero in fp16, where the one-block kernel, which
+    scales after the product, stays exact (the bound the docstrings state)."""
+    wide, narrow = Tiles(block_n=64, k_blocks=2), Tiles(block_n=64)
+    weight, dense, x = far_apart_scales(2.0 ** -20)
+    expected = x.double() @ dense.t()
+    assert largest_row_error(interpreted_kernel.nf4_matmul(x, weight, None, wide).double(),
+                             expected) < 2e-2
+    weight, dense, x = far_apart_scales(2.0 ** -44)
+    expected = x.double() @ dense.t()
+    assert largest_row_error(interpreted_kernel.nf4_matmul(x, weight, None, narrow).double(),
+                             expected) < 2e-2
+    assert interpreted_kernel.nf4_matmul(x, weight, None, wide).abs().max() == 0
