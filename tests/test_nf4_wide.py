@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_nf4_decode import random_nf4
+from test_nf4_decode import largest_row_error, product_case, random_nf4
 
 from vlmrl.rollout.nf4_decode import PackedNF4, Tiles, k_splits, step_blocks
 
@@ -29,18 +29,6 @@ def test_an_unknown_adapter_precision_is_refused_by_name() -> None:
         Tiles(xa_precision="bf16")
 
 
-def largest_row_error(got: torch.Tensor, expected: torch.Tensor) -> float:
-    """The largest error of a row over that row's largest expected value (0 for rows of 0)."""
-    worst = 0.0
-    for row in range(expected.shape[0]):
-        largest = expected[row].abs().max()
-        if largest == 0:
-            assert torch.equal(got[row], expected[row]), row
-        else:
-            worst = max(worst, ((got[row] - expected[row]).abs().max() / largest).item())
-    return worst
-
-
 @pytest.mark.parametrize(("rows", "out_features", "in_features", "nested", "lora", "tiles",
                           "row_scales"), [
     # four blocks a step, two steps a split (one column tile of 64 on 4 SMs: 4 splits of 512)
@@ -54,18 +42,8 @@ def test_the_wide_kernel_matches_a_float64_product(interpreted_kernel, rows, out
                                                    in_features, nested, lora, tiles, row_scales):
     """As the one-block kernel's test: rows far above and below fp16's range, a row of zeros,
     the adapter; 2e-2 of a row's largest value (the interpreter truncates bf16)."""
-    generator = torch.Generator().manual_seed(rows)
-    weight, dense = random_nf4(out_features, in_features, nested, generator)
-    x = torch.randn(rows, in_features, generator=generator).to(torch.bfloat16)
-    for row, scale in row_scales.items():
-        x[row] *= scale
-    expected = x.double() @ dense.t()
-    adapter = None
-    if lora:
-        a = torch.randn(16, in_features, generator=generator) * 0.05
-        b = torch.randn(out_features, 16, generator=generator) * 0.05
-        expected += 0.5 * (x.double() @ a.double().t()) @ b.double().t()
-        adapter = (a, b, 0.5)
+    weight, x, adapter, expected = product_case(rows, out_features, in_features, nested, lora,
+                                                row_scales)
     got = interpreted_kernel.nf4_matmul(x, weight, adapter, tiles).double()
     assert largest_row_error(got, expected) < 2e-2
 

@@ -94,6 +94,15 @@ def projection_of(segment, SEGMENTS: tl.constexpr, w_ptr, w1_ptr, w2_ptr, absmax
 
 
 @triton.jit
+def program_tile(start, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A program's rows and columns (in the group, and in its projection from `start`), which of
+    them exist, and whether its columns are its projection's first tile."""
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return tl.program_id(0) * BLOCK_N == start, rows, cols, cols - start, rows < M, cols < N
+
+
+@triton.jit
 def store_partials(part_ptr, xa_part_ptr, acc, xa, split, M, N, rows, cols, ranks, segment,
                    first_tile, row_ok, col_ok, HAS_LORA: tl.constexpr, SEGMENTS: tl.constexpr,
                    R: tl.constexpr):
@@ -155,12 +164,8 @@ def nf4_lora_matmul(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset,
     w_ptr, absmax2_ptr, code2_ptr, offset, a_ptr = projection_of(
         segment, SEGMENTS, w_ptr, w1_ptr, w2_ptr, absmax2_ptr, absmax2_1_ptr, absmax2_2_ptr,
         code2_ptr, code2_1_ptr, code2_2_ptr, offset, offset1, offset2, a_ptr, a1_ptr, a2_ptr)
-    first_tile = tl.program_id(0) * BLOCK_N == start
-    rows = tl.arange(0, BLOCK_M)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    local_cols = cols - start
-    row_ok = rows < M
-    col_ok = cols < N
+    first_tile, rows, cols, local_cols, row_ok, col_ok = program_tile(start, M, N, BLOCK_M,
+                                                                      BLOCK_N)
     pairs = tl.arange(0, QBLOCK // 2)  # byte j holds weights 2j (high nibble) and 2j + 1
     within = tl.arange(0, QBLOCK)
     ranks = tl.arange(0, R)
@@ -287,12 +292,8 @@ def nf4_lora_matmul_wide(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset
     w_ptr, absmax2_ptr, code2_ptr, offset, a_ptr = projection_of(
         segment, SEGMENTS, w_ptr, w1_ptr, w2_ptr, absmax2_ptr, absmax2_1_ptr, absmax2_2_ptr,
         code2_ptr, code2_1_ptr, code2_2_ptr, offset, offset1, offset2, a_ptr, a1_ptr, a2_ptr)
-    first_tile = tl.program_id(0) * BLOCK_N == start
-    rows = tl.arange(0, BLOCK_M)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    local_cols = cols - start
-    row_ok = rows < M
-    col_ok = cols < N
+    first_tile, rows, cols, local_cols, row_ok, col_ok = program_tile(start, M, N, BLOCK_M,
+                                                                      BLOCK_N)
     STEP: tl.constexpr = KB * QBLOCK
     blocks = tl.arange(0, KB)
     pairs = tl.arange(0, QBLOCK // 2)
