@@ -118,8 +118,8 @@ def k_splits(out_features: int, in_features: int, tiles: Tiles, sms: int,
     """The fewest splits of K (a divisor of its count of K steps, `step_blocks` scale blocks
     each) that give every SM `programs_per_sm` programs, or all of them."""
     column_blocks = -(-out_features // tiles.block_n)
-    k_tiles = in_features // (blocksize * step_blocks(in_features, tiles, blocksize))
-    divisors = [d for d in range(1, k_tiles + 1) if k_tiles % d == 0]
+    k_steps = in_features // (blocksize * step_blocks(in_features, tiles, blocksize))
+    divisors = [d for d in range(1, k_steps + 1) if k_steps % d == 0]
     wanted = tiles.programs_per_sm * sms
     return next((d for d in divisors if column_blocks * d >= wanted), divisors[-1])
 
@@ -285,11 +285,10 @@ def nf4_group_matmul(x: torch.Tensor, weights: Sequence[PackedNF4],
     a, b = each([lora[0] for lora in adapters]), each([lora[1] for lora in adapters])
     use_pdl = tiles.pdl and _hopper(x.device)
     pdl = {"PDL": use_pdl, "launch_pdl": use_pdl}
-    blocks = step_blocks(in_features, tiles, first.blocksize)
-    options = _step_options(tiles, in_features // splits, first.blocksize * blocks)
-    if blocks > 1:
-        options = {"KB": blocks, **{k: v for k, v in options.items() if k != "XA_CHUNK"}}
-    (wide_kernel if blocks > 1 else kernel)[(triton.cdiv(out_features, tiles.block_n), splits)](
+    options = _step_options(tiles, in_features // splits, first.blocksize,
+                            step_blocks(in_features, tiles, first.blocksize))
+    (wide_kernel if "KB" in options else kernel)[(triton.cdiv(out_features, tiles.block_n),
+                                                  splits)](
         flat, packed[0], first.absmax, absmax2[0], code2[0], offsets[0], a[0], parts, xa_parts,
         rows, out_features, in_features, rank, flat.stride(0), first.absmax.stride(0),
         packed[1], packed[2], absmax2[1], absmax2[2], code2[1], code2[2], offsets[1],
@@ -307,13 +306,16 @@ def nf4_group_matmul(x: torch.Tensor, weights: Sequence[PackedNF4],
     return out.view(*x.shape[:-1], out_features)
 
 
-def _step_options(tiles: Tiles, k_split: int, blocksize: int) -> dict:
-    """The first kernel's adapter chunk and register cap, which apply to programs of several K
-    steps only (see Tiles)."""
-    if k_split <= blocksize:
-        return {"XA_CHUNK": blocksize}
-    options = {"XA_CHUNK": min(tiles.xa_chunk, blocksize)}
-    if tiles.max_registers is not None:
+def _step_options(tiles: Tiles, k_split: int, blocksize: int, blocks: int) -> dict:
+    """The first kernel's step options: scale blocks a step (`KB`, the wide kernel's) or the
+    one-block kernel's adapter chunk, and the register cap, which applies to programs of several
+    K steps only (see Tiles)."""
+    step = blocksize * blocks
+    if blocks > 1:
+        options = {"KB": blocks}
+    else:
+        options = {"XA_CHUNK": blocksize if k_split <= step else min(tiles.xa_chunk, blocksize)}
+    if k_split > step and tiles.max_registers is not None:
         options["maxnreg"] = tiles.max_registers
     return options
 
