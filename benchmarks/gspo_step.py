@@ -180,11 +180,8 @@ for _name in ("gpu_profile_graph_fp8", "gpu_profile_graph_fp8_mb4", "gpu_profile
 RECIPE_8B_PROFILE = "gpu_profile_graph_fp8_mb4_compiled"  # recipes/mathvista-qwen3-vl-8b.yaml's
 # The same with the NF4 decode kernel's tiles before the wide kernel (one scale block a K step,
 # the adapter's x A^T in float32 on CUDA cores): one device call measures the kernel's change.
-# `_fused`: the shipped tiles with the splits added in the first launch (Tiles.fused_sum).
 for _name in ("gpu_profile_graph_fp8_compiled", "gpu_profile_graph_fp8_mb4_compiled"):
     CONFIGS[f"{_name}_narrow"] = {**CONFIGS[_name], "decode_tiles": {"block_n": 128}}
-    CONFIGS[f"{_name}_fused"] = {**CONFIGS[_name], "decode_tiles": {
-        "block_n": 128, "k_blocks": 2, "xa_precision": "tf32", "fused_sum": True}}
 # The float8 profile as it stood before issue 41 (the NF4 kernel's tree decode and float32
 # block scales, old log-probs for every row): the same knobs run on the library exported from
 # that commit (`--baseline-src`), so one device call measures it beside the new one.
@@ -600,7 +597,7 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
                     "peak_allocated_gib": _peak_gib("allocated"),
                     "peak_reserved_gib": _peak_gib("reserved")}))
 
-    if "decode_tiles" in knobs:  # NF4 decode kernel tiles other than the shipped ones
+    if "decode_tiles" in knobs:  # the NF4 decode kernel's tiles of an earlier commit
         from vlmrl.rollout import nf4_decode
 
         nf4_decode.TILES = nf4_decode.Tiles(**knobs["decode_tiles"])

@@ -44,7 +44,7 @@ VARIANTS = {"before": NARROW, "xa_chunk=16": dataclasses.replace(NARROW, xa_chun
             "four blocks a step": dataclasses.replace(TILES, k_blocks=4)}
 ROWS, RANK, SMS = 32, 16, 132  # the decode step's rows, the recipes' LoRA rank, an H100's SMs
 SM_REGISTERS, SM_THREADS = 65536, 2048
-TYPES = {torch.uint8: "*u8", torch.int32: "*i32", torch.bfloat16: "*bf16", torch.float32: "*fp32",
+TYPES = {torch.uint8: "*u8", torch.bfloat16: "*bf16", torch.float32: "*fp32",
          torch.float16: "*fp16"}
 
 

@@ -52,13 +52,6 @@ VARIANTS = {
     "n256 x2 w8 tf32": dataclasses.replace(WIDE, block_n=256, warps=8),
     "n128 x1 tf32 pps8": Tiles(block_n=128, programs_per_sm=8, xa_precision="tf32"),
     "n64 x2 tf32": Tiles(block_n=64, k_blocks=2, xa_precision="tf32"),
-    # the third round (`nf4_sweep_3.json`): no second launch (the splits added by the last
-    # program of each column tile), and eight warps on the shipped tile
-    "fused": dataclasses.replace(WIDE, fused_sum=True),
-    "fused regs168": dataclasses.replace(WIDE, fused_sum=True, max_registers=168),
-    "n128 x2 w8 tf32": dataclasses.replace(WIDE, warps=8),
-    "fused w8": dataclasses.replace(WIDE, fused_sum=True, warps=8),
-    "fused pdl": dataclasses.replace(WIDE, fused_sum=True, pdl=True),
 }
 
 

@@ -80,10 +80,7 @@ class Tiles:
     no whole steps of that many; `xa_chunk` does not apply). `xa_precision`:
     the adapter's x A^T as `tl.dot` takes it: "ieee" (float32 on CUDA cores, whose registers then
     set the kernel's), "tf32" (tensor cores; x, bf16, is exact in tf32, A rounded to 11
-    significant bits) or "tf32x3". `fused_sum`: no second launch; the program that stores a
-    column tile's last split adds the splits (`sum_if_last`: a counter per column tile, set back
-    to 0 by that program, in one buffer per device that the calls on it share in stream order),
-    and every column tile computes its own x A^T for it."""
+    significant bits) or "tf32x3"."""
 
     block_n: int = 64
     warps: int = 4
@@ -96,7 +93,6 @@ class Tiles:
     max_registers: int | None = None
     k_blocks: int = 1
     xa_precision: str = "ieee"
-    fused_sum: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "sum_block_n", "sum_rows", "xa_chunk", "k_blocks"):
@@ -274,11 +270,8 @@ def nf4_group_matmul(x: torch.Tensor, weights: Sequence[PackedNF4],
     adapters = loras or [(flat, flat, 1.0)] * len(weights)
     rank = adapters[0][0].shape[0] if loras is not None else 1
     r_tile = max(16, triton.next_power_of_2(rank))
-    column_tiles = triton.cdiv(out_features, tiles.block_n)
-    xa_width = (column_tiles * r_tile if tiles.fused_sum else len(weights) * r_tile)
-    xa_parts = torch.empty(splits, rows, xa_width, dtype=torch.float32, device=x.device)
-    out = torch.empty(rows, out_features, dtype=torch.bfloat16, device=x.device)
-    counters = _tile_counters(x.device, max(1024, triton.next_power_of_2(column_tiles)))
+    xa_parts = torch.empty(splits, rows, len(weights) * r_tile, dtype=torch.float32,
+                           device=x.device)
     block_m = max(16, triton.next_power_of_2(rows))
     nested = first.absmax2 is not None
 
@@ -294,19 +287,17 @@ def nf4_group_matmul(x: torch.Tensor, weights: Sequence[PackedNF4],
     pdl = {"PDL": use_pdl, "launch_pdl": use_pdl}
     options = _step_options(tiles, in_features // splits, first.blocksize,
                             step_blocks(in_features, tiles, first.blocksize))
-    (wide_kernel if "KB" in options else kernel)[(column_tiles, splits)](
+    (wide_kernel if "KB" in options else kernel)[(triton.cdiv(out_features, tiles.block_n),
+                                                  splits)](
         flat, packed[0], first.absmax, absmax2[0], code2[0], offsets[0], a[0], parts, xa_parts,
         rows, out_features, in_features, rank, flat.stride(0), first.absmax.stride(0),
         packed[1], packed[2], absmax2[1], absmax2[2], code2[1], code2[2], offsets[1],
-        offsets[2], a[1], a[2], starts[0], starts[1], b[0], b[1], b[2], out, counters,
-        float(adapters[0][2]),
+        offsets[2], a[1], a[2], starts[0], starts[1],
         K_SPLIT=in_features // splits, NESTED=nested, BLOCK2=first.block2,
         HAS_LORA=loras is not None, QBLOCK=first.blocksize, R=r_tile, BLOCK_M=block_m,
         BLOCK_N=tiles.block_n, num_warps=tiles.warps, num_stages=tiles.stages, **pdl,
-        SEGMENTS=len(weights), XA_PRECISION=tiles.xa_precision, FUSED=tiles.fused_sum,
-        SPLITS=splits, **options)
-    if tiles.fused_sum:
-        return out.view(*x.shape[:-1], out_features)
+        SEGMENTS=len(weights), XA_PRECISION=tiles.xa_precision, **options)
+    out = torch.empty(rows, out_features, dtype=torch.bfloat16, device=x.device)
     sum_rows = min(block_m, tiles.sum_rows)
     sum_splits[(triton.cdiv(out_features, tiles.sum_block_n), triton.cdiv(rows, sum_rows))](
         parts, xa_parts, b[0], out, rows, out_features, rank, float(adapters[0][2]), b[1], b[2],
@@ -318,13 +309,13 @@ def nf4_group_matmul(x: torch.Tensor, weights: Sequence[PackedNF4],
 def _step_options(tiles: Tiles, k_split: int, blocksize: int, blocks: int) -> dict:
     """The first kernel's step options: scale blocks a step (`KB`, the wide kernel's) or the
     one-block kernel's adapter chunk, and the register cap, which applies to programs of several
-    K steps, or with the fused sum, only (see Tiles)."""
+    K steps only (see Tiles)."""
     step = blocksize * blocks
     if blocks > 1:
         options = {"KB": blocks}
     else:
         options = {"XA_CHUNK": blocksize if k_split <= step else min(tiles.xa_chunk, blocksize)}
-    if (k_split > step or tiles.fused_sum) and tiles.max_registers is not None:
+    if k_split > step and tiles.max_registers is not None:
         options["maxnreg"] = tiles.max_registers
     return options
 
@@ -351,13 +342,6 @@ def nf4_matmul_op(x: torch.Tensor, packed: list[torch.Tensor], absmax: list[torc
 def _(x, packed, absmax, absmax2, code2, offsets, block2, lora_a, lora_b, scaling,
       out_features, blocksize):
     return x.new_empty(*x.shape[:-1], sum(out_features))
-
-
-@functools.cache
-def _tile_counters(device: torch.device, size: int) -> torch.Tensor:
-    """The fused sum's counters (`Tiles.fused_sum`): zero between launches, each launch's last
-    program of a column tile sets its counter back."""
-    return torch.zeros(size, dtype=torch.int32, device=device)
 
 
 @functools.cache

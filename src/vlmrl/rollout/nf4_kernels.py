@@ -105,58 +105,16 @@ def program_tile(start, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 @triton.jit
 def store_partials(part_ptr, xa_part_ptr, acc, xa, split, M, N, rows, cols, ranks, segment,
                    first_tile, row_ok, col_ok, HAS_LORA: tl.constexpr, SEGMENTS: tl.constexpr,
-                   R: tl.constexpr, FUSED: tl.constexpr):
+                   R: tl.constexpr):
     """A program's float32 partial sums (stored as x W^T) in its split's part, and, for the first
-    column tile of its projection, its x A^T in the projection's R columns of xa_part; FUSED:
-    every column tile's x A^T, in its own R columns ([splits, column tiles, M, R])."""
+    column tile of its projection, its x A^T in the projection's R columns of xa_part."""
     tl.store(part_ptr + split * M * N + rows[None, :] * N + cols[:, None], acc,
              mask=row_ok[None, :] & col_ok[:, None])
-    if FUSED and HAS_LORA:
-        tiles = tl.num_programs(0)
-        tl.store(xa_part_ptr + (split * tiles + tl.program_id(0)) * M * R + rows[:, None] * R
-                 + ranks[None, :], xa, mask=row_ok[:, None])
-    elif HAS_LORA:  # noqa: SIM102  (a compile-time branch around a run-time one)
+    if HAS_LORA:  # noqa: SIM102  (a compile-time branch around a run-time one)
         if first_tile:
             xa_width = SEGMENTS * R
             tl.store(xa_part_ptr + split * M * xa_width + rows[:, None] * xa_width
                      + segment * R + ranks[None, :], xa, mask=row_ok[:, None])
-
-
-@triton.jit
-def sum_if_last(part_ptr, xa_part_ptr, counter_ptr, b_ptr, out_ptr, M, N, rank, scaling, start,
-                rows, row_ok, HAS_LORA: tl.constexpr, R: tl.constexpr, SPLITS: tl.constexpr,
-                BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
-    """`sum_splits` for the column tile of the program that stores its last split (the others
-    return): each program counts itself in its tile's counter once its partial sums are stored,
-    and the last, seeing every split's, adds them in split order (replays give equal bits), plus
-    s (x A^T) B^T, rounds once to bf16 and sets the counter back to 0 for the next launch. It
-    goes CHUNK columns at a time, so that the sums hold few registers past the main loop's."""
-    tl.debug_barrier()  # every thread's partial sums stored before the count is released
-    tile = tl.program_id(0)
-    stored = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    if stored == SPLITS - 1:
-        ranks = tl.arange(0, R)
-        if HAS_LORA:
-            at = tile * M * R + rows[:, None] * R + ranks[None, :]
-            tiles = tl.num_programs(0)
-            xa = tl.load(xa_part_ptr + at, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
-            for part in range(1, SPLITS):
-                xa += tl.load(xa_part_ptr + part * tiles * M * R + at, mask=row_ok[:, None],
-                              other=0.0, cache_modifier=".cg")
-        for chunk in range(0, BLOCK_N, CHUNK):
-            cols = tile * BLOCK_N + chunk + tl.arange(0, CHUNK)
-            ok = row_ok[None, :] & (cols < N)[:, None]
-            where = rows[None, :] * N + cols[:, None]
-            total = tl.load(part_ptr + where, mask=ok, other=0.0, cache_modifier=".cg")
-            for part in range(1, SPLITS):
-                total += tl.load(part_ptr + part * M * N + where, mask=ok, other=0.0,
-                                 cache_modifier=".cg")
-            if HAS_LORA:
-                b = tl.load(b_ptr + (cols - start)[:, None] * rank + ranks[None, :],
-                            mask=(cols < N)[:, None] & (ranks[None, :] < rank), other=0.0)
-                total += tl.dot(b.to(tl.float32), tl.trans(xa), input_precision="ieee") * scaling
-            tl.store(out_ptr + where, total.to(tl.bfloat16), mask=ok)
-        tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -180,13 +138,11 @@ def nf4_lora_matmul(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset,
                     a_ptr, part_ptr, xa_part_ptr, M, N, K, rank, stride_x, stride_codes,
                     w1_ptr, w2_ptr, absmax2_1_ptr, absmax2_2_ptr, code2_1_ptr, code2_2_ptr,
                     offset1, offset2, a1_ptr, a2_ptr, start1, start2,
-                    b_ptr, b1_ptr, b2_ptr, out_ptr, counter_ptr, scaling,
                     K_SPLIT: tl.constexpr, NESTED: tl.constexpr, BLOCK2: tl.constexpr,
                     HAS_LORA: tl.constexpr, QBLOCK: tl.constexpr, R: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
                     XA_CHUNK: tl.constexpr, SEGMENTS: tl.constexpr,
-                    XA_PRECISION: tl.constexpr = "ieee", FUSED: tl.constexpr = False,
-                    SPLITS: tl.constexpr = 1):
+                    XA_PRECISION: tl.constexpr = "ieee"):
     """One [BLOCK_N, rows] tile of W x^T over K_SPLIT of K (program_id 1 says which), one
     scale block per step, in float32 to the partial sums part[split] (stored as x W^T);
     the first column tile also writes its split's share of x A^T (float32, as PEFT) to
@@ -210,8 +166,6 @@ def nf4_lora_matmul(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset,
         code2_ptr, code2_1_ptr, code2_2_ptr, offset, offset1, offset2, a_ptr, a1_ptr, a2_ptr)
     first_tile, rows, cols, local_cols, row_ok, col_ok = program_tile(start, M, N, BLOCK_M,
                                                                       BLOCK_N)
-    if FUSED:  # every column tile adds its own x A^T (see sum_if_last)
-        first_tile = True
     pairs = tl.arange(0, QBLOCK // 2)  # byte j holds weights 2j (high nibble) and 2j + 1
     within = tl.arange(0, QBLOCK)
     ranks = tl.arange(0, R)
@@ -276,12 +230,7 @@ def nf4_lora_matmul(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset,
                         xa += tl.dot(xk, tl.trans(ak), input_precision=XA_PRECISION)
         codes, scales2, a = next_codes, next_scales2, next_a
     store_partials(part_ptr, xa_part_ptr, acc, xa, split, M, N, rows, cols, ranks, segment,
-                   first_tile, row_ok, col_ok, HAS_LORA, SEGMENTS, R, FUSED)
-    if FUSED:
-        if SEGMENTS > 1:
-            b_ptr = pick(segment, b_ptr, b1_ptr, b2_ptr)
-        sum_if_last(part_ptr, xa_part_ptr, counter_ptr, b_ptr, out_ptr, M, N, rank, scaling,
-                    start, rows, row_ok, HAS_LORA, R, SPLITS, BLOCK_N, 32)
+                   first_tile, row_ok, col_ok, HAS_LORA, SEGMENTS, R)
 
 
 @triton.jit
@@ -323,13 +272,11 @@ def nf4_lora_matmul_wide(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset
                          a_ptr, part_ptr, xa_part_ptr, M, N, K, rank, stride_x, stride_codes,
                          w1_ptr, w2_ptr, absmax2_1_ptr, absmax2_2_ptr, code2_1_ptr, code2_2_ptr,
                          offset1, offset2, a1_ptr, a2_ptr, start1, start2,
-                         b_ptr, b1_ptr, b2_ptr, out_ptr, counter_ptr, scaling,
                          K_SPLIT: tl.constexpr, NESTED: tl.constexpr, BLOCK2: tl.constexpr,
                          HAS_LORA: tl.constexpr, QBLOCK: tl.constexpr, R: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
                          SEGMENTS: tl.constexpr, KB: tl.constexpr,
-                         XA_PRECISION: tl.constexpr = "ieee", FUSED: tl.constexpr = False,
-                         SPLITS: tl.constexpr = 1):
+                         XA_PRECISION: tl.constexpr = "ieee"):
     """`nf4_lora_matmul` with KB scale blocks a K step: each weight is its NF4 value times its
     block scale in fp16 (the scale brought near fp16's largest by a power of two per column and
     step, rounded to fp16, then the product rounded: 11 significant bits, where bitsandbytes
@@ -347,8 +294,6 @@ def nf4_lora_matmul_wide(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset
         code2_ptr, code2_1_ptr, code2_2_ptr, offset, offset1, offset2, a_ptr, a1_ptr, a2_ptr)
     first_tile, rows, cols, local_cols, row_ok, col_ok = program_tile(start, M, N, BLOCK_M,
                                                                       BLOCK_N)
-    if FUSED:  # every column tile adds its own x A^T (see sum_if_last)
-        first_tile = True
     STEP: tl.constexpr = KB * QBLOCK
     blocks = tl.arange(0, KB)
     pairs = tl.arange(0, QBLOCK // 2)
@@ -394,9 +339,4 @@ def nf4_lora_matmul_wide(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset
                             other=0.0)
                 xa += tl.dot(x, tl.trans(a.to(tl.float32)), input_precision=XA_PRECISION)
     store_partials(part_ptr, xa_part_ptr, acc, xa, split, M, N, rows, cols, ranks, segment,
-                   first_tile, row_ok, col_ok, HAS_LORA, SEGMENTS, R, FUSED)
-    if FUSED:
-        if SEGMENTS > 1:
-            b_ptr = pick(segment, b_ptr, b1_ptr, b2_ptr)
-        sum_if_last(part_ptr, xa_part_ptr, counter_ptr, b_ptr, out_ptr, M, N, rank, scaling,
-                    start, rows, row_ok, HAS_LORA, R, SPLITS, BLOCK_N, 32)
+                   first_tile, row_ok, col_ok, HAS_LORA, SEGMENTS, R)
