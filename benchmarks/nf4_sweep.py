@@ -54,7 +54,7 @@ VARIANTS = {
     "n64 x2 tf32": Tiles(block_n=64, k_blocks=2, xa_precision="tf32"),
     # the third round (`nf4_sweep_3.json`): eight warps on the shipped tile, and the `fused`
     # variants, which added the splits in the first launch (`Tiles.fused_sum` of commit 3f3186f,
-    # reverted after this round timed it about twice as slow)
+    # reverted after this round timed it slower on every projection)
     "n128 x2 w8 tf32": dataclasses.replace(WIDE, warps=8),
 }
 
