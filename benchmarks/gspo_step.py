@@ -174,9 +174,16 @@ CONFIGS["gpu_profile_graph_fp8_rolled"] = {**CONFIGS["gpu_profile_graph_fp8"],
 CONFIGS["gpu_profile_graph_fp8_mb4_rolled"] = {**CONFIGS["gpu_profile_graph_fp8_mb4"],
                                                "training_attention": "rolled"}
 # The float8 profiles with the text decoder layers compiled for training (train.compile_layers,
-# vlmrl.compiled_layers).
-for _name in ("gpu_profile_graph_fp8", "gpu_profile_graph_fp8_mb4", "gpu_profile_graph_fp8_mb4_rolled"):
+# vlmrl.compiled_layers); with the rows rolled too, each layer is still one compiled graph (the
+# rows' runs come from the mask function).
+for _name in ("gpu_profile_graph_fp8", "gpu_profile_graph_fp8_mb4", "gpu_profile_graph_fp8_rolled",
+              "gpu_profile_graph_fp8_mb4_rolled"):
     CONFIGS[f"{_name}_compiled"] = {**CONFIGS[_name], "compile_layers": True}
+# A generation of 48 rows for three optimizer steps, all in one call (the 8B shape's peak leaves
+# room for the larger cache): the decode step reads each weight once for half as many rows again.
+CONFIGS["gpu_profile_graph_fp8_mb4_rows48_rolled_compiled"] = {
+    **CONFIGS["gpu_profile_graph_fp8_mb4_rolled_compiled"], "steps_per_generation": 12,
+    "max_generation_rows": 48}
 RECIPE_8B_PROFILE = "gpu_profile_graph_fp8_mb4_compiled"  # recipes/mathvista-qwen3-vl-8b.yaml's
 # The same with the NF4 decode kernel's tiles before the wide kernel (one scale block a K step,
 # the adapter's x A^T in float32 on CUDA cores): one device call measures the kernel's change.
@@ -1077,8 +1084,9 @@ def main() -> int:
     parser.add_argument("--lengths", default="256")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4,
-                        help="timed optimizer steps (a multiple of 2: gpu_profile generates "
-                             "every 2 steps)")
+                        help="timed optimizer steps (a multiple of the configurations' steps "
+                             "per generation: gpu_profile generates every 2 steps, the rows48 "
+                             "ones every 3)")
     parser.add_argument("--model", default=MODEL)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dataset-size", type=int, default=64)

@@ -1,5 +1,6 @@
 """`vlmrl.compiled_layers` on the tiny Qwen3-VL with a LoRA adapter and gradient checkpointing:
-the compiled layers give eager's logits and adapter gradients, one trace serves every layer,
+the compiled layers give eager's logits and adapter gradients, one trace serves every layer (with
+the rolled training attention too: no break in the layer),
 `eager()` runs the class's forward, and the GRPO subclass trains with compiled layers and
 generates with eager ones."""
 
@@ -66,28 +67,43 @@ def test_text_decoder_layers_are_the_text_models_under_peft(tiny_policy) -> None
         text_decoder_layers(torch.nn.Linear(2, 2))
 
 
-def test_compiled_layers_give_eagers_logits_and_gradients_from_one_trace(tiny_policy) -> None:
+@pytest.mark.parametrize("attention", ["sdpa", "rolled"])
+def test_compiled_layers_give_eagers_logits_and_gradients_from_one_trace(tiny_policy,
+                                                                         attention) -> None:
+    """Against eager layers with SDPA's padding mask; with the rolled attention
+    (`train.training_attention: rolled`) each compiled layer is still one trace, run once per
+    call: the rows' runs come from the mask function, not from a host synchronisation inside."""
+    from vlmrl.rollout.decode_attention import set_text_attention
+    from vlmrl.training_attention import rolled_attention_name
+
     model, batch = tiny_policy
     layers = text_decoder_layers(model)
     eager_logits, eager_grads = loss_and_grads(model, batch)
     backend = CountingBackend()
     compiled = CompiledLayers(layers, backend=backend)
+    tolerance = 1e-5 if attention == "sdpa" else 1e-4  # rolled: another order of the sums
+    set_text_attention(model, rolled_attention_name() if attention == "rolled" else "sdpa")
     compiled.on()
     try:
         logits, grads = loss_and_grads(model, batch)
         real = batch["attention_mask"].bool()
-        torch.testing.assert_close(logits[real], eager_logits[real], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(logits[real], eager_logits[real], atol=tolerance,
+                                   rtol=tolerance)
         assert grads.keys() == eager_grads.keys() and grads
         for name, grad in grads.items():
-            torch.testing.assert_close(grad, eager_grads[name], atol=1e-5, rtol=1e-5, msg=name)
+            torch.testing.assert_close(grad, eager_grads[name], atol=tolerance, rtol=tolerance,
+                                       msg=name)
         # checkpointing runs each layer twice: its forward and its recompute in backward
         assert backend.runs == 2 * len(layers)
         assert backend.traces == 1  # the layers share it: their weights are its inputs
         tail = batch["input_ids"][:, -3:]
-        loss_and_grads(model, with_completions(batch, tail, torch.ones_like(tail)))
+        tail_mask = torch.ones_like(tail)
+        tail_mask[1] = 0  # the second row's completion stays right-padded: one run a row
+        loss_and_grads(model, with_completions(batch, tail, tail_mask))
         assert backend.traces == 1  # dynamic from the first call: another length, no retrace
     finally:
         compiled.off()
+        set_text_attention(model, "sdpa")
     assert all("forward" not in vars(layer) for layer in layers)
 
 

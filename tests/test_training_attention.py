@@ -1,6 +1,7 @@
 """`vlmrl.training_attention`: the training forward's attention over rolled rows, causal with no
 mask, against transformers' SDPA with its padding mask, on tensors and on the tiny Qwen3-VL with
-left-padded prompts, right-padded completions and images."""
+left-padded prompts, right-padded completions and images (eager, and in compiled decoder layers
+traced whole)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,12 @@ from vlmrl.models.processor import load_processor
 from vlmrl.rollout.decode_attention import set_text_attention
 from vlmrl.training_attention import (
     ROLLED,
+    causal_mask_of,
     roll_rows,
     rolled_attention_name,
     rolled_causal_attention,
-    row_starts,
+    rolled_mask,
+    row_runs,
 )
 
 
@@ -51,19 +54,52 @@ def test_roll_rows_rolls_each_row_by_its_shift_and_back() -> None:
     assert torch.equal(roll_rows(rolled, torch.tensor([0, -2]), dim=1), states)
 
 
-def test_row_starts_are_each_runs_first_slot_once_per_mask_and_none_unless_rollable() -> None:
+def test_row_runs_are_each_rows_first_slot_and_length_and_none_unless_one_run_a_row() -> None:
     keys = padded(4, 20)
-    mask, other = sdpa_mask_of(keys), sdpa_mask_of(padded(2, 20))
-    assert row_starts(mask).tolist() == [0, 5, 2, 11]
-    assert row_starts(other).tolist() == [0, 5]  # two masks alive: each its own
-    assert mask in training_attention._ROW_STARTS and other in training_attention._ROW_STARTS
+    assert row_runs(keys).tolist() == [[0, 20], [5, 15], [2, 11], [11, 6]]
+    assert row_runs(keys.long()).dtype == torch.int64
     holes = keys.clone()
     holes[2, 9] = False
-    assert row_starts(sdpa_mask_of(holes)) is None
-    packed = mask.clone()  # two sequences in row 0: its second half does not see its first
-    packed[0, 0, 10:, :10] = False
-    assert row_starts(packed) is None
-    assert row_starts(keys[:, None, None, :].expand(4, 1, 20, 20)) is None  # not causal
+    assert row_runs(holes) is None
+    empty = keys.clone()
+    empty[1] = False
+    assert row_runs(empty) is None
+
+
+def mask_call(keys: torch.Tensor, **changes):
+    """`rolled_mask` called as transformers' create_causal_mask calls a mask function for a
+    forward without a cache over `keys`."""
+    from transformers.masking_utils import causal_mask_function
+
+    rows, length = keys.shape
+    call = {"batch_size": rows, "q_length": length, "kv_length": length, "q_offset": 0,
+            "kv_offset": 0, "mask_function": causal_mask_function, "attention_mask": keys,
+            "allow_is_causal_skip": True, "dtype": torch.float32, "config": None,
+            "use_vmap": False, "device": keys.device}
+    return rolled_mask(**{**call, **changes})
+
+
+def test_the_mask_function_gives_runs_for_a_causal_forward_and_sdpas_mask_otherwise() -> None:
+    from transformers.masking_utils import and_masks, causal_mask_function, sdpa_mask
+
+    keys = padded(4, 20)
+    assert mask_call(keys).tolist() == row_runs(keys).tolist()
+    holes = keys.clone()
+    holes[2, 9] = False
+    packed = and_masks(causal_mask_function, lambda b, h, q, kv: (q < 10) == (kv < 10))
+    step = {"q_length": 1, "kv_length": 21, "q_offset": 20,  # a decode step
+            "attention_mask": torch.cat((keys, torch.ones(4, 1, dtype=torch.bool)), dim=1)}
+    for changes in ({"attention_mask": holes}, {"mask_function": packed}, step,
+                    {"kv_length": 32, "attention_mask": torch.cat(  # a static cache's prefill
+                        (keys, torch.zeros(4, 12, dtype=torch.bool)), dim=1)}):
+        got = mask_call(keys, **changes)
+        expected = sdpa_mask(**{"batch_size": 4, "q_length": 20, "kv_length": 20,
+                                "q_offset": 0, "kv_offset": 0,
+                                "mask_function": causal_mask_function, "attention_mask": keys,
+                                "allow_is_causal_skip": True, "device": keys.device, **changes})
+        assert got.dim() == 4 and got.dtype == torch.bool
+        assert torch.equal(got, expected)
+    assert torch.equal(causal_mask_of(row_runs(keys), 20), sdpa_mask_of(keys))
 
 
 @pytest.mark.parametrize("holes", [False, True])
@@ -71,9 +107,9 @@ def test_rolled_attention_equals_masked_sdpa_on_real_tokens_with_their_gradients
     torch.manual_seed(0)
     rows, heads, length, dim = 4, 4, 24, 8
     keys = padded(rows, length)
-    if holes:  # not one run per row: SDPA with the mask, as before
+    if holes:  # not one run per row: SDPA's mask from the mask function, and SDPA with it
         keys[1, 9] = False
-    mask = sdpa_mask_of(keys)
+    mask = mask_call(keys)
     inputs = [torch.randn(rows, h, length, dim, dtype=torch.float64, requires_grad=True)
               for h in (heads, heads // 2, heads // 2)]
     weight = torch.randn(rows, length, heads, dim, dtype=torch.float64) * keys[:, :, None, None]
@@ -84,8 +120,9 @@ def test_rolled_attention_equals_masked_sdpa_on_real_tokens_with_their_gradients
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     outputs, grads = [], []
-    for attention in (sdpa_attention_forward, rolled_causal_attention(recorded)):
-        out, _ = attention(Module(), *inputs, mask, dropout=0.0, scaling=dim ** -0.5)
+    for attention, given in ((sdpa_attention_forward, sdpa_mask_of(keys)),
+                             (rolled_causal_attention(recorded), mask)):
+        out, _ = attention(Module(), *inputs, given, dropout=0.0, scaling=dim ** -0.5)
         assert out.isfinite().all()
         real = out * keys[:, :, None, None]
         outputs.append(real.detach())
@@ -96,22 +133,22 @@ def test_rolled_attention_equals_masked_sdpa_on_real_tokens_with_their_gradients
     assert calls == [(mask, None)] if holes else calls == [(None, True)]
 
 
-def test_a_module_that_is_not_causal_goes_to_sdpa_with_its_mask() -> None:
+def test_a_module_that_is_not_causal_gets_the_causal_mask_of_the_runs() -> None:
     calls = []
 
     def original(module, query, key, value, attention_mask, **kwargs):
         calls.append(attention_mask)
         return query.transpose(1, 2), None
 
-    mask = sdpa_mask_of(padded(2, 12))
+    keys = padded(2, 12)
     inputs = [torch.randn(2, h, 12, 8) for h in (4, 2, 2)]
 
     class Bidirectional(Module):
         is_causal = False
 
-    rolled_causal_attention(original)(Bidirectional(), *inputs, mask)
-    rolled_causal_attention(original)(Module(), *inputs, mask, is_causal=False)
-    assert calls[0] is mask and calls[1] is mask
+    rolled_causal_attention(original)(Bidirectional(), *inputs, mask_call(keys))
+    rolled_causal_attention(original)(Module(), *inputs, mask_call(keys), is_causal=False)
+    assert all(torch.equal(mask, sdpa_mask_of(keys)) for mask in calls) and len(calls) == 2
 
 
 def test_a_decode_step_and_a_cache_go_to_sdpa_unchanged() -> None:

@@ -38,18 +38,20 @@ def attention_kernels(run) -> list[str]:
 def test_rolled_attention_matches_the_masked_one_and_takes_the_flash_kernel():
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from vlmrl.training_attention import rolled_causal_attention
+    from vlmrl.training_attention import rolled_causal_attention, row_runs
 
     keys, mask = micro_batch()
+    runs = row_runs(keys)  # what the mask function gives the rolled attention for these rows
     torch.manual_seed(1)
     inputs = [torch.randn(8, heads, 1408, 128, device="cuda", dtype=torch.bfloat16,
                           requires_grad=True) for heads in (16, 8, 8)]
     weight = torch.randn(8, 1408, 16, 128, device="cuda") * keys[:, :, None, None]
     results, kernels = {}, {}
-    for name, attention in (("masked", sdpa_attention_forward),
-                            ("rolled", rolled_causal_attention(sdpa_attention_forward))):
-        def step(attention=attention):
-            out, _ = attention(Module(), *inputs, mask, dropout=0.0, scaling=128 ** -0.5)
+    for name, attention, given in (
+            ("masked", sdpa_attention_forward, mask),
+            ("rolled", rolled_causal_attention(sdpa_attention_forward), runs)):
+        def step(attention=attention, given=given):
+            out, _ = attention(Module(), *inputs, given, dropout=0.0, scaling=128 ** -0.5)
             loss = (out.float() * weight).sum()
             return out, torch.autograd.grad(loss, inputs)
 
