@@ -58,6 +58,10 @@ CONFIGS["transformers-4bit-graph-fp8"] = {**CONFIGS["transformers-4bit-graph"],
 # (vlmrl.compiled_layers)
 CONFIGS["transformers-4bit-graph-fp8-compiled"] = {**CONFIGS["transformers-4bit-graph-fp8"],
                                                    "train.compile_layers": True}
+# the same with the training forward's rows rolled (vlmrl.training_attention), traced whole in the
+# compiled layers
+CONFIGS["transformers-4bit-graph-fp8-rolled-compiled"] = {
+    **CONFIGS["transformers-4bit-graph-fp8-compiled"], "train.training_attention": "rolled"}
 DOWNSTREAM_CONFIGS = [name for name in CONFIGS if "-graph" not in name]
 # The cold start is the shipped one (params.yaml sft.args: 40 steps, cosine decay from 2e-3) at
 # batch 8. Measured on an H100 (transformers bf16) with `tests/gpu/run_on_device.sh probe --sft
