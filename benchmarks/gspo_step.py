@@ -184,7 +184,7 @@ for _name in ("gpu_profile_graph_fp8", "gpu_profile_graph_fp8_mb4", "gpu_profile
 CONFIGS["gpu_profile_graph_fp8_mb4_rows48_rolled_compiled"] = {
     **CONFIGS["gpu_profile_graph_fp8_mb4_rolled_compiled"], "steps_per_generation": 12,
     "max_generation_rows": 48}
-RECIPE_8B_PROFILE = "gpu_profile_graph_fp8_mb4_compiled"  # recipes/mathvista-qwen3-vl-8b.yaml's
+RECIPE_8B_PROFILE = "gpu_profile_graph_fp8_mb4_rolled_compiled"  # recipes/mathvista-qwen3-vl-8b.yaml's
 # The same with the NF4 decode kernel's tiles before the wide kernel (one scale block a K step,
 # the adapter's x A^T in float32 on CUDA cores): one device call measures the kernel's change.
 for _name in ("gpu_profile_graph_fp8_compiled", "gpu_profile_graph_fp8_mb4_compiled"):
