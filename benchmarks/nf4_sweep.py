@@ -56,6 +56,10 @@ VARIANTS = {
     # variants, which added the splits in the first launch (`Tiles.fused_sum` of commit 3f3186f,
     # reverted after this round timed it slower on every projection)
     "n128 x2 w8 tf32": dataclasses.replace(WIDE, warps=8),
+    # the fourth round (`nf4_sweep_4.json`): x's rows in fp16 before the kernel (`fp16_rows`),
+    # the column scales' power of two per split, and the adapter's x A^T on fp16 operands; the
+    # kernel before them timed in the same call from that commit's library (`nf4_sweep_4_before`)
+    "n128 x2 xa fp16": dataclasses.replace(WIDE, xa_precision="fp16"),
 }
 
 
@@ -80,16 +84,18 @@ def random_group(widths: tuple[int, ...], in_features: int) -> tuple[list[Packed
 
 
 def time_group(copies: list, x: torch.Tensor, tiles: Tiles, replays: int = 10) -> float:
-    """Microseconds per call, from a CUDA graph that calls once per copy, replayed."""
-    from vlmrl.rollout.nf4_decode import nf4_group_matmul
+    """Microseconds per call, from a CUDA graph that calls once per copy, replayed: the kernels
+    on x as `fp16_rows` gives it, which the decode step computes in the kernel before them."""
+    from vlmrl.rollout.nf4_decode import fp16_rows, nf4_rows_matmul
 
+    x16, row_up = fp16_rows(x)
     for weights, loras in copies[:2]:
-        nf4_group_matmul(x, weights, loras, tiles)
+        nf4_rows_matmul(x16, row_up, weights, loras, tiles)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for weights, loras in copies:
-            nf4_group_matmul(x, weights, loras, tiles)
+            nf4_rows_matmul(x16, row_up, weights, loras, tiles)
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []

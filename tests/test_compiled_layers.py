@@ -6,13 +6,15 @@ generates with eager ones."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from tiny_batches import padded_vl_batch, with_completions
 from transformers import AutoModelForImageTextToText
 
-from vlmrl.compiled_layers import CompiledLayers, text_decoder_layers
+from vlmrl.compiled_layers import CompiledLayers, FrozenHeapAfterFirstStep, text_decoder_layers
 from vlmrl.errors import ParamsError
 from vlmrl.models.embedded import ensure_embedded_model
 from vlmrl.models.processor import load_processor
@@ -167,3 +169,22 @@ def test_the_grpo_subclass_trains_compiled_and_generates_eager(monkeypatch, caps
     untouched = Trainer()
     assert untouched.compiled_layers is None and untouched.train() == (1, 2)
     assert "compiled" not in capsys.readouterr().out
+
+
+def test_the_heap_is_frozen_after_the_first_step_and_thawed_when_training_ends() -> None:
+    from transformers import TrainerControl, TrainerState
+
+    callback, state, control = FrozenHeapAfterFirstStep(), TrainerState(), TrainerControl()
+    assert gc.get_freeze_count() == 0
+    try:
+        state.global_step = 1
+        callback.on_step_end(None, state, control)
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        state.global_step = 2
+        callback.on_step_end(None, state, control)
+        assert gc.get_freeze_count() == frozen
+        callback.on_train_end(None, state, control)
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.unfreeze()

@@ -88,12 +88,12 @@ def lora_model(monkeypatch):
     layers = [(lora_up, with_quant_state(lora_up.base_layer)), (down, with_quant_state(down))]
     calls = []
 
-    def fake_kernel(x, weights, loras=None, tiles=None):
+    def fake_kernel(x, row_up, weights, loras=None, tiles=None):
         calls.extend((w.out_features, lora) for w, lora in zip(weights, loras or [None]))
         return torch.zeros(*x.shape[:-1], sum(w.out_features for w in weights),
                            dtype=torch.bfloat16)
 
-    monkeypatch.setattr(nf4_decode, "nf4_group_matmul", fake_kernel)
+    monkeypatch.setattr(nf4_decode, "nf4_rows_matmul", fake_kernel)
     return model, NF4Decode(model, layers), calls
 
 
@@ -373,12 +373,12 @@ def grouped_model(monkeypatch, **attention):
     layers = [(layer, with_quant_state(layer.base_layer)) for layer in layers]
     calls = []
 
-    def fake_kernel(x, weights, loras=None, tiles=None):
+    def fake_kernel(x, row_up, weights, loras=None, tiles=None):
         calls.append(tuple(w.out_features for w in weights))
         width = sum(w.out_features for w in weights)
         return (torch.arange(width) + 0 * x[..., :1]).to(torch.bfloat16)
 
-    monkeypatch.setattr(nf4_decode, "nf4_group_matmul", fake_kernel)
+    monkeypatch.setattr(nf4_decode, "nf4_rows_matmul", fake_kernel)
     return model, NF4Decode(model, layers), calls
 
 

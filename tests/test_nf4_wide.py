@@ -36,7 +36,10 @@ def test_an_unknown_adapter_precision_is_refused_by_name() -> None:
                                      xa_precision="tf32"), {4: 2.0 ** -20, 0: 2.0 ** 17}),
     # four blocks asked, where the input's five blocks take one a step (the one-block kernel)
     (6, 128, 320, False, True, Tiles(block_n=64, programs_per_sm=1, k_blocks=4), {2: 0.0}),
-    (32, 256, 512, True, False, Tiles(block_n=128, programs_per_sm=1, k_blocks=2), {1: 2.0 ** 40})])
+    (32, 256, 512, True, False, Tiles(block_n=128, programs_per_sm=1, k_blocks=2), {1: 2.0 ** 40}),
+    # the adapter's A in fp16, x's rows far apart; two steps a split
+    (32, 128, 1024, True, True, Tiles(block_n=128, programs_per_sm=2, k_blocks=2,
+                                      xa_precision="fp16"), {0: 2.0 ** -24, 5: 2.0 ** 30})])
 @pytest.mark.filterwarnings("error::RuntimeWarning")
 def test_the_wide_kernel_matches_a_float64_product(interpreted_kernel, rows, out_features,
                                                    in_features, nested, lora, tiles, row_scales):

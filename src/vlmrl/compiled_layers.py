@@ -16,9 +16,11 @@ dynamic from the first call, since each generation batch brings its own prompt l
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Iterable, Iterator
 
 import torch
+from transformers import TrainerCallback
 
 from vlmrl.errors import ParamsError
 
@@ -74,3 +76,20 @@ class CompiledLayers:
         finally:
             if was_on:
                 self.on()
+
+
+class FrozenHeapAfterFirstStep(TrainerCallback):
+    """Python's full garbage collections walk every object the process holds; after the first
+    optimizer step those include the compiled graphs' and kernels' (the layers', the decode
+    step's), and a collection then takes from a third of a second to over a second, which lands
+    inside later steps (the `gc` phase of benchmarks/gspo_step.py). After the first step the heap
+    is frozen (`gc.freeze`: its objects leave the collector's generations), and thawed when
+    training ends, so that a later run in the same process collects them again."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 1:
+            gc.collect()
+            gc.freeze()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        gc.unfreeze()

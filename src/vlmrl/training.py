@@ -27,6 +27,7 @@ from vlmrl.checkpoints import (
     run_settings,
     train_or_restore,
 )
+from vlmrl.compiled_layers import FrozenHeapAfterFirstStep
 from vlmrl.data_parallel import gather_lists, gathered_state_dict, main_decides, split_global_batch
 from vlmrl.launch import (
     DistributedParams,
@@ -207,7 +208,8 @@ def make_trainer(model, processor, config, dataset, reward_funcs, *,
     (`vlmrl.rollout.generation`; both need the policy loaded with `rollout_class`), and steps
     with a non-finite loss or gradient skipped (`vlmrl.nonfinite`, at most
     `max_nonfinite_steps` in a row); TRL's sample completions table goes to
-    `completions_table` (vlmrl.trainers)."""
+    `completions_table` (vlmrl.trainers). With compiled layers or decoding, Python's heap is
+    frozen after the first step (`FrozenHeapAfterFirstStep`)."""
     if kv_cache_dtype != "auto" and graph_decoding == "eager":
         raise ParamsError(f"params.yaml train.kv_cache_dtype: {kv_cache_dtype} needs "
                           "train.graph_decoding graph or merged (the cache it sets), not eager")
@@ -226,6 +228,8 @@ def make_trainer(model, processor, config, dataset, reward_funcs, *,
         use_rolled_attention(trainer.model)
     if graph_decoding != "eager" and not on_cpu(trainer.model):
         install_graph_decoding(trainer.model, graph_decoding, kv_cache_dtype=kv_cache_dtype)
+    if compile_layers or compile_generation:
+        trainer.add_callback(FrozenHeapAfterFirstStep())
     return trainer
 
 

@@ -101,16 +101,16 @@ class Tiles:
                 raise ValueError(f"Tiles.{name} is {value}: Triton's tiles are powers of two")
         if self.xa_chunk < 16:
             raise ValueError(f"Tiles.xa_chunk is {self.xa_chunk}: tl.dot's K is 16 or more")
-        if self.xa_precision not in ("ieee", "tf32", "tf32x3"):
+        if self.xa_precision not in ("ieee", "tf32", "tf32x3", "fp16"):
             raise ValueError(f"Tiles.xa_precision is {self.xa_precision!r}, not 'ieee' (float32 "
-                             "on CUDA cores), 'tf32' or 'tf32x3' (tensor cores)")
+                             "on CUDA cores), 'tf32', 'tf32x3' or 'fp16' (tensor cores)")
         if self.max_registers is not None and not 32 <= self.max_registers <= 255:
             raise ValueError(f"Tiles.max_registers is {self.max_registers}, not 32 to 255")
 
 
 # The tiles `benchmarks/nf4_sweep.py` found fastest over the decode step's projections of both
 # shapes (docs/benchmarks.md, the NF4 sweep).
-TILES = Tiles(block_n=128, k_blocks=2, xa_precision="tf32")
+TILES = Tiles(block_n=128, k_blocks=2, xa_precision="fp16")
 
 
 def k_splits(out_features: int, in_features: int, tiles: Tiles, sms: int,
@@ -242,6 +242,21 @@ def starts_fit(widths: Sequence[int], tiles: Tiles) -> bool:
     return len(widths) <= MAX_GROUP and all(start % tile == 0 for start in column_starts(widths))
 
 
+def fp16_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (bf16, [..., K]) as the kernel reads it: each row in fp16, scaled by the power of two
+    that puts its largest element in [2**14, 2**15) (exact but for elements 2**-29 of it or
+    smaller; down for rows beyond fp16's range, up for small ones), and the float32 power of two
+    that undoes it, [...]. Plain tensor operations, so that under torch.compile they join the
+    kernel that computed x (a norm, the MLP's product) instead of running once per column tile
+    inside the NF4 kernel."""
+    largest = x.abs().amax(-1).float()
+    exponent = ((largest.view(torch.int32) >> 23) & 0xFF) - 127
+    shift = torch.clamp(exponent - 14, min=-126)
+    down = ((127 - shift) << 23).view(torch.float32)
+    return (x.float() * down[..., None]).to(torch.float16), ((127 + shift) << 23).view(
+        torch.float32)
+
+
 def nf4_group_matmul(x: torch.Tensor, weights: Sequence[PackedNF4],
                      loras: Sequence[tuple] | None = None,
                      tiles: Tiles | None = None) -> torch.Tensor:
@@ -249,11 +264,19 @@ def nf4_group_matmul(x: torch.Tensor, weights: Sequence[PackedNF4],
     by side in one tensor, in one launch of each kernel where `groupable` (else one per
     projection, concatenated): a decode step's projections are too small to fill the GPU one by
     one, and their launches' fixed costs add up. `loras`: one (A, B, s) per projection, or None."""
+    return nf4_rows_matmul(*fp16_rows(x), weights, loras, tiles)
+
+
+def nf4_rows_matmul(x16: torch.Tensor, row_up: torch.Tensor, weights: Sequence[PackedNF4],
+                    loras: Sequence[tuple] | None = None,
+                    tiles: Tiles | None = None) -> torch.Tensor:
+    """`nf4_group_matmul` of x given as `fp16_rows` gives it."""
     tiles = tiles or TILES
     if len(weights) > 1 and not groupable(weights, loras, tiles):
         warnings.warn(f"NF4 projections of widths {[w.out_features for w in weights]} can't "
                       f"share a launch with {tiles}: one launch each", stacklevel=2)
-        return torch.cat([nf4_matmul(x, w, None if loras is None else lora, tiles)
+        return torch.cat([nf4_rows_matmul(x16, row_up, [w], None if loras is None else [lora],
+                                          tiles)
                           for w, lora in zip(weights, loras or [None] * len(weights))], dim=-1)
     triton, kernel, sum_splits, wide_kernel = _kernel()
     first = weights[0]
@@ -261,17 +284,18 @@ def nf4_group_matmul(x: torch.Tensor, weights: Sequence[PackedNF4],
     out_features = sum(w.out_features for w in weights)
     starts = column_starts([w.out_features for w in weights])
     starts += [out_features] * (MAX_GROUP - 1 - len(starts))
-    flat = x.reshape(-1, in_features)
+    flat = x16.reshape(-1, in_features)
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
+    row_up = row_up.reshape(-1).contiguous()
     rows = flat.shape[0]
-    splits = k_splits(out_features, in_features, tiles, _sm_count(x.device), first.blocksize)
-    parts = torch.empty(splits, rows, out_features, dtype=torch.float32, device=x.device)
+    splits = k_splits(out_features, in_features, tiles, _sm_count(x16.device), first.blocksize)
+    parts = torch.empty(splits, rows, out_features, dtype=torch.float32, device=x16.device)
     adapters = loras or [(flat, flat, 1.0)] * len(weights)
     rank = adapters[0][0].shape[0] if loras is not None else 1
     r_tile = max(16, triton.next_power_of_2(rank))
     xa_parts = torch.empty(splits, rows, len(weights) * r_tile, dtype=torch.float32,
-                           device=x.device)
+                           device=x16.device)
     block_m = max(16, triton.next_power_of_2(rows))
     nested = first.absmax2 is not None
 
@@ -283,13 +307,13 @@ def nf4_group_matmul(x: torch.Tensor, weights: Sequence[PackedNF4],
     code2 = each([w.code2 if nested else w.absmax for w in weights])
     offsets = each([float(w.offset) for w in weights])
     a, b = each([lora[0] for lora in adapters]), each([lora[1] for lora in adapters])
-    use_pdl = tiles.pdl and _hopper(x.device)
+    use_pdl = tiles.pdl and _hopper(x16.device)
     pdl = {"PDL": use_pdl, "launch_pdl": use_pdl}
     options = _step_options(tiles, in_features // splits, first.blocksize,
                             step_blocks(in_features, tiles, first.blocksize))
     (wide_kernel if "KB" in options else kernel)[(triton.cdiv(out_features, tiles.block_n),
                                                   splits)](
-        flat, packed[0], first.absmax, absmax2[0], code2[0], offsets[0], a[0], parts, xa_parts,
+        flat, row_up, packed[0], first.absmax, absmax2[0], code2[0], offsets[0], a[0], parts, xa_parts,
         rows, out_features, in_features, rank, flat.stride(0), first.absmax.stride(0),
         packed[1], packed[2], absmax2[1], absmax2[2], code2[1], code2[2], offsets[1],
         offsets[2], a[1], a[2], starts[0], starts[1],
@@ -297,13 +321,13 @@ def nf4_group_matmul(x: torch.Tensor, weights: Sequence[PackedNF4],
         HAS_LORA=loras is not None, QBLOCK=first.blocksize, R=r_tile, BLOCK_M=block_m,
         BLOCK_N=tiles.block_n, num_warps=tiles.warps, num_stages=tiles.stages, **pdl,
         SEGMENTS=len(weights), XA_PRECISION=tiles.xa_precision, **options)
-    out = torch.empty(rows, out_features, dtype=torch.bfloat16, device=x.device)
+    out = torch.empty(rows, out_features, dtype=torch.bfloat16, device=x16.device)
     sum_rows = min(block_m, tiles.sum_rows)
     sum_splits[(triton.cdiv(out_features, tiles.sum_block_n), triton.cdiv(rows, sum_rows))](
         parts, xa_parts, b[0], out, rows, out_features, rank, float(adapters[0][2]), b[1], b[2],
         starts[0], starts[1], SPLITS=splits, HAS_LORA=loras is not None, R=r_tile,
         BLOCK_M=sum_rows, BLOCK_N=tiles.sum_block_n, SEGMENTS=len(weights), **pdl)
-    return out.view(*x.shape[:-1], out_features)
+    return out.view(*x16.shape[:-1], out_features)
 
 
 def _step_options(tiles: Tiles, k_split: int, blocksize: int, blocks: int) -> dict:
@@ -312,7 +336,7 @@ def _step_options(tiles: Tiles, k_split: int, blocksize: int, blocks: int) -> di
     K steps only (see Tiles)."""
     step = blocksize * blocks
     if blocks > 1:
-        options = {"KB": blocks}
+        options = {"KB": blocks, "SPLIT_TILES": _power_of_two_at_least(k_split // blocksize)}
     else:
         options = {"XA_CHUNK": blocksize if k_split <= step else min(tiles.xa_chunk, blocksize)}
     if k_split > step and tiles.max_registers is not None:
@@ -320,28 +344,33 @@ def _step_options(tiles: Tiles, k_split: int, blocksize: int, blocks: int) -> di
     return options
 
 
+def _power_of_two_at_least(value: int) -> int:
+    return 1 << max(value - 1, 0).bit_length()
+
+
 @torch.library.custom_op("vlmrl::nf4_matmul", mutates_args=())
-def nf4_matmul_op(x: torch.Tensor, packed: list[torch.Tensor], absmax: list[torch.Tensor],
+def nf4_matmul_op(x16: torch.Tensor, row_up: torch.Tensor, packed: list[torch.Tensor],
+                  absmax: list[torch.Tensor],
                   absmax2: list[torch.Tensor], code2: list[torch.Tensor], offsets: list[float],
                   block2: int, lora_a: list[torch.Tensor], lora_b: list[torch.Tensor],
                   scaling: float, out_features: list[int], blocksize: int) -> torch.Tensor:
-    """`nf4_group_matmul` of one projection or a group, with the module's TILES, as one operator,
+    """`nf4_rows_matmul` of one projection or a group, with the module's TILES, as one operator,
     which torch.compile calls as it is (it does not trace into the Triton launches) and a CUDA
     graph captures (with the TILES of the capture). Per projection: its packed weight, block
     scale codes, nested scales (`absmax2`, `code2`: empty without), offset, adapter (`lora_a`,
     `lora_b`: empty without; one `scaling`) and output width."""
-    weights = [PackedNF4(weight, codes, width, x.shape[-1], blocksize,
+    weights = [PackedNF4(weight, codes, width, x16.shape[-1], blocksize,
                          absmax2[i] if absmax2 else None, code2[i] if code2 else None,
                          offsets[i], block2)
                for i, (weight, codes, width) in enumerate(zip(packed, absmax, out_features))]
     loras = [(a, b, scaling) for a, b in zip(lora_a, lora_b)] or None
-    return nf4_group_matmul(x, weights, loras)
+    return nf4_rows_matmul(x16, row_up, weights, loras)
 
 
 @nf4_matmul_op.register_fake
-def _(x, packed, absmax, absmax2, code2, offsets, block2, lora_a, lora_b, scaling,
+def _(x16, row_up, packed, absmax, absmax2, code2, offsets, block2, lora_a, lora_b, scaling,
       out_features, blocksize):
-    return x.new_empty(*x.shape[:-1], sum(out_features))
+    return x16.new_empty(*x16.shape[:-1], sum(out_features), dtype=torch.bfloat16)
 
 
 @functools.cache

@@ -62,6 +62,25 @@ def fp16_shift(largest):
 
 
 @triton.jit
+def power_of_two(exponent):
+    """2**exponent in float32, for exponents of normal floats."""
+    return ((127 + exponent) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def adapter_product(x, a, XA_PRECISION: tl.constexpr):
+    """x A^T in float32 of x's fp16 rows and the adapter's A (float32): "fp16", tensor cores on
+    A rounded to fp16 (the 11 significant bits of tf32, in fp16's range); "ieee", "tf32" and
+    "tf32x3", `tl.dot`'s precisions in float32."""
+    if XA_PRECISION == "fp16":
+        product = tl.dot(x, tl.trans(a.to(tl.float16)))
+    else:
+        product = tl.dot(x.to(tl.float32), tl.trans(a.to(tl.float32)),
+                         input_precision=XA_PRECISION)
+    return product
+
+
+@triton.jit
 def pick(segment, first, second, third):
     """The value of a program's projection among up to three (pointers or scalars)."""
     return tl.where(segment == 0, first, tl.where(segment == 1, second, third))
@@ -134,7 +153,7 @@ def scale_codes(codes_ptr, absmax2_ptr, k_tile, cols, local_cols, col_ok, stride
 
 
 @triton.jit
-def nf4_lora_matmul(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset,
+def nf4_lora_matmul(x_ptr, row_up_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset,
                     a_ptr, part_ptr, xa_part_ptr, M, N, K, rank, stride_x, stride_codes,
                     w1_ptr, w2_ptr, absmax2_1_ptr, absmax2_2_ptr, code2_1_ptr, code2_2_ptr,
                     offset1, offset2, a1_ptr, a2_ptr, start1, start2,
@@ -198,39 +217,36 @@ def nf4_lora_matmul(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset,
         else:
             next_codes, next_scales2, next_a = codes, scales2, a
         x = tl.load(x_ptr + rows[:, None] * stride_x + (k0 + within)[None, :],
-                    mask=row_ok[:, None], other=0.0).to(tl.float32)
+                    mask=row_ok[:, None], other=0.0)
         packed = tl.load(w_ptr + local_cols[:, None] * (K // 2) + (k0 // 2 + pairs)[None, :],
                          mask=col_ok[:, None], other=0)
         high, low = nf4_values(packed)
         values = tl.reshape(tl.join(high, low), (BLOCK_N, QBLOCK))  # weights 2j, 2j + 1
-        # fp16 NF4 values (tf32's rounding of the code book) against x in fp16, each row of
-        # the tile scaled by a power of two that puts its largest element just below fp16's
-        # largest (exact but for elements 2**-29 of it or smaller), then the block scale
-        # and the row's power of two
-        shift = fp16_shift(tl.max(tl.abs(x), 1))
-        down = ((127 - shift) << 23).to(tl.float32, bitcast=True)
-        up = ((127 + shift) << 23).to(tl.float32, bitcast=True)
-        product = tl.dot(values, tl.trans((x * down[:, None]).to(tl.float16)))
+        # fp16 NF4 values (tf32's rounding of the code book) against x's fp16 rows, then the
+        # block scale (the rows' powers of two after the loop)
+        product = tl.dot(values, tl.trans(x))
         if NESTED:  # bitsandbytes' double quantization: an 8-bit code per block
             scale = tl.load(code2_ptr + codes.to(tl.int32)) * scales2 + offset
         else:
             scale = codes
-        acc += product * scale[:, None] * up[None, :]
+        acc += product * scale[:, None]
         if HAS_LORA:  # noqa: SIM102  (a compile-time branch around a run-time one)
             if first_tile:
                 if XA_CHUNK == QBLOCK:
-                    xa += tl.dot(x, tl.trans(a.to(tl.float32)), input_precision=XA_PRECISION)
+                    xa += adapter_product(x, a, XA_PRECISION)
                 else:
                     for chunk in tl.static_range(0, QBLOCK, XA_CHUNK):
                         at = k0 + chunk + tl.arange(0, XA_CHUNK)
                         xk = tl.load(x_ptr + rows[:, None] * stride_x + at[None, :],
-                                     mask=row_ok[:, None], other=0.0).to(tl.float32)
+                                     mask=row_ok[:, None], other=0.0)
                         ak = tl.load(a_ptr + ranks[:, None] * K + at[None, :],
-                                     mask=ranks[:, None] < rank, other=0.0).to(tl.float32)
-                        xa += tl.dot(xk, tl.trans(ak), input_precision=XA_PRECISION)
+                                     mask=ranks[:, None] < rank, other=0.0)
+                        xa += adapter_product(xk, ak, XA_PRECISION)
         codes, scales2, a = next_codes, next_scales2, next_a
-    store_partials(part_ptr, xa_part_ptr, acc, xa, split, M, N, rows, cols, ranks, segment,
-                   first_tile, row_ok, col_ok, HAS_LORA, SEGMENTS, R)
+    row_up = tl.load(row_up_ptr + rows, mask=row_ok, other=1.0)
+    store_partials(part_ptr, xa_part_ptr, acc * row_up[None, :], xa * row_up[:, None], split,
+                   M, N, rows, cols, ranks, segment, first_tile, row_ok, col_ok, HAS_LORA,
+                   SEGMENTS, R)
 
 
 @triton.jit
@@ -268,14 +284,14 @@ def sum_splits(part_ptr, xa_part_ptr, b_ptr, out_ptr, M, N, rank, scaling, b1_pt
 
 
 @triton.jit
-def nf4_lora_matmul_wide(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset,
+def nf4_lora_matmul_wide(x_ptr, row_up_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset,
                          a_ptr, part_ptr, xa_part_ptr, M, N, K, rank, stride_x, stride_codes,
                          w1_ptr, w2_ptr, absmax2_1_ptr, absmax2_2_ptr, code2_1_ptr, code2_2_ptr,
                          offset1, offset2, a1_ptr, a2_ptr, start1, start2,
                          K_SPLIT: tl.constexpr, NESTED: tl.constexpr, BLOCK2: tl.constexpr,
                          HAS_LORA: tl.constexpr, QBLOCK: tl.constexpr, R: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
-                         SEGMENTS: tl.constexpr, KB: tl.constexpr,
+                         SEGMENTS: tl.constexpr, KB: tl.constexpr, SPLIT_TILES: tl.constexpr,
                          XA_PRECISION: tl.constexpr = "ieee"):
     """`nf4_lora_matmul` with KB scale blocks a K step: each weight is its NF4 value times its
     block scale in fp16 (the scale brought near fp16's largest by a power of two per column and
@@ -301,42 +317,54 @@ def nf4_lora_matmul_wide(x_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset
     ranks = tl.arange(0, R)
     a_ok = (ranks[:, None] < rank) & first_tile & HAS_LORA
     k_tiles = K // QBLOCK
+    # each column's block scales of this split brought near fp16's largest by one power of two
+    split_tiles = split * (K_SPLIT // QBLOCK) + tl.arange(0, SPLIT_TILES)
+    in_split = col_ok[:, None] & (tl.arange(0, SPLIT_TILES) < K_SPLIT // QBLOCK)[None, :]
+    split_scales = block_scales(codes_ptr, absmax2_ptr, code2_ptr, offset, split_tiles[None, :],
+                                cols[:, None], local_cols[:, None], in_split, stride_codes,
+                                k_tiles, NESTED, BLOCK2)
+    column_shift = fp16_shift(tl.max(tl.where(in_split, tl.abs(split_scales), 0.0), 1))
+    column_down = power_of_two(-column_shift)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     xa = tl.zeros((BLOCK_M, R), dtype=tl.float32)
     for step in range(0, K_SPLIT, STEP):
         k0 = split * K_SPLIT + step
-        k_tile = k0 // QBLOCK
-        tiles = k_tile + blocks  # [KB]
-        codes = tl.load(codes_ptr + tiles[None, :] * stride_codes + cols[:, None],
-                        mask=col_ok[:, None], other=0)  # [BLOCK_N, KB]
-        if NESTED:
-            scales2 = tl.load(absmax2_ptr + (local_cols[:, None] * k_tiles + tiles[None, :])
-                              // BLOCK2, mask=col_ok[:, None], other=0.0)
-            scale = tl.load(code2_ptr + codes.to(tl.int32)) * scales2 + offset
-        else:
-            scale = codes
+        tiles = k0 // QBLOCK + blocks  # [KB]
+        scale = block_scales(codes_ptr, absmax2_ptr, code2_ptr, offset, tiles[None, :],
+                             cols[:, None], local_cols[:, None], col_ok[:, None], stride_codes,
+                             k_tiles, NESTED, BLOCK2)  # [BLOCK_N, KB]
         packed = tl.load(w_ptr + local_cols[:, None, None] * (K // 2)
                          + (k0 // 2 + blocks * (QBLOCK // 2))[None, :, None]
                          + pairs[None, None, :], mask=col_ok[:, None, None], other=0)
         high, low = nf4_values(packed)  # [BLOCK_N, KB, QBLOCK // 2] each
         values = tl.reshape(tl.join(high, low), (BLOCK_N, KB, QBLOCK))
-        # each column's scales brought near fp16's largest by a power of two (undone with x's)
-        column_shift = fp16_shift(tl.max(tl.abs(scale), 1))
-        column_down = ((127 - column_shift) << 23).to(tl.float32, bitcast=True)
-        column_up = ((127 + column_shift) << 23).to(tl.float32, bitcast=True)
         scale16 = (scale * column_down[:, None]).to(tl.float16)
         weights = tl.reshape(values * scale16[:, :, None], (BLOCK_N, STEP))
         x = tl.load(x_ptr + rows[:, None] * stride_x + (k0 + within)[None, :],
-                    mask=row_ok[:, None], other=0.0).to(tl.float32)
-        shift = fp16_shift(tl.max(tl.abs(x), 1))
-        down = ((127 - shift) << 23).to(tl.float32, bitcast=True)
-        up = ((127 + shift) << 23).to(tl.float32, bitcast=True)
-        product = tl.dot(weights, tl.trans((x * down[:, None]).to(tl.float16)))
-        acc += product * column_up[:, None] * up[None, :]
+                    mask=row_ok[:, None], other=0.0)
+        acc = tl.dot(weights, tl.trans(x), acc)
         if HAS_LORA:  # noqa: SIM102  (a compile-time branch around a run-time one)
             if first_tile:
                 a = tl.load(a_ptr + ranks[:, None] * K + (k0 + within)[None, :], mask=a_ok,
                             other=0.0)
-                xa += tl.dot(x, tl.trans(a.to(tl.float32)), input_precision=XA_PRECISION)
-    store_partials(part_ptr, xa_part_ptr, acc, xa, split, M, N, rows, cols, ranks, segment,
-                   first_tile, row_ok, col_ok, HAS_LORA, SEGMENTS, R)
+                xa += adapter_product(x, a, XA_PRECISION)
+    row_up = tl.load(row_up_ptr + rows, mask=row_ok, other=1.0)
+    acc = acc * power_of_two(column_shift)[:, None] * row_up[None, :]
+    store_partials(part_ptr, xa_part_ptr, acc, xa * row_up[:, None], split, M, N, rows, cols,
+                   ranks, segment, first_tile, row_ok, col_ok, HAS_LORA, SEGMENTS, R)
+
+
+@triton.jit
+def block_scales(codes_ptr, absmax2_ptr, code2_ptr, offset, tiles, cols, local_cols, ok,
+                 stride_codes, k_tiles, NESTED: tl.constexpr, BLOCK2: tl.constexpr):
+    """The float32 block scales of K tiles `tiles` of columns `cols` (broadcast together):
+    bitsandbytes' nested 8-bit codes undone (their blocks of BLOCK2 counted in the projection's
+    own columns, `local_cols`), or the float32 scales themselves."""
+    codes = tl.load(codes_ptr + tiles * stride_codes + cols, mask=ok, other=0)
+    if NESTED:
+        scales2 = tl.load(absmax2_ptr + (local_cols * k_tiles + tiles) // BLOCK2, mask=ok,
+                          other=0.0)
+        scale = tl.load(code2_ptr + codes.to(tl.int32)) * scales2 + offset
+    else:
+        scale = codes
+    return scale
