@@ -43,9 +43,10 @@ def gspo_step_block(block: str, *files: str, doc: str = "{history}") -> list[str
 # stand for the files in DOCS (or their copies under --check).
 TABLES: tuple[list[str], ...] = (
     # docs/benchmarks.md: the current tables
-    [*gspo_step_block("speed", "gspo_step_rolled_compiled_2b", "gspo_step_wide_2b",
+    [*gspo_step_block("speed", "gspo_step_fp16_rows_2b", "gspo_step_wide_2b",
                       "gspo_step_issue41_2b::gpu_profile_mb8_spg4_rows16",
-                      "gspo_step_rolled_compiled_8b",
+                      "gspo_step_fp16_rows_8b",
+                      "gspo_step_rolled_compiled_8b::gpu_profile_graph_fp8_mb4_compiled",
                       "gspo_step_issue41_8b::gpu_profile_graph_fp8_before",
                       "gspo_step_fp8_cache::unsloth_4bit",
                       "gspo_step_8b_today::gpu_profile_mb8_spg4_rows16", doc="{doc}"),
@@ -70,6 +71,10 @@ TABLES: tuple[list[str], ...] = (
      "--doc-block", "-2"],
     ["nf4_sweep.py", "--from-json", f"{RESULTS}/nf4_sweep_3.json", "--doc", "{doc}",
      "--doc-block", "-3"],
+    ["nf4_sweep.py", "--from-json", f"{RESULTS}/nf4_sweep_4.json", "--before",
+     f"{RESULTS}/nf4_sweep_4_before.json", "--doc", "{doc}", "--doc-block", "-4"],
+    gspo_step_block("fp16-rows-2b", "gspo_step_fp16_rows_2b", doc="{doc}"),
+    gspo_step_block("fp16-rows-8b", "gspo_step_fp16_rows_8b", doc="{doc}"),
     gspo_step_block("rolled-compiled-2b", "gspo_step_rolled_compiled_2b", doc="{doc}"),
     gspo_step_block("rolled-compiled-8b", "gspo_step_rolled_compiled_8b", doc="{doc}"),
     gspo_step_block("rows48-8b", "gspo_step_rows48_8b", doc="{doc}"),

@@ -12,6 +12,10 @@ step's NF4 time per model (calls per layer x layers).
 
   PYTHONPATH=src python benchmarks/nf4_sweep.py --out benchmarks/results/nf4_sweep.json
   python benchmarks/nf4_sweep.py --from-json benchmarks/results/nf4_sweep.json --doc docs/benchmarks.md
+
+A change to the kernel is timed against the kernel before it in the same device call by running
+this script of the commit before, on that commit's library, into a second file, which
+`--before FILE` puts first in the table (its variants named `before: ...`).
 """
 
 from __future__ import annotations
@@ -168,18 +172,36 @@ def table(results: dict) -> str:
     return "\n".join(lines).rstrip()
 
 
+def with_before(before: dict, results: dict) -> dict:
+    """`results` with the runs of `before` (the sweep of the library before a change, same
+    device call) first, their variants named `before: ...`; each file's largest difference is
+    to its own first variant."""
+    def renamed(name: str) -> str:
+        return f"before: {name}"
+
+    return {**results,
+            "variants": {**{renamed(name): tiles for name, tiles in before["variants"].items()},
+                         **results["variants"]},
+            "runs": [{**run, "variant": renamed(run["variant"])} for run in before["runs"]]
+            + results["runs"]}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help="names of VARIANTS, comma separated")
     parser.add_argument("--out", type=Path, default=Path("nf4_sweep.json"))
     parser.add_argument("--from-json", type=Path, metavar="RESULTS")
+    parser.add_argument("--before", type=Path, metavar="RESULTS",
+                        help="with --from-json: a sweep of the library before, shown first")
     parser.add_argument("--doc", type=Path)
     parser.add_argument("--doc-block", default="", help="the block's name after the markers' "
                         "begin/end (`:begin-1`: --doc-block -1)")
     args = parser.parse_args()
     if args.from_json:
         results = read_results(args.from_json)
+        if args.before:
+            results = with_before(read_results(args.before), results)
     else:
         chosen = {name: VARIANTS[name] for name in args.variants.split(",")}
         results = measure(chosen)

@@ -9,15 +9,18 @@ the splits in a fixed order (replays give equal bits) plus `s (x A^T) B^T` and r
 A K step takes `Tiles.k_blocks` scale blocks. The codes become fp16 NF4 values by byte permutes
 (`prmt`, a table lookup in registers; with bitsandbytes' selects the kernel's loop had about twice
 the instructions), and the product runs in fp16 with the weight as the tensor cores' register
-operand: the values are tf32's rounding of the float32 code book, and each row of x's K step is
-scaled by a power of two that puts its largest element near fp16's largest (exact in fp16 but
-for elements 2**-29 of it or smaller). With one block a step (`nf4_lora_matmul`) the block scale
-and that power of two multiply the float32 product, so the weights are never rounded; with
-several (`nf4_lora_matmul_wide`, the shipped tiles) each weight, its NF4 value times its block
-scale, is rounded to fp16 before the product: 11 significant bits where bitsandbytes rounds the
-same product to bf16's 8, for blocks whose scale is at least 2**-24 of the largest of its column
-in the step (smaller ones lose bits, down to zero at 2**-40; bitsandbytes' block scales of one
-weight row are nowhere near that apart). The block scales (8-bit codes with nested quantization,
+operand: the values are tf32's rounding of the float32 code book, and x comes in as fp16 rows
+(`fp16_rows`), each scaled by a power of two that puts its largest element near fp16's largest
+(exact in fp16 but for elements 2**-29 of it or smaller), undone on the partial sums. Those are
+plain tensor operations before the operator, which torch.compile fuses into the kernel that
+computed x; converting x inside the kernel cost every program every K step, and the programs of
+a projection each convert the same x. With one block a step (`nf4_lora_matmul`) the block scale
+multiplies the float32 product, so the weights are never rounded; with several
+(`nf4_lora_matmul_wide`, the shipped tiles) each weight, its NF4 value times its block scale, is
+rounded to fp16 before the product: 11 significant bits where bitsandbytes rounds the same
+product to bf16's 8, for blocks whose scale is at least 2**-24 of the largest of its column in
+the program's share of K (smaller ones lose bits, down to zero at 2**-40; bitsandbytes' block
+scales of one weight row are nowhere near that apart). The block scales (8-bit codes with nested quantization,
 undone in the kernel) are copied once in K-tile-major order, next to bitsandbytes' own, so that a
 program reads its columns' scales in one coalesced load. The adapter is read where it lives
 (`lora_A.weight`, `lora_B.weight`), so a CUDA graph captured over it sees every optimizer step; it
@@ -79,8 +82,10 @@ class Tiles:
     fp16 before the product, larger loads, fewer steps; fewer blocks where the input width has
     no whole steps of that many; `xa_chunk` does not apply). `xa_precision`:
     the adapter's x A^T as `tl.dot` takes it: "ieee" (float32 on CUDA cores, whose registers then
-    set the kernel's), "tf32" (tensor cores; x, bf16, is exact in tf32, A rounded to 11
-    significant bits) or "tf32x3"."""
+    set the kernel's), "tf32" (tensor cores; x's fp16 rows are exact in tf32, A rounded to 11
+    significant bits), "tf32x3", or "fp16" (tensor cores on x's fp16 rows as they are and A
+    rounded to fp16: tf32's 11 significant bits in fp16's range, and no float32 copy of x in
+    registers)."""
 
     block_n: int = 64
     warps: int = 4

@@ -163,7 +163,9 @@ def nf4_lora_matmul(x_ptr, row_up_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr,
                     XA_CHUNK: tl.constexpr, SEGMENTS: tl.constexpr,
                     XA_PRECISION: tl.constexpr = "ieee"):
     """One [BLOCK_N, rows] tile of W x^T over K_SPLIT of K (program_id 1 says which), one
-    scale block per step, in float32 to the partial sums part[split] (stored as x W^T);
+    scale block per step, for x given as fp16 rows (`x_ptr`) and the float32 powers of two that
+    undo their scaling (`row_up_ptr`, see `nf4_decode.fp16_rows`), in float32 to the partial
+    sums part[split] (stored as x W^T);
     the first column tile also writes its split's share of x A^T (float32, as PEFT) to
     xa_part[split]. SEGMENTS above 1: W is a group of projections of one input side by side
     (q, k, v), the second starting at column `start1`, the third at `start2` (multiples of
@@ -294,13 +296,15 @@ def nf4_lora_matmul_wide(x_ptr, row_up_ptr, w_ptr, codes_ptr, absmax2_ptr, code2
                          SEGMENTS: tl.constexpr, KB: tl.constexpr, SPLIT_TILES: tl.constexpr,
                          XA_PRECISION: tl.constexpr = "ieee"):
     """`nf4_lora_matmul` with KB scale blocks a K step: each weight is its NF4 value times its
-    block scale in fp16 (the scale brought near fp16's largest by a power of two per column and
-    step, rounded to fp16, then the product rounded: 11 significant bits, where bitsandbytes
-    rounds the weight to bf16's 8, for blocks whose scale is at least 2**-24 of the column's
-    largest in the step; smaller ones lose bits, down to zero at 2**-40, where the one-block
-    kernel stays exact), so that one product of K = KB x QBLOCK, one scaling of x's rows and one
-    update of the accumulator serve KB blocks, and each step loads KB blocks of the packed
-    weight at once. The arguments and outputs are `nf4_lora_matmul`'s."""
+    block scale in fp16 (the scale brought near fp16's largest by a power of two per column,
+    found once over the program's K_SPLIT before the loop (SPLIT_TILES: its scale blocks, rounded
+    up to a power of two), rounded to fp16, then the product rounded: 11 significant bits, where
+    bitsandbytes rounds the weight to bf16's 8, for blocks whose scale is at least 2**-24 of the
+    column's largest in the split; smaller ones lose bits, down to zero at 2**-40, where the
+    one-block kernel stays exact), so that one product of K = KB x QBLOCK accumulates KB blocks
+    in place and each step loads KB blocks of the packed weight at once; the column's and the
+    row's powers of two multiply the sums once, after the loop. The arguments and outputs are
+    `nf4_lora_matmul`'s."""
     if PDL:
         after_the_kernel_before()
     split = tl.program_id(1)
