@@ -35,13 +35,15 @@ SHAPES = {"qwen3-vl-2b-shape": [(2048, 2048), (1024, 2048), (6144, 2048), (2048,
           "qwen3-vl-8b-shape": [(4096, 4096), (1024, 4096), (12288, 4096), (4096, 12288)]}
 # One scale block a K step, the adapter in float32 on CUDA cores (the tiles before the wide
 # kernel), the options that lower its registers, the adapter in tf32; `shipped`: TILES
-# (nf4_lora_matmul_wide), and the same with four blocks a step.
+# (nf4_lora_matmul_wide), the same with the adapter in tf32 (as shipped before the fp16 one),
+# and with four blocks a step.
 NARROW = Tiles(block_n=128)
 VARIANTS = {"before": NARROW, "xa_chunk=16": dataclasses.replace(NARROW, xa_chunk=16),
             "xa_chunk=16, max_registers=168": dataclasses.replace(NARROW, xa_chunk=16,
                                                                   max_registers=168),
-            "xa tf32": dataclasses.replace(NARROW, xa_precision="tf32"), "shipped": TILES,
-            "four blocks a step": dataclasses.replace(TILES, k_blocks=4)}
+            "xa tf32": dataclasses.replace(NARROW, xa_precision="tf32"),
+            "shipped, xa tf32": dataclasses.replace(TILES, xa_precision="tf32"),
+            "shipped": TILES, "four blocks a step": dataclasses.replace(TILES, k_blocks=4)}
 ROWS, RANK, SMS = 32, 16, 132  # the decode step's rows, the recipes' LoRA rank, an H100's SMs
 SM_REGISTERS, SM_THREADS = 65536, 2048
 TYPES = {torch.uint8: "*u8", torch.bfloat16: "*bf16", torch.float32: "*fp32",
