@@ -64,6 +64,8 @@ VARIANTS = {
     # the column scales' power of two per split, and the adapter's x A^T on fp16 operands; the
     # kernel before them timed in the same call from that commit's library (`nf4_sweep_4_before`)
     "n128 x2 xa fp16": dataclasses.replace(WIDE, xa_precision="fp16"),
+    # K in the lanes' order (`Tiles.lane_order`), not timed yet
+    "n128 x2 xa fp16 lanes": dataclasses.replace(WIDE, xa_precision="fp16", lane_order=True),
 }
 
 

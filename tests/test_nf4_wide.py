@@ -39,7 +39,15 @@ def test_an_unknown_adapter_precision_is_refused_by_name() -> None:
     (32, 256, 512, True, False, Tiles(block_n=128, programs_per_sm=1, k_blocks=2), {1: 2.0 ** 40}),
     # the adapter's A in fp16, x's rows far apart; two steps a split
     (32, 128, 1024, True, True, Tiles(block_n=128, programs_per_sm=2, k_blocks=2,
-                                      xa_precision="fp16"), {0: 2.0 ** -24, 5: 2.0 ** 30})])
+                                      xa_precision="fp16"), {0: 2.0 ** -24, 5: 2.0 ** 30}),
+    # K in lane order, two and four blocks a step, with and without the adapter
+    (32, 128, 1024, True, True, Tiles(block_n=128, programs_per_sm=2, k_blocks=2,
+                                      xa_precision="fp16", lane_order=True), {3: 2.0 ** 20}),
+    (9, 64, 2048, False, False, Tiles(block_n=64, programs_per_sm=1, k_blocks=4,
+                                      lane_order=True), {0: 0.0}),
+    # lane order asked where the input's five blocks take one a step: the one-block kernel
+    (6, 128, 320, True, True, Tiles(block_n=64, programs_per_sm=1, k_blocks=2,
+                                    lane_order=True), {})])
 @pytest.mark.filterwarnings("error::RuntimeWarning")
 def test_the_wide_kernel_matches_a_float64_product(interpreted_kernel, rows, out_features,
                                                    in_features, nested, lora, tiles, row_scales):
@@ -51,8 +59,33 @@ def test_the_wide_kernel_matches_a_float64_product(interpreted_kernel, rows, out
     assert largest_row_error(got, expected) < 2e-2
 
 
+def test_lane_order_puts_each_lanes_columns_in_one_quarter_of_the_step():
+    """Columns 2l, 2l + 1, 2l + 8 and 2l + 9 of every 16 come from quarter l, in order, and
+    each step is a permutation of its own columns; without `lane_order`, x keeps its order."""
+    from vlmrl.rollout.nf4_decode import fp16_rows, lane_order_index, lane_step
+
+    index = lane_order_index(512, 128, torch.device("cpu"))
+    assert index[:18].tolist() == [0, 1, 32, 33, 64, 65, 96, 97, 2, 3, 34, 35, 66, 67, 98, 99,
+                                   4, 5]
+    for start in (0, 128, 384):
+        assert sorted(index[start:start + 128].tolist()) == list(range(start, start + 128))
+    assert lane_step(512, Tiles(k_blocks=2, lane_order=True)) == 128
+    assert lane_step(320, Tiles(k_blocks=2, lane_order=True)) is None  # one block a step
+    assert lane_step(512, Tiles(k_blocks=2)) is None
+    x = torch.randn(3, 512).to(torch.bfloat16)
+    plain, up = fp16_rows(x, Tiles(k_blocks=2))
+    ordered, same_up = fp16_rows(x, Tiles(k_blocks=2, lane_order=True))
+    assert torch.equal(ordered, plain[:, index]) and torch.equal(up, same_up)
+
+
+def test_lane_order_takes_steps_of_two_or_four_blocks() -> None:
+    with pytest.raises(ValueError, match="Tiles.lane_order takes K steps of 2 or 4 blocks"):
+        Tiles(k_blocks=8, lane_order=True)
+
+
+@pytest.mark.parametrize("lane_order", [False, True])
 @pytest.mark.filterwarnings("error::RuntimeWarning")
-def test_a_wide_group_matches_its_projections(interpreted_kernel):
+def test_a_wide_group_matches_its_projections(interpreted_kernel, lane_order):
     """q, k, v in one launch of the wide kernel, each with its own nested scales and adapter."""
     generator = torch.Generator().manual_seed(3)
     members = [random_nf4(width, 512, True, generator, offset=0.01 * (index + 1))
@@ -62,7 +95,7 @@ def test_a_wide_group_matches_its_projections(interpreted_kernel):
     loras = [(torch.randn(16, 512, generator=generator) * 0.05,
               torch.randn(weight.out_features, 16, generator=generator) * 0.05, 0.5)
              for weight in weights]
-    tiles = Tiles(block_n=64, programs_per_sm=1, k_blocks=2)
+    tiles = Tiles(block_n=64, programs_per_sm=1, k_blocks=2, lane_order=lane_order)
     assert interpreted_kernel.groupable(weights, loras, tiles)
     got = interpreted_kernel.nf4_group_matmul(x, weights, loras, tiles).double()
     start = 0

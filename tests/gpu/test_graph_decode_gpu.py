@@ -381,6 +381,7 @@ def test_nf4_kernel_is_as_exact_as_bitsandbytes_and_peft(rows):
                           Tiles(block_n=64, xa_precision="tf32"),
                           Tiles(block_n=64, k_blocks=2, xa_precision="tf32"),
                           Tiles(block_n=128, k_blocks=2, xa_precision="fp16"),
+                          Tiles(block_n=128, k_blocks=2, xa_precision="fp16", lane_order=True),
                           Tiles(block_n=64, k_blocks=4, warps=8, programs_per_sm=2,
                                 xa_precision="tf32")):
                 ours = nf4_matmul(x, weight, lora or None, tiles).float()

@@ -85,7 +85,10 @@ class Tiles:
     set the kernel's), "tf32" (tensor cores; x's fp16 rows are exact in tf32, A rounded to 11
     significant bits), "tf32x3", or "fp16" (tensor cores on x's fp16 rows as they are and A
     rounded to fp16: tf32's 11 significant bits in fp16's range, and no float32 copy of x in
-    registers)."""
+    registers). `lane_order` (with K steps of 2 or 4 blocks): `fp16_rows` lays each K step's
+    columns out in the order the tensor cores' register operand gives its lanes, so that the
+    kernel reads a lane's packed bytes as one contiguous quarter of the step (16-byte loads where
+    K's own order gives single bytes four apart); the sums are the same."""
 
     block_n: int = 64
     warps: int = 4
@@ -98,6 +101,7 @@ class Tiles:
     max_registers: int | None = None
     k_blocks: int = 1
     xa_precision: str = "ieee"
+    lane_order: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "sum_block_n", "sum_rows", "xa_chunk", "k_blocks"):
@@ -109,6 +113,9 @@ class Tiles:
         if self.xa_precision not in ("ieee", "tf32", "tf32x3", "fp16"):
             raise ValueError(f"Tiles.xa_precision is {self.xa_precision!r}, not 'ieee' (float32 "
                              "on CUDA cores), 'tf32', 'tf32x3' or 'fp16' (tensor cores)")
+        if self.lane_order and self.k_blocks > 4:
+            raise ValueError(f"Tiles.lane_order takes K steps of 2 or 4 blocks, not "
+                             f"k_blocks={self.k_blocks}")
         if self.max_registers is not None and not 32 <= self.max_registers <= 255:
             raise ValueError(f"Tiles.max_registers is {self.max_registers}, not 32 to 255")
 
@@ -247,19 +254,41 @@ def starts_fit(widths: Sequence[int], tiles: Tiles) -> bool:
     return len(widths) <= MAX_GROUP and all(start % tile == 0 for start in column_starts(widths))
 
 
-def fp16_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def fp16_rows(x: torch.Tensor, tiles: Tiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x (bf16, [..., K]) as the kernel reads it: each row in fp16, scaled by the power of two
     that puts its largest element in [2**14, 2**15) (exact but for elements 2**-29 of it or
-    smaller; down for rows beyond fp16's range, up for small ones), and the float32 power of two
-    that undoes it, [...]. Plain tensor operations, so that under torch.compile they join the
-    kernel that computed x (a norm, the MLP's product) instead of running once per column tile
-    inside the NF4 kernel."""
+    smaller; down for rows beyond fp16's range, up for small ones), with `tiles.lane_order` each
+    K step's columns in `lane_order_index`'s order, and the float32 power of two that undoes the
+    scaling, [...]. Plain tensor operations, so that under torch.compile they join the kernel
+    that computed x (a norm, the MLP's product) instead of running once per column tile inside
+    the NF4 kernel. `tiles`: the launch's (default TILES as it is at the call)."""
     largest = x.abs().amax(-1).float()
     exponent = ((largest.view(torch.int32) >> 23) & 0xFF) - 127
     shift = torch.clamp(exponent - 14, min=-126)
     down = ((127 - shift) << 23).view(torch.float32)
-    return (x.float() * down[..., None]).to(torch.float16), ((127 + shift) << 23).view(
-        torch.float32)
+    x16 = (x.float() * down[..., None]).to(torch.float16)
+    step = lane_step(x.shape[-1], tiles or TILES)
+    if step is not None:
+        x16 = x16[..., lane_order_index(x.shape[-1], step, x.device)]
+    return x16, ((127 + shift) << 23).view(torch.float32)
+
+
+def lane_step(in_features: int, tiles: Tiles, blocksize: int = 64) -> int | None:
+    """The K step whose columns the kernel takes in lane order (`Tiles.lane_order`, where the wide
+    kernel runs), or None."""
+    blocks = step_blocks(in_features, tiles, blocksize)
+    return blocks * blocksize if tiles.lane_order and blocks > 1 else None
+
+
+def lane_order_index(in_features: int, step: int, device: torch.device) -> torch.Tensor:
+    """For each column of x as the kernel reads it in lane order, the column of x it holds: in
+    each step, columns 2l, 2l + 1, 2l + 8 and 2l + 9 of every 16 (lane l of a quad of the tensor
+    cores' register operand) come from the l-th quarter of the step, in order
+    (`nf4_kernels.lane_order`)."""
+    k = torch.arange(in_features, device=device)
+    within = k % step
+    return (k - within + (within // 2) % 4 * (step // 4) + within // 16 * 4
+            + (within // 8) % 2 * 2 + within % 2)
 
 
 def nf4_group_matmul(x: torch.Tensor, weights: Sequence[PackedNF4],
@@ -269,13 +298,13 @@ def nf4_group_matmul(x: torch.Tensor, weights: Sequence[PackedNF4],
     by side in one tensor, in one launch of each kernel where `groupable` (else one per
     projection, concatenated): a decode step's projections are too small to fill the GPU one by
     one, and their launches' fixed costs add up. `loras`: one (A, B, s) per projection, or None."""
-    return nf4_rows_matmul(*fp16_rows(x), weights, loras, tiles)
+    return nf4_rows_matmul(*fp16_rows(x, tiles), weights, loras, tiles)
 
 
 def nf4_rows_matmul(x16: torch.Tensor, row_up: torch.Tensor, weights: Sequence[PackedNF4],
                     loras: Sequence[tuple] | None = None,
                     tiles: Tiles | None = None) -> torch.Tensor:
-    """`nf4_group_matmul` of x given as `fp16_rows` gives it."""
+    """`nf4_group_matmul` of x given as `fp16_rows` gives it for the same tiles."""
     tiles = tiles or TILES
     if len(weights) > 1 and not groupable(weights, loras, tiles):
         warnings.warn(f"NF4 projections of widths {[w.out_features for w in weights]} can't "
@@ -341,7 +370,8 @@ def _step_options(tiles: Tiles, k_split: int, blocksize: int, blocks: int) -> di
     K steps only (see Tiles)."""
     step = blocksize * blocks
     if blocks > 1:
-        options = {"KB": blocks, "SPLIT_TILES": _power_of_two_at_least(k_split // blocksize)}
+        options = {"KB": blocks, "SPLIT_TILES": _power_of_two_at_least(k_split // blocksize),
+                   "LANE_ORDER": tiles.lane_order}
     else:
         options = {"XA_CHUNK": blocksize if k_split <= step else min(tiles.xa_chunk, blocksize)}
     if k_split > step and tiles.max_registers is not None:

@@ -294,7 +294,7 @@ def nf4_lora_matmul_wide(x_ptr, row_up_ptr, w_ptr, codes_ptr, absmax2_ptr, code2
                          HAS_LORA: tl.constexpr, QBLOCK: tl.constexpr, R: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
                          SEGMENTS: tl.constexpr, KB: tl.constexpr, SPLIT_TILES: tl.constexpr,
-                         XA_PRECISION: tl.constexpr = "ieee"):
+                         XA_PRECISION: tl.constexpr = "ieee", LANE_ORDER: tl.constexpr = False):
     """`nf4_lora_matmul` with KB scale blocks a K step: each weight is its NF4 value times its
     block scale in fp16 (the scale brought near fp16's largest by a power of two per column,
     found once over the program's K_SPLIT before the loop (SPLIT_TILES: its scale blocks, rounded
@@ -303,7 +303,9 @@ def nf4_lora_matmul_wide(x_ptr, row_up_ptr, w_ptr, codes_ptr, absmax2_ptr, code2
     column's largest in the split; smaller ones lose bits, down to zero at 2**-40, where the
     one-block kernel stays exact), so that one product of K = KB x QBLOCK accumulates KB blocks
     in place and each step loads KB blocks of the packed weight at once; the column's and the
-    row's powers of two multiply the sums once, after the loop. The arguments and outputs are
+    row's powers of two multiply the sums once, after the loop. LANE_ORDER: x's rows come with
+    each K step's columns in `lane_order` (`nf4_decode.fp16_rows`), the weights are read to
+    match (`lane_weights`) and the adapter's A in the same order. The arguments and outputs are
     `nf4_lora_matmul`'s."""
     if PDL:
         after_the_kernel_before()
@@ -318,6 +320,10 @@ def nf4_lora_matmul_wide(x_ptr, row_up_ptr, w_ptr, codes_ptr, absmax2_ptr, code2
     blocks = tl.arange(0, KB)
     pairs = tl.arange(0, QBLOCK // 2)
     within = tl.arange(0, STEP)
+    if LANE_ORDER:
+        a_at = lane_order(STEP)
+    else:
+        a_at = within
     ranks = tl.arange(0, R)
     a_ok = (ranks[:, None] < rank) & first_tile & HAS_LORA
     k_tiles = K // QBLOCK
@@ -337,19 +343,23 @@ def nf4_lora_matmul_wide(x_ptr, row_up_ptr, w_ptr, codes_ptr, absmax2_ptr, code2
         scale = block_scales(codes_ptr, absmax2_ptr, code2_ptr, offset, tiles[None, :],
                              cols[:, None], local_cols[:, None], col_ok[:, None], stride_codes,
                              k_tiles, NESTED, BLOCK2)  # [BLOCK_N, KB]
-        packed = tl.load(w_ptr + local_cols[:, None, None] * (K // 2)
-                         + (k0 // 2 + blocks * (QBLOCK // 2))[None, :, None]
-                         + pairs[None, None, :], mask=col_ok[:, None, None], other=0)
-        high, low = nf4_values(packed)  # [BLOCK_N, KB, QBLOCK // 2] each
-        values = tl.reshape(tl.join(high, low), (BLOCK_N, KB, QBLOCK))
-        scale16 = (scale * column_down[:, None]).to(tl.float16)
-        weights = tl.reshape(values * scale16[:, :, None], (BLOCK_N, STEP))
+        if LANE_ORDER:
+            scale16 = (scale * column_down[:, None]).to(tl.float16)
+            weights = lane_weights(w_ptr, local_cols, col_ok, scale16, k0, K, KB, STEP, BLOCK_N)
+        else:
+            packed = tl.load(w_ptr + local_cols[:, None, None] * (K // 2)
+                             + (k0 // 2 + blocks * (QBLOCK // 2))[None, :, None]
+                             + pairs[None, None, :], mask=col_ok[:, None, None], other=0)
+            high, low = nf4_values(packed)  # [BLOCK_N, KB, QBLOCK // 2] each
+            values = tl.reshape(tl.join(high, low), (BLOCK_N, KB, QBLOCK))
+            scale16 = (scale * column_down[:, None]).to(tl.float16)
+            weights = tl.reshape(values * scale16[:, :, None], (BLOCK_N, STEP))
         x = tl.load(x_ptr + rows[:, None] * stride_x + (k0 + within)[None, :],
                     mask=row_ok[:, None], other=0.0)
         acc = tl.dot(weights, tl.trans(x), acc)
         if HAS_LORA:  # noqa: SIM102  (a compile-time branch around a run-time one)
             if first_tile:
-                a = tl.load(a_ptr + ranks[:, None] * K + (k0 + within)[None, :], mask=a_ok,
+                a = tl.load(a_ptr + ranks[:, None] * K + (k0 + a_at)[None, :], mask=a_ok,
                             other=0.0)
                 xa += adapter_product(x, a, XA_PRECISION)
     row_up = tl.load(row_up_ptr + rows, mask=row_ok, other=1.0)
@@ -372,3 +382,32 @@ def block_scales(codes_ptr, absmax2_ptr, code2_ptr, offset, tiles, cols, local_c
     else:
         scale = codes
     return scale
+
+
+@triton.jit
+def lane_order(STEP: tl.constexpr):
+    """Which column of a K step of STEP each column of the tensor cores' register operand takes,
+    so that each lane's weights are one contiguous quarter of the step: in every 16 columns c,
+    lane l of a quad holds columns 2l, 2l + 1, 2l + 8 and 2l + 9 (`nf4_decode.lane_order_index`
+    is the same in torch)."""
+    k = tl.arange(0, STEP)
+    return (k // 2) % 4 * (STEP // 4) + k // 16 * 4 + (k // 8) % 2 * 2 + k % 2
+
+
+@triton.jit
+def lane_weights(w_ptr, local_cols, col_ok, scale16, k0, K, KB: tl.constexpr,
+                 STEP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One K step's fp16 weights [BLOCK_N, STEP] in `lane_order`: the packed bytes read as four
+    contiguous quarters of the step (a lane's 16-byte loads where K's order gives it single
+    bytes four apart), each quarter times its block's fp16 scale (`scale16`, [BLOCK_N, KB], KB
+    of 2 or 4)."""
+    quarter_scale = tl.reshape(tl.broadcast_to(scale16[:, :, None], (BLOCK_N, KB, 4 // KB)),
+                               (BLOCK_N, 4))
+    packed = tl.load(w_ptr + local_cols[:, None, None] * (K // 2) + k0 // 2
+                     + tl.arange(0, 4)[None, :, None] * (STEP // 8)
+                     + tl.arange(0, STEP // 8)[None, None, :], mask=col_ok[:, None, None],
+                     other=0)
+    high, low = nf4_values(packed)  # [BLOCK_N, 4, STEP // 8] each: weights 2j, 2j + 1
+    values = tl.join(high, low) * quarter_scale[:, :, None, None]
+    values = tl.reshape(values, (BLOCK_N, 4, STEP // 16, 2, 2))  # quarter, chunk, half, nibble
+    return tl.reshape(tl.permute(values, (0, 2, 3, 1, 4)), (BLOCK_N, STEP))
