@@ -94,7 +94,7 @@ def time_group(copies: list, x: torch.Tensor, tiles: Tiles, replays: int = 10) -
     on x as `fp16_rows` gives it, which the decode step computes in the kernel before them."""
     from vlmrl.rollout.nf4_decode import fp16_rows, nf4_rows_matmul
 
-    x16, row_up = fp16_rows(x)
+    x16, row_up = fp16_rows(x, tiles, copies[0][0][0].blocksize)
     for weights, loras in copies[:2]:
         nf4_rows_matmul(x16, row_up, weights, loras, tiles)
     torch.cuda.synchronize()

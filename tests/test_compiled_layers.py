@@ -177,11 +177,12 @@ def test_the_heap_is_frozen_after_the_first_step_and_thawed_when_training_ends()
     callback, state, control = FrozenHeapAfterFirstStep(), TrainerState(), TrainerControl()
     assert gc.get_freeze_count() == 0
     try:
-        state.global_step = 1
+        callback.on_train_end(None, state, control)  # nothing frozen: nothing to thaw
+        state.global_step = 7  # a resumed run's first step
         callback.on_step_end(None, state, control)
         frozen = gc.get_freeze_count()
         assert frozen > 0
-        state.global_step = 2
+        state.global_step = 8
         callback.on_step_end(None, state, control)
         assert gc.get_freeze_count() == frozen
         callback.on_train_end(None, state, control)

@@ -45,6 +45,11 @@ def test_an_unknown_adapter_precision_is_refused_by_name() -> None:
                                       xa_precision="fp16", lane_order=True), {3: 2.0 ** 20}),
     (9, 64, 2048, False, False, Tiles(block_n=64, programs_per_sm=1, k_blocks=4,
                                       lane_order=True), {0: 0.0}),
+    # one split of the whole input: its column scales' largest over 6 tiles (8 read, 2 masked)
+    # and over 36 (three reads of 16, the last partly masked)
+    (5, 64, 384, True, True, Tiles(block_n=64, programs_per_sm=0.25, k_blocks=2,
+                                   xa_precision="fp16"), {1: 2.0 ** 10}),
+    (5, 64, 2304, True, False, Tiles(block_n=64, programs_per_sm=0.25, k_blocks=2), {}),
     # lane order asked where the input's five blocks take one a step: the one-block kernel
     (6, 128, 320, True, True, Tiles(block_n=64, programs_per_sm=1, k_blocks=2,
                                     lane_order=True), {})])
@@ -130,7 +135,7 @@ def far_apart_scales(ratio: float) -> tuple[PackedNF4, torch.Tensor, torch.Tenso
 
 @pytest.mark.filterwarnings("error::RuntimeWarning")
 def test_fp16_weights_hold_blocks_down_to_2_to_the_minus_24_of_the_largest(interpreted_kernel):
-    """Two blocks a step share their column's power of two: a block 2**-20 of the other keeps
+    """The blocks of a column's K split share its power of two: a block 2**-20 of the other keeps
     fp16's bits; at 2**-44 its weights round to zero in fp16, where the one-block kernel, which
     scales after the product, stays exact (the bound the docstrings state)."""
     wide, narrow = Tiles(block_n=64, k_blocks=2), Tiles(block_n=64)
@@ -143,3 +148,37 @@ def test_fp16_weights_hold_blocks_down_to_2_to_the_minus_24_of_the_largest(inter
     assert largest_row_error(interpreted_kernel.nf4_matmul(x, weight, None, narrow).double(),
                              expected) < 2e-2
     assert interpreted_kernel.nf4_matmul(x, weight, None, wide).abs().max() == 0
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+def test_projections_that_cannot_share_a_launch_take_one_each(interpreted_kernel):
+    """Widths whose second projection starts inside a column tile: a warning, one launch each on
+    the same fp16 rows, and the outputs side by side."""
+    generator = torch.Generator().manual_seed(5)
+    members = [random_nf4(width, 256, True, generator) for width in (96, 32)]
+    weights = interpreted_kernel.side_by_side([weight for weight, _ in members])
+    x = torch.randn(4, 256, generator=generator).to(torch.bfloat16)
+    tiles = Tiles(block_n=64, programs_per_sm=1, k_blocks=2, lane_order=True)
+    assert not interpreted_kernel.groupable(weights, None, tiles)
+    with pytest.warns(UserWarning, match="can't share a launch"):
+        got = interpreted_kernel.nf4_group_matmul(x, weights, None, tiles).double()
+    expected = torch.cat([x.double() @ dense.t() for _, dense in members], dim=-1)
+    assert largest_row_error(got, expected) < 2e-2
+
+
+def test_the_operators_fake_gives_bf16_rows_of_the_groups_width():
+    """What torch.compile traces `vlmrl::nf4_matmul` as: bf16, x's leading shape, the widths'
+    sum."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import vlmrl.rollout.nf4_decode  # noqa: F401  (registers the operator)
+
+    with FakeTensorMode():
+        x16 = torch.empty(3, 1, 128, dtype=torch.float16)
+        row_up = torch.empty(3, 1)
+        packed = [torch.empty(64 * 64, 1, dtype=torch.uint8), torch.empty(32 * 64, 1,
+                                                                          dtype=torch.uint8)]
+        codes = [torch.empty(2, 64, dtype=torch.uint8), torch.empty(2, 32, dtype=torch.uint8)]
+        out = torch.ops.vlmrl.nf4_matmul(x16, row_up, packed, codes, [], [], [0.0, 0.0], 256,
+                                         [], [], 1.0, [64, 32], 64)
+    assert (out.dtype, tuple(out.shape)) == (torch.bfloat16, (3, 1, 96))

@@ -223,3 +223,20 @@ def test_completions_table_goes_to_the_file_and_progress_to_stdout(train_set, tm
     assert "'reward'" in out  # transformers' progress line of the step, on stdout
     assert len(trainer.trained_rows) == 4
     assert list((tmp_path / "run" / "completions").glob("*.parquet"))
+
+
+@pytest.mark.parametrize("compile_layers", [False, True])
+def test_compiled_runs_freeze_the_heap_after_their_first_step(train_set, tmp_path: Path,
+                                                              compile_layers) -> None:
+    from vlmrl.compiled_layers import FrozenHeapAfterFirstStep
+
+    grpo = {"max_steps": 1, "per_device_train_batch_size": 4, "num_generations": 4,
+            "max_completion_length": 4, "seed": 3, "report_to": "none"}
+    model, processor, _ = load_policy(PARAMS.model, PARAMS.train.lora, 3)
+    config = build_grpo_config(grpo, output_dir=tmp_path / "run", save_steps=100,
+                               reward_weights=[1.0], model_settings=PARAMS.model)
+    trainer = make_trainer(model.train(), processor, config, train_set, [answer_length],
+                           generation_rows=None, callbacks=[], compile_layers=compile_layers)
+    frozen = [callback for callback in trainer.callback_handler.callbacks
+              if isinstance(callback, FrozenHeapAfterFirstStep)]
+    assert len(frozen) == int(compile_layers)

@@ -81,15 +81,22 @@ class CompiledLayers:
 class FrozenHeapAfterFirstStep(TrainerCallback):
     """Python's full garbage collections walk every object the process holds; after the first
     optimizer step those include the compiled graphs' and kernels' (the layers', the decode
-    step's), and a collection then takes from a third of a second to over a second, which lands
-    inside later steps (the `gc` phase of benchmarks/gspo_step.py). After the first step the heap
-    is frozen (`gc.freeze`: its objects leave the collector's generations), and thawed when
-    training ends, so that a later run in the same process collects them again."""
+    step's), and such a collection is long enough to show inside later steps (the `gc` phase of
+    benchmarks/gspo_step.py). After the run's first step (also of a resumed run) the heap is
+    collected once and frozen (`gc.freeze`: its objects leave the collector's generations, so
+    those of them that become cyclic garbage later wait until the thaw), and thawed when training
+    ends, so that a later run in the same process collects them again."""
+
+    def __init__(self) -> None:
+        self.frozen = False
 
     def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == 1:
+        if not self.frozen:
             gc.collect()
             gc.freeze()
+            self.frozen = True
 
     def on_train_end(self, args, state, control, **kwargs):
-        gc.unfreeze()
+        if self.frozen:
+            gc.unfreeze()
+            self.frozen = False

@@ -12,9 +12,11 @@ the instructions), and the product runs in fp16 with the weight as the tensor co
 operand: the values are tf32's rounding of the float32 code book, and x comes in as fp16 rows
 (`fp16_rows`), each scaled by a power of two that puts its largest element near fp16's largest
 (exact in fp16 but for elements 2**-29 of it or smaller), undone on the partial sums. Those are
-plain tensor operations before the operator, which torch.compile fuses into the kernel that
-computed x; converting x inside the kernel cost every program every K step, and the programs of
-a projection each convert the same x. With one block a step (`nf4_lora_matmul`) the block scale
+plain tensor operations before the operator, which torch.compile can fuse into the kernel
+that computed x (the norms before q, k, v and gate, up; after the decode attention's own
+operator they are a kernel of their own, and without torch.compile a few); converting x inside
+the kernel cost every program every K step, and the programs of a projection each converted the
+same x. With one block a step (`nf4_lora_matmul`) the block scale
 multiplies the float32 product, so the weights are never rounded; with several
 (`nf4_lora_matmul_wide`, the shipped tiles) each weight, its NF4 value times its block scale, is
 rounded to fp16 before the product: 11 significant bits where bitsandbytes rounds the same
@@ -254,20 +256,23 @@ def starts_fit(widths: Sequence[int], tiles: Tiles) -> bool:
     return len(widths) <= MAX_GROUP and all(start % tile == 0 for start in column_starts(widths))
 
 
-def fp16_rows(x: torch.Tensor, tiles: Tiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def fp16_rows(x: torch.Tensor, tiles: Tiles | None = None,
+              blocksize: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """x (bf16, [..., K]) as the kernel reads it: each row in fp16, scaled by the power of two
     that puts its largest element in [2**14, 2**15) (exact but for elements 2**-29 of it or
     smaller; down for rows beyond fp16's range, up for small ones), with `tiles.lane_order` each
     K step's columns in `lane_order_index`'s order, and the float32 power of two that undoes the
-    scaling, [...]. Plain tensor operations, so that under torch.compile they join the kernel
-    that computed x (a norm, the MLP's product) instead of running once per column tile inside
-    the NF4 kernel. `tiles`: the launch's (default TILES as it is at the call)."""
+    scaling, [...]. Plain tensor operations, so that under torch.compile they can join the
+    kernel that computed x (a norm, the MLP's product) instead of running once per column tile
+    inside the NF4 kernel; after a custom operator (the decode attention's) and without
+    torch.compile they are kernels of their own. `tiles` and `blocksize`: the launch's (default
+    TILES as it is at the call, and bitsandbytes' blocks of 64)."""
     largest = x.abs().amax(-1).float()
     exponent = ((largest.view(torch.int32) >> 23) & 0xFF) - 127
     shift = torch.clamp(exponent - 14, min=-126)
     down = ((127 - shift) << 23).view(torch.float32)
     x16 = (x.float() * down[..., None]).to(torch.float16)
-    step = lane_step(x.shape[-1], tiles or TILES)
+    step = lane_step(x.shape[-1], tiles or TILES, blocksize)
     if step is not None:
         x16 = x16[..., lane_order_index(x.shape[-1], step, x.device)]
     return x16, ((127 + shift) << 23).view(torch.float32)
@@ -298,13 +303,16 @@ def nf4_group_matmul(x: torch.Tensor, weights: Sequence[PackedNF4],
     by side in one tensor, in one launch of each kernel where `groupable` (else one per
     projection, concatenated): a decode step's projections are too small to fill the GPU one by
     one, and their launches' fixed costs add up. `loras`: one (A, B, s) per projection, or None."""
-    return nf4_rows_matmul(*fp16_rows(x, tiles), weights, loras, tiles)
+    return nf4_rows_matmul(*fp16_rows(x, tiles, weights[0].blocksize), weights, loras, tiles)
 
 
 def nf4_rows_matmul(x16: torch.Tensor, row_up: torch.Tensor, weights: Sequence[PackedNF4],
                     loras: Sequence[tuple] | None = None,
                     tiles: Tiles | None = None) -> torch.Tensor:
     """`nf4_group_matmul` of x given as `fp16_rows` gives it for the same tiles."""
+    if x16.dtype != torch.float16 or row_up.dtype != torch.float32:
+        raise TypeError(f"the NF4 kernel takes x as fp16_rows gives it (fp16 rows, float32 "
+                        f"powers of two), not {x16.dtype} and {row_up.dtype}")
     tiles = tiles or TILES
     if len(weights) > 1 and not groupable(weights, loras, tiles):
         warnings.warn(f"NF4 projections of widths {[w.out_features for w in weights]} can't "
@@ -370,8 +378,8 @@ def _step_options(tiles: Tiles, k_split: int, blocksize: int, blocks: int) -> di
     K steps only (see Tiles)."""
     step = blocksize * blocks
     if blocks > 1:
-        options = {"KB": blocks, "SPLIT_TILES": _power_of_two_at_least(k_split // blocksize),
-                   "LANE_ORDER": tiles.lane_order}
+        options = {"KB": blocks, "LANE_ORDER": tiles.lane_order,
+                   "SPLIT_TILES": min(_power_of_two_at_least(k_split // blocksize), 16)}
     else:
         options = {"XA_CHUNK": blocksize if k_split <= step else min(tiles.xa_chunk, blocksize)}
     if k_split > step and tiles.max_registers is not None:

@@ -297,8 +297,7 @@ def nf4_lora_matmul_wide(x_ptr, row_up_ptr, w_ptr, codes_ptr, absmax2_ptr, code2
                          XA_PRECISION: tl.constexpr = "ieee", LANE_ORDER: tl.constexpr = False):
     """`nf4_lora_matmul` with KB scale blocks a K step: each weight is its NF4 value times its
     block scale in fp16 (the scale brought near fp16's largest by a power of two per column,
-    found once over the program's K_SPLIT before the loop (SPLIT_TILES: its scale blocks, rounded
-    up to a power of two), rounded to fp16, then the product rounded: 11 significant bits, where
+    found once over the program's K_SPLIT before the loop (`split_column_shift`), rounded to fp16, then the product rounded: 11 significant bits, where
     bitsandbytes rounds the weight to bf16's 8, for blocks whose scale is at least 2**-24 of the
     column's largest in the split; smaller ones lose bits, down to zero at 2**-40, where the
     one-block kernel stays exact), so that one product of K = KB x QBLOCK accumulates KB blocks
@@ -327,13 +326,9 @@ def nf4_lora_matmul_wide(x_ptr, row_up_ptr, w_ptr, codes_ptr, absmax2_ptr, code2
     ranks = tl.arange(0, R)
     a_ok = (ranks[:, None] < rank) & first_tile & HAS_LORA
     k_tiles = K // QBLOCK
-    # each column's block scales of this split brought near fp16's largest by one power of two
-    split_tiles = split * (K_SPLIT // QBLOCK) + tl.arange(0, SPLIT_TILES)
-    in_split = col_ok[:, None] & (tl.arange(0, SPLIT_TILES) < K_SPLIT // QBLOCK)[None, :]
-    split_scales = block_scales(codes_ptr, absmax2_ptr, code2_ptr, offset, split_tiles[None, :],
-                                cols[:, None], local_cols[:, None], in_split, stride_codes,
-                                k_tiles, NESTED, BLOCK2)
-    column_shift = fp16_shift(tl.max(tl.where(in_split, tl.abs(split_scales), 0.0), 1))
+    column_shift = split_column_shift(codes_ptr, absmax2_ptr, code2_ptr, offset, split, cols,
+                                      local_cols, col_ok, stride_codes, k_tiles, NESTED, BLOCK2,
+                                      K_SPLIT // QBLOCK, SPLIT_TILES, BLOCK_N)
     column_down = power_of_two(-column_shift)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     xa = tl.zeros((BLOCK_M, R), dtype=tl.float32)
@@ -366,6 +361,35 @@ def nf4_lora_matmul_wide(x_ptr, row_up_ptr, w_ptr, codes_ptr, absmax2_ptr, code2
     acc = acc * power_of_two(column_shift)[:, None] * row_up[None, :]
     store_partials(part_ptr, xa_part_ptr, acc, xa * row_up[:, None], split, M, N, rows, cols,
                    ranks, segment, first_tile, row_ok, col_ok, HAS_LORA, SEGMENTS, R)
+
+
+@triton.jit
+def split_column_shift(codes_ptr, absmax2_ptr, code2_ptr, offset, split, cols, local_cols,
+                       col_ok, stride_codes, k_tiles, NESTED: tl.constexpr,
+                       BLOCK2: tl.constexpr, COUNT: tl.constexpr, SPLIT_TILES: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
+    """`fp16_shift` of each column's largest block scale among the COUNT tiles of K split
+    `split`: read at once where SPLIT_TILES (a power of two) holds them, else SPLIT_TILES at a
+    time. A column past the weight's last reads the masked loads' scale (`offset`, or 0), whose
+    power of two keeps its discarded weights finite."""
+    if COUNT <= SPLIT_TILES:
+        at = tl.arange(0, SPLIT_TILES)
+        ok = col_ok[:, None] & (at < COUNT)[None, :]
+        scales = block_scales(codes_ptr, absmax2_ptr, code2_ptr, offset,
+                              (split * COUNT + at)[None, :], cols[:, None], local_cols[:, None],
+                              ok, stride_codes, k_tiles, NESTED, BLOCK2)
+        largest = tl.max(tl.where((at < COUNT)[None, :], tl.abs(scales), 0.0), 1)
+    else:
+        largest = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for first in range(0, COUNT, SPLIT_TILES):
+            at = first + tl.arange(0, SPLIT_TILES)
+            ok = col_ok[:, None] & (at < COUNT)[None, :]
+            scales = block_scales(codes_ptr, absmax2_ptr, code2_ptr, offset,
+                                  (split * COUNT + at)[None, :], cols[:, None],
+                                  local_cols[:, None], ok, stride_codes, k_tiles, NESTED, BLOCK2)
+            largest = tl.maximum(largest,
+                                 tl.max(tl.where((at < COUNT)[None, :], tl.abs(scales), 0.0), 1))
+    return fp16_shift(largest)
 
 
 @triton.jit
