@@ -4,6 +4,7 @@ sweep times is one the kernel takes (a bad one would only fail on the GPU, insid
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 from conftest import load_benchmark
@@ -27,7 +28,8 @@ def test_tiles_parse_in_order_and_by_name(profile) -> None:
 @pytest.mark.parametrize(("text", "says"), [
     ("128,four,3,4", "warps is 'four'"), ("128,pdl=2", "pdl is '2'"),
     ("128,warp=8", "no field 'warp'"), ("128,sum_rows=24", "Tiles.sum_rows is 24"),
-    (",".join(["64"] * 12), "more than the"), ("pdl=1,128", "come before"),
+    (",".join(["64"] * (len(dataclasses.fields(Tiles)) + 1)), "more than the"),
+    ("pdl=1,128", "come before"),
     ("128,pdl=1,pdl=0", "pdl is given twice"), ("", "block_n is ''"),
     ("128,max_registers=16", "Tiles.max_registers is 16")])
 def test_bad_tiles_name_the_shape_and_the_field(profile, text, says) -> None:
