@@ -376,19 +376,17 @@ def _step_options(tiles: Tiles, k_split: int, blocksize: int, blocks: int) -> di
     """The first kernel's step options: scale blocks a step (`KB`, the wide kernel's) or the
     one-block kernel's adapter chunk, and the register cap, which applies to programs of several
     K steps only (see Tiles)."""
+    from triton import next_power_of_2
+
     step = blocksize * blocks
     if blocks > 1:
         options = {"KB": blocks, "LANE_ORDER": tiles.lane_order,
-                   "SPLIT_TILES": min(_power_of_two_at_least(k_split // blocksize), 16)}
+                   "SPLIT_TILES": min(next_power_of_2(k_split // blocksize), 16)}
     else:
         options = {"XA_CHUNK": blocksize if k_split <= step else min(tiles.xa_chunk, blocksize)}
     if k_split > step and tiles.max_registers is not None:
         options["maxnreg"] = tiles.max_registers
     return options
-
-
-def _power_of_two_at_least(value: int) -> int:
-    return 1 << max(value - 1, 0).bit_length()
 
 
 @torch.library.custom_op("vlmrl::nf4_matmul", mutates_args=())

@@ -139,10 +139,11 @@ def store_partials(part_ptr, xa_part_ptr, acc, xa, split, M, N, rows, cols, rank
 @triton.jit
 def scale_codes(codes_ptr, absmax2_ptr, k_tile, cols, local_cols, col_ok, stride_codes,
                 k_tiles, NESTED: tl.constexpr, BLOCK2: tl.constexpr):
-    """What the block scales of one K tile are read from (`codes_ptr`: [k_tiles, columns], rows
-    `stride_codes` apart): with nested quantization their 8-bit codes and the float32 scale of
-    each code's block of BLOCK2 (counted in the projection's own columns, `local_cols`);
-    without, their float32 values (twice, so that both cases return a pair)."""
+    """What the block scales of K tile(s) `k_tile` of columns `cols` (broadcast together) are
+    read from (`codes_ptr`: [k_tiles, columns], rows `stride_codes` apart): with nested
+    quantization their 8-bit codes and the float32 scale of each code's block of BLOCK2 (counted
+    in the projection's own columns, `local_cols`); without, their float32 values (twice, so
+    that both cases return a pair). `undo_codes` makes them scales."""
     codes = tl.load(codes_ptr + k_tile * stride_codes + cols, mask=col_ok, other=0)
     if NESTED:
         scales2 = tl.load(absmax2_ptr + (local_cols * k_tiles + k_tile) // BLOCK2, mask=col_ok,
@@ -150,6 +151,17 @@ def scale_codes(codes_ptr, absmax2_ptr, k_tile, cols, local_cols, col_ok, stride
     else:
         scales2 = codes
     return codes, scales2
+
+
+@triton.jit
+def undo_codes(codes, scales2, code2_ptr, offset, NESTED: tl.constexpr):
+    """The float32 block scales `scale_codes` read: bitsandbytes' double quantization undone (an
+    8-bit code per block into `code2`, times its block's scale, plus `offset`), or as read."""
+    if NESTED:
+        scale = tl.load(code2_ptr + codes.to(tl.int32)) * scales2 + offset
+    else:
+        scale = codes
+    return scale
 
 
 @triton.jit
@@ -227,11 +239,7 @@ def nf4_lora_matmul(x_ptr, row_up_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr,
         # fp16 NF4 values (tf32's rounding of the code book) against x's fp16 rows, then the
         # block scale (the rows' powers of two after the loop)
         product = tl.dot(values, tl.trans(x))
-        if NESTED:  # bitsandbytes' double quantization: an 8-bit code per block
-            scale = tl.load(code2_ptr + codes.to(tl.int32)) * scales2 + offset
-        else:
-            scale = codes
-        acc += product * scale[:, None]
+        acc += product * undo_codes(codes, scales2, code2_ptr, offset, NESTED)[:, None]
         if HAS_LORA:  # noqa: SIM102  (a compile-time branch around a run-time one)
             if first_tile:
                 if XA_CHUNK == QBLOCK:
@@ -369,43 +377,39 @@ def split_column_shift(codes_ptr, absmax2_ptr, code2_ptr, offset, split, cols, l
                        BLOCK2: tl.constexpr, COUNT: tl.constexpr, SPLIT_TILES: tl.constexpr,
                        BLOCK_N: tl.constexpr):
     """`fp16_shift` of each column's largest block scale among the COUNT tiles of K split
-    `split`: read at once where SPLIT_TILES (a power of two) holds them, else SPLIT_TILES at a
-    time. A column past the weight's last reads the masked loads' scale (`offset`, or 0), whose
+    `split`, read SPLIT_TILES (a power of two) at a time. A column past the weight's last reads the masked loads' scale (`offset`, or 0), whose
     power of two keeps its discarded weights finite."""
-    if COUNT <= SPLIT_TILES:
-        at = tl.arange(0, SPLIT_TILES)
-        ok = col_ok[:, None] & (at < COUNT)[None, :]
-        scales = block_scales(codes_ptr, absmax2_ptr, code2_ptr, offset,
-                              (split * COUNT + at)[None, :], cols[:, None], local_cols[:, None],
-                              ok, stride_codes, k_tiles, NESTED, BLOCK2)
-        largest = tl.max(tl.where((at < COUNT)[None, :], tl.abs(scales), 0.0), 1)
-    else:
-        largest = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for first in range(0, COUNT, SPLIT_TILES):
-            at = first + tl.arange(0, SPLIT_TILES)
-            ok = col_ok[:, None] & (at < COUNT)[None, :]
-            scales = block_scales(codes_ptr, absmax2_ptr, code2_ptr, offset,
-                                  (split * COUNT + at)[None, :], cols[:, None],
-                                  local_cols[:, None], ok, stride_codes, k_tiles, NESTED, BLOCK2)
-            largest = tl.maximum(largest,
-                                 tl.max(tl.where((at < COUNT)[None, :], tl.abs(scales), 0.0), 1))
+    largest = split_chunk_largest(codes_ptr, absmax2_ptr, code2_ptr, offset, split, 0, cols,
+                                  local_cols, col_ok, stride_codes, k_tiles, NESTED, BLOCK2,
+                                  COUNT, SPLIT_TILES)
+    for first in range(SPLIT_TILES, COUNT, SPLIT_TILES):  # none where one read holds them all
+        largest = tl.maximum(largest, split_chunk_largest(
+            codes_ptr, absmax2_ptr, code2_ptr, offset, split, first, cols, local_cols, col_ok,
+            stride_codes, k_tiles, NESTED, BLOCK2, COUNT, SPLIT_TILES))
     return fp16_shift(largest)
+
+
+@triton.jit
+def split_chunk_largest(codes_ptr, absmax2_ptr, code2_ptr, offset, split, first, cols,
+                        local_cols, col_ok, stride_codes, k_tiles, NESTED: tl.constexpr,
+                        BLOCK2: tl.constexpr, COUNT: tl.constexpr, SPLIT_TILES: tl.constexpr):
+    """Each column's largest block scale among tiles `first` to `first + SPLIT_TILES` of the
+    COUNT of K split `split`."""
+    at = first + tl.arange(0, SPLIT_TILES)
+    in_split = (at < COUNT)[None, :]
+    scales = block_scales(codes_ptr, absmax2_ptr, code2_ptr, offset, (split * COUNT + at)[None, :],
+                          cols[:, None], local_cols[:, None], col_ok[:, None] & in_split,
+                          stride_codes, k_tiles, NESTED, BLOCK2)
+    return tl.max(tl.where(in_split, tl.abs(scales), 0.0), 1)
 
 
 @triton.jit
 def block_scales(codes_ptr, absmax2_ptr, code2_ptr, offset, tiles, cols, local_cols, ok,
                  stride_codes, k_tiles, NESTED: tl.constexpr, BLOCK2: tl.constexpr):
-    """The float32 block scales of K tiles `tiles` of columns `cols` (broadcast together):
-    bitsandbytes' nested 8-bit codes undone (their blocks of BLOCK2 counted in the projection's
-    own columns, `local_cols`), or the float32 scales themselves."""
-    codes = tl.load(codes_ptr + tiles * stride_codes + cols, mask=ok, other=0)
-    if NESTED:
-        scales2 = tl.load(absmax2_ptr + (local_cols * k_tiles + tiles) // BLOCK2, mask=ok,
-                          other=0.0)
-        scale = tl.load(code2_ptr + codes.to(tl.int32)) * scales2 + offset
-    else:
-        scale = codes
-    return scale
+    """The float32 block scales of K tiles `tiles` of columns `cols` (broadcast together)."""
+    codes, scales2 = scale_codes(codes_ptr, absmax2_ptr, tiles, cols, local_cols, ok,
+                                 stride_codes, k_tiles, NESTED, BLOCK2)
+    return undo_codes(codes, scales2, code2_ptr, offset, NESTED)
 
 
 @triton.jit

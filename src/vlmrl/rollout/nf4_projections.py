@@ -83,7 +83,8 @@ def call_nf4_op(members: Sequence[NF4DecodeLinear], x: torch.Tensor,
     nested = weights[0].absmax2 is not None
     adapted = len(loras[0]) > 0
     return torch.ops.vlmrl.nf4_matmul(
-        *nf4_decode.fp16_rows(x, blocksize=weights[0].blocksize), [w.packed for w in weights], [w.absmax for w in weights],
+        *nf4_decode.fp16_rows(x, blocksize=weights[0].blocksize), [w.packed for w in weights],
+        [w.absmax for w in weights],
         [w.absmax2 for w in weights] if nested else [],
         [w.code2 for w in weights] if nested else [], [float(w.offset) for w in weights],
         weights[0].block2, [lora[0] for lora in loras] if adapted else [],
