@@ -189,6 +189,11 @@ RECIPE_8B_PROFILE = "gpu_profile_graph_fp8_mb4_rolled_compiled"  # recipes/mathv
 # the adapter's x A^T in float32 on CUDA cores): one device call measures the kernel's change.
 for _name in ("gpu_profile_graph_fp8_compiled", "gpu_profile_graph_fp8_mb4_compiled"):
     CONFIGS[f"{_name}_narrow"] = {**CONFIGS[_name], "decode_tiles": {"block_n": 128}}
+# The recipes' profiles with each K step of the NF4 kernel in the tensor cores' lane order
+# (`Tiles.lane_order`: a lane's packed bytes load 16 at a time); one device call times it.
+for _name in ("gpu_profile_graph_fp8_rolled_compiled", "gpu_profile_graph_fp8_mb4_rolled_compiled"):
+    CONFIGS[f"{_name}_lanes"] = {**CONFIGS[_name], "decode_tiles": {
+        "block_n": 128, "k_blocks": 2, "xa_precision": "fp16", "lane_order": True}}
 # The float8 profile as it stood before issue 41 (the NF4 kernel's tree decode and float32
 # block scales, old log-probs for every row): the same knobs run on the library exported from
 # that commit (`--baseline-src`), so one device call measures it beside the new one.
@@ -1003,14 +1008,14 @@ def speed_ratio(run: dict[str, Any], rows: list[dict[str, Any]], config: str) ->
     return f"{ratio:.2f}x" + ("" if base["file"] == run["file"] else " †")
 
 
-def speed_table(files: list[Path]) -> str:
+def speed_table(files: list[Path], block: str = SPEED_BLOCK) -> str:
     """The current speed summary: per model shape and completion length, seconds per GSPO step,
     generated tokens per second and peak memory of the Unsloth reference, today's profile and
     the profiles beside them, with the speed against the first two."""
     rows = speed_rows(files)
     machines = sorted({render_results(results_source(spec)[0], machine_line) for spec in files})
     lines = [(f"{'; '.join(machines)}; 16 completions per optimizer step, LoRA r16. Written by "
-              "`benchmarks/gspo_step.py --from-json ... --doc-block speed`; † against a run of "
+              f"`benchmarks/gspo_step.py --from-json ... --doc-block {block}`; † against a run of "
               "another results file, i.e. another machine of the same kind. % of bound: the "
               "decode steps' weight reads against the copy bandwidth measured in the same call."),
              "",
@@ -1054,11 +1059,12 @@ def speed_line(files: list[Path]) -> str:
 
 
 def write_from_json(files: list[Path], doc: Path, block: str, readme: Path | None) -> None:
-    """The block's table from stored results: the speed summary of several files, or one
-    file's full table."""
-    if block == SPEED_BLOCK:
-        replace_between(doc, *doc_markers(block), speed_table(files))
-        if readme is not None:
+    """The block's table from stored results: the speed summary of several files (the block
+    `speed`, or one named `speed-...`; only `speed` writes the README's sentence), or one file's
+    full table."""
+    if block == SPEED_BLOCK or block.startswith(f"{SPEED_BLOCK}-"):
+        replace_between(doc, *doc_markers(block), speed_table(files, block))
+        if readme is not None and block == SPEED_BLOCK:
             replace_between(readme, *doc_markers("speed-readme"), speed_line(files))
         return
     if len(files) != 1:
@@ -1101,8 +1107,8 @@ def main() -> int:
                         help="write the roofline table of --out (or of --from-json) into this "
                              "Markdown file and exit")
     parser.add_argument("--doc-block", default="roofline",
-                        help="which marked block of --doc the table replaces (speed: the "
-                             "summary of every --from-json file)")
+                        help="which marked block of --doc the table replaces (speed, or "
+                             "speed-NAME: the summary of every --from-json file)")
     parser.add_argument("--from-json", type=Path, nargs="+", metavar="RESULTS",
                         help="measure nothing: write the table of these stored results into "
                              "--doc (default docs/benchmarks.md); RESULTS::CONFIG,... takes "

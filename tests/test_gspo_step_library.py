@@ -5,6 +5,7 @@ tiles)."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -54,3 +55,12 @@ def test_narrow_runs_the_recipe_on_the_one_block_kernel(gspo_step, name: str) ->
     tiles = Tiles(**narrow["decode_tiles"])
     assert (tiles.k_blocks, tiles.xa_precision) == (1, "ieee")
     assert (TILES.k_blocks, TILES.xa_precision) != (1, "ieee")  # the shipped tiles differ
+
+
+@pytest.mark.parametrize("name", ["gpu_profile_graph_fp8_rolled_compiled",
+                                  "gpu_profile_graph_fp8_mb4_rolled_compiled"])
+def test_lanes_runs_the_recipe_on_the_shipped_tiles_in_lane_order(gspo_step, name: str) -> None:
+    lanes = gspo_step.CONFIGS[f"{name}_lanes"]
+    assert {key: value for key, value in lanes.items() if key != "decode_tiles"} == \
+        gspo_step.CONFIGS[name]
+    assert Tiles(**lanes["decode_tiles"]) == dataclasses.replace(TILES, lane_order=True)

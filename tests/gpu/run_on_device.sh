@@ -12,6 +12,12 @@
 #   tests/gpu/run_on_device.sh nonfinite [nonfinite_probe.py args...]   # where a run goes NaN
 #   tests/gpu/run_on_device.sh scaling [scaling.py args...]   # 1 vs 2 GPUs, strong/weak (2 GPUs)
 #   tests/gpu/run_on_device.sh setup                    # install only, print versions
+#   tests/gpu/run_on_device.sh pair "MODE ARGS; MODE ARGS" "MODE ARGS"   # two GPUs at once
+#
+# pair: on a host of two GPUs, each quoted list of modes (separated by ';') runs in order on its
+# own GPU, both lists at once, each with its own output folder ($OUT/gpu0, $OUT/gpu1), cache, work
+# folder and half the CPU cores (each mode's log is its NAME.log there): one device call measures twice what one
+# GPU fits in its time. Exits non-zero if either list's last mode did.
 #
 # Installs into /tmp/site (kept while the machine stays up: a second call skips the install),
 # unpacks llama_cpp and llama.cpp's converter when .whl/ holds them, builds nothing else. Logs and
@@ -46,7 +52,9 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OF
 export UNSLOTH_DISABLE_STATISTICS=1 TOKENIZERS_PARALLELISM=false
 mkdir -p "$VLMRL_GPU_LOGS"
 
-python3 - <<'PY' | tee "$OUTDIR/versions.txt"
+versions_file="$OUTDIR/versions.txt"
+[ "$MODE" = pair ] && versions_file=/dev/null  # each GPU's folder has its own
+python3 - <<'PY' | tee "$versions_file"
 import importlib.metadata as md, platform, subprocess
 import torch
 print("device:", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA",
@@ -74,8 +82,32 @@ run_script() {
     exit "$rc"
 }
 
+# run_pair GPU "MODE ARGS; MODE ARGS": the modes in order on that GPU alone
+run_pair() {
+    local gpu="$1" list="$2" rc=0 step words threads
+    threads=$(( $(nproc) / 2 ))  # half the cores each: torch's CPU work must not contend
+    IFS=';' read -ra steps <<< "$list"
+    mkdir -p "/tmp/gpu$gpu"
+    for step in "${steps[@]}"; do
+        eval "words=($step)"  # a step's quoted arguments stay one word each
+        CUDA_VISIBLE_DEVICES="$gpu" OUT="$OUTDIR/gpu$gpu" VLMRL_CACHE="/tmp/vlmrl-cache-gpu$gpu" \
+            VLMRL_GPU_LOGS="/tmp/vlmrl-logs-gpu$gpu" TMPDIR="/tmp/gpu$gpu" \
+            OMP_NUM_THREADS="$threads" bash "$0" "${words[@]}" >> "/tmp/gpu$gpu/steps.log" 2>&1
+        rc=$?
+        echo "gpu$gpu: '$step' exited $rc; its last lines:"
+        tail -n 15 "/tmp/gpu$gpu/steps.log"
+    done
+    return "$rc"
+}
+
 case "$MODE" in
     setup) ;;
+    pair)
+        [ "$#" -eq 2 ] || { echo "pair takes two quoted lists of modes" >&2; exit 2; }
+        run_pair 0 "$1" & first=$!
+        run_pair 1 "$2" & second=$!
+        wait "$first"; rc0=$?; wait "$second"; rc1=$?
+        exit $(( rc0 || rc1 )) ;;
     tests)
         export TQDM_DISABLE=1
         targets=(tests/gpu)  # unless the arguments name test files, folders or node ids
@@ -97,5 +129,5 @@ case "$MODE" in
     sweep) run_script benchmarks/nf4_sweep.py nf4_sweep "$@" ;;
     nonfinite) run_script benchmarks/nonfinite_probe.py nonfinite "$@" ;;
     scaling) run_script benchmarks/scaling.py scaling "$@" ;;
-    *) echo "usage: $0 tests|bench|probe|decode|sweep|learning|launch|nonfinite|scaling|setup [args]" >&2; exit 2 ;;
+    *) echo "usage: $0 tests|bench|probe|decode|sweep|learning|launch|nonfinite|scaling|setup|pair [args]" >&2; exit 2 ;;
 esac
