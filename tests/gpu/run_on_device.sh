@@ -15,9 +15,9 @@
 #   tests/gpu/run_on_device.sh pair "MODE ARGS; MODE ARGS" "MODE ARGS"   # two GPUs at once
 #
 # pair: on a host of two GPUs, each quoted list of modes (separated by ';') runs in order on its
-# own GPU, both lists at once, each with its own output folder ($OUT/gpu0, $OUT/gpu1), cache, work
-# folder and half the CPU cores (each mode's log is its NAME.log there): one device call measures twice what one
-# GPU fits in its time. Exits non-zero if either list's last mode did.
+# own GPU, both lists at once, each with its own output folder ($OUT/gpu0, $OUT/gpu1; each mode's
+# log is its NAME.log there), cache, work folder and half the CPU cores: one device call measures
+# twice what one GPU fits in its time. Exits non-zero if either list's last mode did.
 #
 # Installs into /tmp/site (kept while the machine stays up: a second call skips the install),
 # unpacks llama_cpp and llama.cpp's converter when .whl/ holds them, builds nothing else. Logs and
