@@ -904,6 +904,18 @@ def micro_batch_seconds(run: dict[str, Any]) -> tuple[list[float], list[float]]:
     return first, others
 
 
+# The parts of `prepare_inputs` (TRL's generation step) timed on their own.
+INPUT_PARTS = ("prompts", "generation", "rewards", "old_logps")
+
+
+def other_input_seconds(phases: dict[str, float]) -> float | None:
+    """Seconds per step of `prepare_inputs` outside its timed parts (INPUT_PARTS): the host's
+    work around a generation (completions decoded, masks and batches built, metrics gathered)."""
+    if "prepare_inputs" not in phases:
+        return None
+    return phases["prepare_inputs"] - sum(phases.get(part, 0.0) for part in INPUT_PARTS)
+
+
 def phase_table(runs: list[dict[str, Any]]) -> list[str]:
     """Seconds per optimizer step by phase (`seconds_by_phase`), and the micro-batches' forward
     plus backward seconds, the first after each generation apart; runs without phases are left
@@ -911,20 +923,24 @@ def phase_table(runs: list[dict[str, Any]]) -> list[str]:
     timed = [r for r in runs if r.get("seconds_by_phase")]
     if not timed:
         return []
-    lines = ["", ("| model | configuration | tokens | generation | old log-probs | forward | "
-                  "backward | first micro-batch after a generation, s | "
-                  "other micro-batches, mean s |"),
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
+    lines = ["", ("| model | configuration | tokens | generation | old log-probs | prompts | "
+                  "other input work | forward | backward | "
+                  "first micro-batch after a generation, s | other micro-batches, mean s |"),
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
     for run in timed:
         phases = run["seconds_by_phase"]
         first, others = micro_batch_seconds(run)
         lines.append(
             f"| {model_name(run)} | `{run['config']}` | {run['completion_length']} | "
-            + " | ".join(_fmt(phases.get(key), ".2f")
-                         for key in ("generation", "old_logps", "loss", "backward"))
+            + " | ".join(_fmt(value, ".2f") for value in (
+                phases.get("generation"), phases.get("old_logps"), phases.get("prompts"),
+                other_input_seconds(phases), phases.get("loss"), phases.get("backward")))
             + f" | {', '.join(f'{t:.2f}' for t in first) or '-'} | "
             f"{_fmt(sum(others) / len(others) if others else None, '.2f')} |")
-    return ["", "Seconds per optimizer step by phase (`seconds_by_phase`, `phase_calls`):"] + lines
+    return ["", ("Seconds per optimizer step by phase (`seconds_by_phase`, `phase_calls`; prompts: "
+                 "TRL's `_tokenize_prompts`, the images' processing; other input work: the rest "
+                 "of `_prepare_inputs` beyond its generation, old log-probs, prompts and "
+                 "rewards):")] + lines
 
 
 TRAINING_KERNELS_SHOWN = 12
