@@ -90,9 +90,10 @@ def ms_per_step(model, batch, attention: str, new_tokens: int, cache_len: int,
 
 
 def kernels(model, batch, attention: str, cache_len: int, nf4_kernel: bool, compiled: bool,
-            top: int = 14) -> list[dict]:
-    """The kernels of 8 decode steps replayed as the graph runs them (the prefill's profiled apart
-    and subtracted)."""
+            top: int = 14) -> tuple[list[dict], dict]:
+    """The `top` kernels of 8 decode steps replayed as the graph runs them (the prefill's profiled
+    apart and subtracted), and all kernels' milliseconds and calls per step: what the step's time
+    holds beyond its kernels is the gaps between them."""
     from torch.profiler import ProfilerActivity, profile
 
     from vlmrl.rollout.graph_decode import GraphDecoding
@@ -111,8 +112,10 @@ def kernels(model, batch, attention: str, cache_len: int, nf4_kernel: bool, comp
     steps = {key: (time - prefill.get(key, (0, 0))[0], count - prefill.get(key, (0, 0))[1])
              for key, (time, count) in both.items()}
     ranked = sorted(steps.items(), key=lambda item: -item[1][0])[:top]
+    every = {"ms_per_step": round(sum(time for time, _ in steps.values()) / 1000 / 8, 3),
+             "calls_per_step": round(sum(count for _, count in steps.values()) / 8, 1)}
     return [{"kernel": key[:90], "ms_per_step": round(time / 1000 / 8, 3),
-             "calls_per_step": round(count / 8, 1)} for key, (time, count) in ranked]
+             "calls_per_step": round(count / 8, 1)} for key, (time, count) in ranked], every
 
 
 # the K tile is one scale block; the first twelve: the main kernel's tile shapes, then the sum's
@@ -306,6 +309,8 @@ def main() -> int:
                              "nf4_projections.GROUPS) or one launch per projection (off); both: on,off")
     parser.add_argument("--kernels", action="store_true",
                         help="profile the kernels of the graph's decode steps at the most rows")
+    parser.add_argument("--top", type=int, default=14,
+                        help="with --kernels: how many kernels to keep, by total time")
     parser.add_argument("--compiles", default="off",
                         help="the decode step's forward pass eager (off) or under torch.compile (on)")
     parser.add_argument("--model", default=gspo_step.MODEL,
@@ -366,8 +371,9 @@ def main() -> int:
                        "weight_bytes": weights,
                        "bound_fraction": round(weights / bandwidth / (ms / 1000), 4)}
                 if args.kernels and rows == max(int(r) for r in args.rows.split(",")):
-                    run["kernels"] = kernels(model, batch, attention, args.cache_len,
-                                             kernel == "on", compiled == "on")
+                    run["kernels"], run["all_kernels"] = kernels(
+                        model, batch, attention, args.cache_len, kernel == "on", compiled == "on",
+                        args.top)
                 results["runs"].append(run)
                 print(json.dumps(run), flush=True)
                 args.out.write_text(json.dumps(results, indent=1))
