@@ -12,12 +12,15 @@
 #   tests/gpu/run_on_device.sh nonfinite [nonfinite_probe.py args...]   # where a run goes NaN
 #   tests/gpu/run_on_device.sh scaling [scaling.py args...]   # 1 vs 2 GPUs, strong/weak (2 GPUs)
 #   tests/gpu/run_on_device.sh setup                    # install only, print versions
-#   tests/gpu/run_on_device.sh pair "MODE ARGS; MODE ARGS" "MODE ARGS"   # two GPUs at once
+#   tests/gpu/run_on_device.sh gpus "MODE ARGS; MODE ARGS" "MODE ARGS" ...   # a list per GPU
+#   tests/gpu/run_on_device.sh pair "MODE ARGS; MODE ARGS" "MODE ARGS"   # the same, two lists
 #
-# pair: on a host of two GPUs, each quoted list of modes (separated by ';') runs in order on its
-# own GPU, both lists at once, each with its own output folder ($OUT/gpu0, $OUT/gpu1; each mode's
-# log is its NAME.log there), cache, work folder and half the CPU cores: one device call measures
-# twice what one GPU fits in its time. Exits non-zero if either list's last mode did.
+# gpus (pair): on a host of several GPUs, each quoted list of modes (separated by ';') runs in
+# order on its own GPU (the first list on GPU 0), all lists at once, each with its own output
+# folder ($OUT/gpu0, $OUT/gpu1, ...), cache, work folder and an equal share of the CPU cores: one
+# device call measures what several calls of one GPU would. The logs (each mode's NAME.log and
+# versions.txt in its GPU's folder) are packed into $OUT/logs.tgz at the end, so that the device
+# tool's 8 returned files hold the results' JSON. Exits non-zero if any list's last mode did.
 #
 # Installs into /tmp/site (kept while the machine stays up: a second call skips the install),
 # unpacks llama_cpp and llama.cpp's converter when .whl/ holds them, builds nothing else. Logs and
@@ -53,7 +56,7 @@ export UNSLOTH_DISABLE_STATISTICS=1 TOKENIZERS_PARALLELISM=false
 mkdir -p "$VLMRL_GPU_LOGS"
 
 versions_file="$OUTDIR/versions.txt"
-[ "$MODE" = pair ] && versions_file=/dev/null  # each GPU's folder has its own
+case "$MODE" in pair|gpus) versions_file=/dev/null ;; esac  # each GPU's folder has its own
 python3 - <<'PY' | tee "$versions_file"
 import importlib.metadata as md, platform, subprocess
 import torch
@@ -82,10 +85,11 @@ run_script() {
     exit "$rc"
 }
 
-# run_pair GPU "MODE ARGS; MODE ARGS": the modes in order on that GPU alone
-run_pair() {
-    local gpu="$1" list="$2" rc=0 step words threads
-    threads=$(( $(nproc) / 2 ))  # half the cores each: torch's CPU work must not contend
+# run_list GPU LISTS "MODE ARGS; MODE ARGS": the modes in order on that GPU alone, with the
+# cores' share of one of LISTS lists (torch's CPU work must not contend)
+run_list() {
+    local gpu="$1" lists="$2" list="$3" rc=0 step words threads
+    threads=$(( $(nproc) / lists ))
     IFS=';' read -ra steps <<< "$list"
     mkdir -p "/tmp/gpu$gpu"
     for step in "${steps[@]}"; do
@@ -102,12 +106,19 @@ run_pair() {
 
 case "$MODE" in
     setup) ;;
-    pair)
-        [ "$#" -eq 2 ] || { echo "pair takes two quoted lists of modes" >&2; exit 2; }
-        run_pair 0 "$1" & first=$!
-        run_pair 1 "$2" & second=$!
-        wait "$first"; rc0=$?; wait "$second"; rc1=$?
-        exit $(( rc0 || rc1 )) ;;
+    pair|gpus)
+        [ "$MODE" = gpus ] || [ "$#" -eq 2 ] || { echo "pair takes two quoted lists" >&2; exit 2; }
+        count="$(nvidia-smi -L | wc -l)"
+        [ "$#" -ge 2 ] && [ "$#" -le "$count" ] || {
+            echo "$MODE takes 2 to $count quoted lists of modes (this host has $count GPUs)" >&2
+            exit 2; }
+        pids=(); gpu=0
+        for list in "$@"; do run_list "$gpu" "$#" "$list" & pids+=($!); gpu=$((gpu + 1)); done
+        rc=0
+        for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
+        (cd "$OUTDIR" && find . -path './gpu*' \( -name '*.log' -o -name versions.txt \) -print0 \
+            | tar czf logs.tgz --null -T - --remove-files)
+        exit "$rc" ;;
     tests)
         export TQDM_DISABLE=1
         targets=(tests/gpu)  # unless the arguments name test files, folders or node ids
@@ -129,5 +140,5 @@ case "$MODE" in
     sweep) run_script benchmarks/nf4_sweep.py nf4_sweep "$@" ;;
     nonfinite) run_script benchmarks/nonfinite_probe.py nonfinite "$@" ;;
     scaling) run_script benchmarks/scaling.py scaling "$@" ;;
-    *) echo "usage: $0 tests|bench|probe|decode|sweep|learning|launch|nonfinite|scaling|setup|pair [args]" >&2; exit 2 ;;
+    *) echo "usage: $0 tests|bench|probe|decode|sweep|learning|launch|nonfinite|scaling|setup|gpus|pair [args]" >&2; exit 2 ;;
 esac
