@@ -232,6 +232,7 @@ def kernel_sweep(model, rows_list: list[int], bandwidth: float,
 KERNEL_GROUPS = (("NF4 projections", ("nf4_lora_matmul",)), ("sum of the splits", ("sum_splits",)),
                  ("attention over the cache", ("partial_attention", "merge_shares")),
                  ("LM head", ("nvjet",)))
+EXTRA_COLUMNS = ("other kernels", "between kernels")
 
 
 def tiles_note(results: dict) -> str:
@@ -262,7 +263,14 @@ def kernel_rows(results: dict) -> list[str]:
         for _, prefixes in KERNEL_GROUPS:
             ms = sum(k["ms_per_step"] for k in run["kernels"] if k["kernel"].startswith(prefixes))
             shares.append(f"{ms:.2f} ({100 * ms / total:.0f}%)")
+        every = run.get("all_kernels")
+        grouped = sum(k["ms_per_step"] for k in run["kernels"]
+                      if k["kernel"].startswith(tuple(p for _, ps in KERNEL_GROUPS for p in ps)))
+        shares += [f"{ms:.2f} ({100 * ms / total:.0f}%)" if every else "-"
+                   for ms in ((every or {}).get("ms_per_step", 0) - grouped,
+                              total - (every or {}).get("ms_per_step", 0))]
         ungrouped = " (a launch per projection)" if run.get("nf4_groups") == "off" else ""
+        ungrouped += {"on": " (PDL)", "off": " (no PDL)"}.get(run.get("pdl"), "")
         rows.append(f"| {results['model'].removeprefix('embedded:')}{tiles_note(results)}"
                     f"{ungrouped} | {short_device(results['device'])} | "
                     f"{run['rows']} | "
@@ -273,14 +281,18 @@ def kernel_rows(results: dict) -> list[str]:
 
 
 def kernel_table(files: list[Path]) -> str:
-    header = " | ".join(f"{name}, ms (share)" for name, _ in KERNEL_GROUPS)
+    header = " | ".join(f"{name}, ms (share)" for name in
+                        [*(name for name, _ in KERNEL_GROUPS), *EXTRA_COLUMNS])
     lines = [("Written by `benchmarks/decode_profile.py --from-json ... --doc`: one decode step "
              "of the compiled graph (NF4 kernel, grouped attention), timed over 256 steps, its "
              "kernels profiled over 8 replayed steps (share: of the step); % of bound: the weights' bytes per step against the copy "
-             "bandwidth measured in the same call."), "",
-             f"| model | device | rows | KV cache | ms / step | tok/s | % of bound | {header} "
-             "| results file |",
-             "| --- | --- | ---: | --- | ---: | ---: | ---: |" + " ---: |" * len(KERNEL_GROUPS)
+             "bandwidth measured in the same call; other kernels: every other kernel of the "
+             "step, between kernels: the step's time outside any kernel (runs that kept "
+             "every kernel's total: `--top`)."), "",
+             (f"| model | device | rows | KV cache | ms / step | tok/s | % of bound | {header} "
+              "| results file |"),
+             "| --- | --- | ---: | --- | ---: | ---: | ---: |"
+             + " ---: |" * (len(KERNEL_GROUPS) + len(EXTRA_COLUMNS))
              + " --- |"]
     for path in files:
         lines += [f"{row} `{path.name}` |" for row in render_results(path, kernel_rows)]
@@ -311,6 +323,9 @@ def main() -> int:
                         help="profile the kernels of the graph's decode steps at the most rows")
     parser.add_argument("--top", type=int, default=14,
                         help="with --kernels: how many kernels to keep, by total time")
+    parser.add_argument("--pdls", default=None,
+                        help="the decode step's kernels with programmatic dependent launch "
+                             "(graph_decode.DECODE_PDL): off, on or both (default: the shipped)")
     parser.add_argument("--compiles", default="off",
                         help="the decode step's forward pass eager (off) or under torch.compile (on)")
     parser.add_argument("--model", default=gspo_step.MODEL,
@@ -327,9 +342,11 @@ def main() -> int:
         return 0
     global MODEL, KV_CACHE_DTYPE
     MODEL, KV_CACHE_DTYPE = args.model, args.kv_cache_dtype
-    from vlmrl.rollout import nf4_decode, nf4_projections
+    from vlmrl.rollout import graph_decode, nf4_decode, nf4_projections
 
-    shipped_groups = nf4_projections.GROUPS
+    shipped_groups, shipped_pdl = nf4_projections.GROUPS, graph_decode.DECODE_PDL
+    if args.pdls is None:
+        args.pdls = "on" if shipped_pdl else "off"
     if args.decode_tiles:
         if len(args.decode_tiles) != 1:
             parser.error("--decode-tiles: one tile shape")
@@ -355,17 +372,18 @@ def main() -> int:
                 model, [int(r) for r in args.rows.split(",")], bandwidth, args.tiles)
         for rows in [int(r) for r in args.rows.split(",")]:
             batch = prompts(processor, train_set, rows)
-            for attention, kernel, compiled, groups in [
-                    (a, k, c, g) for a in args.attentions.split(",")
+            for attention, kernel, compiled, groups, pdl in [
+                    (a, k, c, g, p) for a in args.attentions.split(",")
                     for k in args.nf4_kernels.split(",") for c in args.compiles.split(",")
-                    for g in args.nf4_groups.split(",")
+                    for g in args.nf4_groups.split(",") for p in args.pdls.split(",")
                     if (dtype == "nf4" and k == "on") or (k == "off" and g == "on")]:
                 nf4_projections.GROUPS = shipped_groups if groups == "on" else ()
+                graph_decode.DECODE_PDL = pdl == "on"
                 ms, peak = ms_per_step(model, batch, attention, args.new_tokens, args.cache_len,
                                        kernel == "on", compiled == "on")
                 run = {"dtype": dtype, "rows": rows, "attention": attention,
                        "nf4_kernel": kernel if dtype == "nf4" else None, "compiled": compiled,
-                       "nf4_groups": groups if kernel == "on" else None,
+                       "nf4_groups": groups if kernel == "on" else None, "pdl": pdl,
                        "ms_per_step": round(ms, 3), "tokens_per_s": round(rows * 1000 / ms),
                        "peak_allocated_gib": round(peak, 3),
                        "weight_bytes": weights,
@@ -378,6 +396,7 @@ def main() -> int:
                 print(json.dumps(run), flush=True)
                 args.out.write_text(json.dumps(results, indent=1))
         nf4_projections.GROUPS = shipped_groups
+        graph_decode.DECODE_PDL = shipped_pdl
         del model
         torch.cuda.empty_cache()
     print(f"\ncopy bandwidth {bandwidth / 1e12:.2f} TB/s")

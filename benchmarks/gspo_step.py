@@ -194,6 +194,10 @@ for _name in ("gpu_profile_graph_fp8_compiled", "gpu_profile_graph_fp8_mb4_compi
 for _name in ("gpu_profile_graph_fp8_rolled_compiled", "gpu_profile_graph_fp8_mb4_rolled_compiled"):
     CONFIGS[f"{_name}_lanes"] = {**CONFIGS[_name], "decode_tiles": {
         "block_n": 128, "k_blocks": 2, "xa_precision": "fp16", "lane_order": True}}
+# The recipes' profiles with the decode step's kernels launched by programmatic dependent launch
+# (`graph_decode.DECODE_PDL`): one device call measures it beside the recipe.
+for _name in ("gpu_profile_graph_fp8_rolled_compiled", "gpu_profile_graph_fp8_mb4_rolled_compiled"):
+    CONFIGS[f"{_name}_pdl"] = {**CONFIGS[_name], "decode_pdl": True}
 # The float8 profile as it stood before issue 41 (the NF4 kernel's tree decode and float32
 # block scales, old log-probs for every row): the same knobs run on the library exported from
 # that commit (`--baseline-src`), so one device call measures it beside the new one.
@@ -613,6 +617,10 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
         from vlmrl.rollout import nf4_decode
 
         nf4_decode.TILES = nf4_decode.Tiles(**knobs["decode_tiles"])
+    if "decode_pdl" in knobs:
+        from vlmrl.rollout import graph_decode
+
+        graph_decode.DECODE_PDL = knobs["decode_pdl"]
     trainer = make_trainer(model, processor, config, dataset, reward_funcs,
                            generation_rows=knobs.get("max_generation_rows"), callbacks=[Timer()],
                            graph_decoding=knobs.get("graph", "eager"),

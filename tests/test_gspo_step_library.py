@@ -64,3 +64,12 @@ def test_lanes_runs_the_recipe_on_the_shipped_tiles_in_lane_order(gspo_step, nam
     assert {key: value for key, value in lanes.items() if key != "decode_tiles"} == \
         gspo_step.CONFIGS[name]
     assert Tiles(**lanes["decode_tiles"]) == dataclasses.replace(TILES, lane_order=True)
+
+
+@pytest.mark.parametrize("name", ["gpu_profile_graph_fp8_rolled_compiled",
+                                  "gpu_profile_graph_fp8_mb4_rolled_compiled"])
+def test_pdl_runs_the_recipe_with_pdl_decode_steps(gspo_step, name: str) -> None:
+    pdl = gspo_step.CONFIGS[f"{name}_pdl"]
+    assert {key: value for key, value in pdl.items() if key != "decode_pdl"} == \
+        gspo_step.CONFIGS[name]
+    assert pdl["decode_pdl"] is True

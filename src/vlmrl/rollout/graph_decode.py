@@ -44,6 +44,11 @@ from vlmrl.rollout.generation import rollout_model
 from vlmrl.rollout.shared_prompts import copy_into_static, distinct_rows, select_rows
 
 CHECK_EVERY = 64  # decode steps between host checks for "every row has finished"
+# Programmatic dependent launch (Hopper and later) for the decode step's Triton kernels, the
+# compiled step's (inductor's `triton.enable_pdl`) and the NF4 kernel's (`Tiles.pdl`): each is
+# launched while the kernel before it runs and waits for its writes on the GPU, so the gaps
+# between the step's several hundred small kernels shrink. A default a benchmark may set.
+DECODE_PDL = False
 CACHE_ROUND = 256  # cache lengths are rounded up to this, so prompts of other lengths reuse one
 SPAN_ROUND = 256  # with spans, grouped attention reads the cache up to the written slot rounded up
 
@@ -208,7 +213,8 @@ class GraphDecoder:
         graph = self.graphs.get(span)
         capturing = graph is None
         swapped = self.merged.swapped() if self.merged and capturing else contextlib.nullcontext()
-        kernel = self.nf4.active() if self.nf4 and capturing else contextlib.nullcontext()
+        kernel = self.nf4.active(self.pdl) if self.nf4 and capturing else \
+            contextlib.nullcontext()
         with swapped, kernel:
             if not self.use_graph:
                 self.step(span)
@@ -321,6 +327,7 @@ class GraphDecoding:
     kv_cache_dtype: str = "auto"  # or "fp8": vlmrl.rollout.decode_attention
     # NF4 projections by `vlmrl.rollout.nf4_decode` in decode steps; VLMRL_NF4_DECODE=0: off
     nf4_kernel: bool = field(default_factory=lambda: os.environ.get("VLMRL_NF4_DECODE") != "0")
+    pdl: bool = field(default_factory=lambda: DECODE_PDL)  # see DECODE_PDL
     decoders: dict | None = None
     calls: int = 0
 
@@ -350,8 +357,10 @@ class GraphDecoding:
     def compiled(self):
         """The model's forward pass under torch.compile, for decode steps: one trace per batch
         shape, and the elementwise work between projections (norms, RoPE, residuals, the
-        attention's scale and mask) fused into a few kernels."""
-        return torch.compile(self.model, dynamic=False)
+        attention's scale and mask) fused into a few kernels; with `pdl`, launched as
+        DECODE_PDL says."""
+        return torch.compile(self.model, dynamic=False,
+                             options={"triton.enable_pdl": True} if self.pdl else None)
 
     @functools.cached_property
     def nf4(self):
