@@ -506,6 +506,8 @@ def test_pdl_launches_in_a_cuda_graph_give_the_bits_of_plain_launches():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(replayed, expected)
-    compiled = [kernel for caches in nf4_kernels.nf4_lora_matmul.device_caches.values()
-                for kernel in caches[0].values()]  # Triton's kernels by specialization
-    assert any(kernel.metadata.launch_pdl for kernel in compiled)
+    for jitted in (nf4_kernels.nf4_lora_matmul_wide if TILES.k_blocks > 1
+                   else nf4_kernels.nf4_lora_matmul, nf4_kernels.sum_splits):
+        compiled = [kernel for caches in jitted.device_caches.values()
+                    for kernel in caches[0].values()]  # Triton's kernels by specialization
+        assert any(kernel.metadata.launch_pdl for kernel in compiled), jitted.fn.__name__
