@@ -18,9 +18,10 @@
 # gpus (pair): on a host of several GPUs, each quoted list of modes (separated by ';') runs in
 # order on its own GPU (the first list on GPU 0), all lists at once, each with its own output
 # folder ($OUT/gpu0, $OUT/gpu1, ...), cache, work folder and an equal share of the CPU cores: one
-# device call measures what several calls of one GPU would. The logs (each mode's NAME.log and
-# versions.txt in its GPU's folder) are packed into $OUT/logs.tgz at the end, so that the device
-# tool's 8 returned files hold the results' JSON. Exits non-zero if any list's last mode did.
+# device call measures what several calls of one GPU would. Everything in the GPUs' folders but
+# the results' JSON (each mode's NAME.log, versions.txt, the tests' XML and stage logs) is packed
+# into $OUT/logs.tgz at the end, so that the device tool's 8 returned files hold the JSON.
+# Exits non-zero if any list's last mode did.
 #
 # Installs into /tmp/site (kept while the machine stays up: a second call skips the install),
 # unpacks llama_cpp and llama.cpp's converter when .whl/ holds them, builds nothing else. Logs and
@@ -116,7 +117,7 @@ case "$MODE" in
         for list in "$@"; do run_list "$gpu" "$#" "$list" & pids+=($!); gpu=$((gpu + 1)); done
         rc=0
         for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
-        (cd "$OUTDIR" && find . -path './gpu*' \( -name '*.log' -o -name versions.txt \) -print0 \
+        (cd "$OUTDIR" && find . -path './gpu*' -type f ! -name '*.json' -print0 \
             | tar czf logs.tgz --null -T - --remove-files)
         exit "$rc" ;;
     tests)
