@@ -6,6 +6,8 @@ tests/gpu/test_graph_decode_gpu.py."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -45,3 +47,38 @@ def test_inductor_knows_the_pdl_option() -> None:
     from torch._inductor import config
 
     assert "triton.enable_pdl" in config.get_config_copy()
+
+
+class RecordingNF4:
+    """Stands in for an NF4Decode: records each activation's `pdl` (the CPU model has no NF4
+    layers to swap)."""
+
+    def __init__(self) -> None:
+        self.pdls: list[bool] = []
+
+    def __bool__(self) -> bool:
+        return True
+
+    @contextlib.contextmanager
+    def active(self, pdl: bool = False):
+        self.pdls.append(pdl)
+        yield
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_every_decode_step_activates_the_nf4_projections_with_the_decodings_pdl(pdl) -> None:
+    from transformers import AutoModelForImageTextToText, GenerationConfig
+
+    from vlmrl.models.embedded import ensure_embedded_model
+
+    path = ensure_embedded_model("embedded:tiny-qwen3-vl", seed=0)
+    model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=torch.float32).eval()
+    decoding = GraphDecoding(model=model, original=model.generate, use_graph=False,
+                             attention="model", pdl=pdl)
+    decoding.nf4 = recording = RecordingNF4()
+    config = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-5, pad_token_id=0)
+    with torch.no_grad():
+        out = decoding._decode(config, {"input_ids": torch.tensor([[1, 2, 3]]),
+                                        "attention_mask": torch.ones(1, 3, dtype=torch.long)})
+    assert out.shape == (1, 7)
+    assert recording.pdls == [pdl] * 3  # the decode steps after the prefill's first token

@@ -156,8 +156,9 @@ class GraphDecoder:
                  pad: int, suppress: tuple[int, ...], use_graph: bool = True,
                  attention: str = "grouped", merged: bool = False, nf4=None,
                  forward=None, share_prompts: bool = True, spans: bool = False,
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", pdl: bool = False) -> None:
         self.model, self.plan, self.use_graph, self.attention = model, plan, use_graph, attention
+        self.pdl = pdl  # the NF4 kernel's launches with programmatic dependent launch
         self.forward = model if forward is None else forward  # the model, or it compiled
         self.share_prompts, self.spans = share_prompts, spans
         # eager attention adds its mask to the scores: 0 where a slot is read, the lowest float
@@ -393,7 +394,7 @@ class GraphDecoding:
             decoder = self.decoders[plan] = GraphDecoder(
                 self.model, plan, input_ids.device, eos, int(pad), suppress, use_graph,
                 self.attention, self.merged, self.nf4, self.compiled if compiled else None,
-                self.share_prompts, self.spans, self.kv_cache_dtype)
+                self.share_prompts, self.spans, self.kv_cache_dtype, pdl=self.pdl)
         with torch.no_grad():
             out = decoder.generate(input_ids, attention_mask, int(config.max_new_tokens), kwargs)
         if not self.keep:  # the static cache and the graph's memory go back to the allocator
