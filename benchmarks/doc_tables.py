@@ -81,6 +81,7 @@ TABLES: tuple[list[str], ...] = (
      "--doc-block", "-5"],
     gspo_step_block("h200x4-2b", "gspo_step_h200x4_2b", doc="{doc}"),
     gspo_step_block("h200x4-8b", "gspo_step_h200x4_8b", doc="{doc}"),
+    gspo_step_block("h200x4-pdl", "gspo_step_h200x4_pdl", doc="{doc}"),
     gspo_step_block("h200-2b", "gspo_step_h200_2b", doc="{doc}"),
     gspo_step_block("h200-8b", "gspo_step_h200_8b", doc="{doc}"),
     gspo_step_block("h200-lanes-8b", "gspo_step_h200_lanes_8b", doc="{doc}"),
