@@ -259,20 +259,17 @@ def kernel_rows(results: dict) -> list[str]:
         if "kernels" not in run:
             continue
         total = run["ms_per_step"]
-        shares = []
-        for _, prefixes in KERNEL_GROUPS:
-            ms = sum(k["ms_per_step"] for k in run["kernels"] if k["kernel"].startswith(prefixes))
-            shares.append(f"{ms:.2f} ({100 * ms / total:.0f}%)")
-        every = run.get("all_kernels")
-        grouped = sum(k["ms_per_step"] for k in run["kernels"]
-                      if k["kernel"].startswith(tuple(p for _, ps in KERNEL_GROUPS for p in ps)))
-        shares += [f"{ms:.2f} ({100 * ms / total:.0f}%)" if every else "-"
-                   for ms in ((every or {}).get("ms_per_step", 0) - grouped,
-                              total - (every or {}).get("ms_per_step", 0))]
-        ungrouped = " (a launch per projection)" if run.get("nf4_groups") == "off" else ""
-        ungrouped += {"on": " (PDL)", "off": " (no PDL)"}.get(run.get("pdl"), "")
+        grouped = [sum(k["ms_per_step"] for k in run["kernels"] if k["kernel"].startswith(prefixes))
+                   for _, prefixes in KERNEL_GROUPS]
+        every = run.get("all_kernels")  # EXTRA_COLUMNS: where the run kept every kernel's total
+        extra = [every["ms_per_step"] - sum(grouped), total - every["ms_per_step"]] if every \
+            else [None] * len(EXTRA_COLUMNS)
+        shares = [f"{ms:.2f} ({100 * ms / total:.0f}%)" if ms is not None else "-"
+                  for ms in grouped + extra]
+        label = " (a launch per projection)" if run.get("nf4_groups") == "off" else ""
+        label += {"on": " (PDL)", "off": " (no PDL)"}.get(run.get("pdl"), "")
         rows.append(f"| {results['model'].removeprefix('embedded:')}{tiles_note(results)}"
-                    f"{ungrouped} | {short_device(results['device'])} | "
+                    f"{label} | {short_device(results['device'])} | "
                     f"{run['rows']} | "
                     f"{results['kv_cache_dtype']} | {run['ms_per_step']:.2f} | "
                     f"{run['tokens_per_s']} | {100 * run['bound_fraction']:.1f} | "
