@@ -72,6 +72,7 @@ Tables from stored results, anywhere (nothing measured, no GPU needed):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -514,6 +515,55 @@ def profile_training(trainer, step: int, top: int = 25) -> list[dict]:
     return kernels
 
 
+class HostProfile:
+    """cProfile over the first `_prepare_inputs` call from optimizer step `first_step` on that
+    generates, with the generation itself left out (`paused`): which host work fills the phase
+    tables' "other input work" and "prompts" columns, which the phase timers cannot split.
+    `functions`: the `top` functions by cumulative seconds."""
+
+    def __init__(self, trainer, first_step: int, top: int = 40) -> None:
+        self.profiler, self.functions, self.generated = None, [], False
+        original = trainer._prepare_inputs
+
+        def prepare_inputs(*args, **kwargs):
+            if trainer.state.global_step < first_step or self.functions:
+                return original(*args, **kwargs)
+            import cProfile
+
+            self.profiler, self.generated = cProfile.Profile(), False
+            self.profiler.enable()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.profiler.disable()
+                if self.generated:
+                    self.functions[:] = self.ranked(top)
+                self.profiler = None
+
+        trainer._prepare_inputs = prepare_inputs
+
+    @contextlib.contextmanager
+    def paused(self):
+        profiler = self.profiler
+        if profiler is not None:
+            self.generated = True
+            profiler.disable()
+        try:
+            yield
+        finally:
+            if profiler is not None:
+                profiler.enable()
+
+    def ranked(self, top: int) -> list[dict]:
+        import pstats
+
+        stats = pstats.Stats(self.profiler).stats
+        rows = sorted(stats.items(), key=lambda item: -item[1][3])[:top]
+        return [{"function": f"{Path(file).name}:{line}({name})", "calls": calls,
+                 "cumulative_s": round(cumulative, 4), "own_s": round(own, 4)}
+                for (file, line, name), (_, calls, own, cumulative, _) in rows]
+
+
 def allocator_counts() -> dict[str, int]:
     """The CUDA caching allocator's counts of device allocations, frees and retries."""
     import torch
@@ -537,7 +587,8 @@ class _KVDropDetector(logging.Handler):
 
 def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Path,
            model_name: str, seed: int, partial: Path | None = None,
-           others_bytes: int = 0, profile: bool = False) -> dict[str, Any]:
+           others_bytes: int = 0, profile: bool = False,
+           profile_host: bool = False) -> dict[str, Any]:
     knobs = CONFIGS[config_name]
     if knobs.get("vllm"):
         from vlmrl.training import vllm_installed
@@ -629,6 +680,7 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
                               if key in knobs})
     phase_seconds = time_phases(trainer)
     training_kernels = profile_training(trainer, warmup + steps) if profile else None
+    host = HostProfile(trainer, warmup) if profile_host else None
     peaks = MemoryPeaks()
     wrapped = hasattr(trainer, "_generate_single_turn")
     if wrapped:
@@ -638,8 +690,9 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
             _sync()
             peaks.close("training")
             started = time.perf_counter()
-            completion_ids, logprobs = original(*args, **kwargs)
-            _sync()
+            with host.paused() if host else contextlib.nullcontext():
+                completion_ids, logprobs = original(*args, **kwargs)
+                _sync()
             peaks.close("generation")
             generations.append({"step": trainer.state.global_step,
                                 "seconds": time.perf_counter() - started,
@@ -707,6 +760,7 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
         "per_step": per_step_fields(trainer.state.log_history),
         **({"profiled_step": warmup + steps, "training_kernels": training_kernels}
            if profile else {}),
+        **({"host_profile": host.functions} if host else {}),
         "settings": {**knobs, "num_generations": NUM_GENERATIONS, "lora": LORA,
                      "cache_implementation": config.cache_implementation,
                      "generation_kwargs": {k: v for k, v in config.generation_kwargs.items()
@@ -1152,6 +1206,10 @@ def main() -> int:
                         help="one more optimizer step after the timed ones, its micro-batches "
                              "under torch.profiler: its kernels by device time in each run's "
                              "training_kernels (not in the timings)")
+    parser.add_argument("--profile-host", action="store_true",
+                        help="cProfile the host work of the first timed generation's input "
+                             "preparation, the generation left out (host_profile; that run's "
+                             "timings include the profiler's cost)")
     parser.add_argument("--worker", nargs=2, metavar=("CONFIG", "LENGTH"), help=argparse.SUPPRESS)
     parser.add_argument("--train-set", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -1168,7 +1226,8 @@ def main() -> int:
         try:
             result = worker(config, length, args.warmup, args.steps, args.train_set, args.model,
                             args.seed, partial=args.result.with_suffix(".partial"),
-                            others_bytes=args.others_bytes, profile=args.profile_training)
+                            others_bytes=args.others_bytes, profile=args.profile_training,
+                            profile_host=args.profile_host)
         except Exception as error:  # noqa: BLE001  (recorded: the table says why a run failed)
             traceback.print_exc()
             result = {"config": config, "completion_length": length,
@@ -1231,7 +1290,8 @@ def main() -> int:
                        "--model", args.model, "--seed", str(args.seed),
                        "--train-set", str(train_set), "--result", str(result_file),
                        "--others-bytes", str(device_used_bytes() or 0),
-                       *(["--profile-training"] if args.profile_training else [])]
+                       *(["--profile-training"] if args.profile_training else []),
+                       *(["--profile-host"] if args.profile_host else [])]
             print(f"== {key}", flush=True)
             run_started = time.perf_counter()
             try:
