@@ -50,7 +50,10 @@ reward std 0 and grad norm 0 there are what this model gives, not a fault of the
 
 With `--profile-training`, one more optimizer step follows the timed ones with its micro-batches
 under torch.profiler (`training_kernels`: its kernels by device time; the timings leave it out):
-the phase timers say how long forward and backward take, not which kernels take it.
+the phase timers say how long forward and backward take, not which kernels take it. With
+`--profile-host`, the first timed generation's input preparation runs under cProfile, the
+generation itself left out (`host_profile`: its functions by cumulative seconds): what the
+phase tables' host columns hold. That run's timings include the profiler's cost.
 
 Each (configuration, length) runs in its own process (Unsloth patches torch and transformers on
 import), results are merged into `--out` as they arrive (`runs`, raw; `results`, configuration ->

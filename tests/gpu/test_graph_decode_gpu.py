@@ -169,6 +169,9 @@ def test_nf4_graph_replays_equal_the_eager_loop():
     assert torch.equal(got, expected)
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "measured on an H200 (tests/gpu/README.md, 2026-11-28 night): one row's greedy tokens part "
+    "from the plain launches' after about 45 steps; graph_decode.DECODE_PDL stays off"))
 def test_pdl_decode_steps_give_the_tokens_and_logits_of_plain_launches():
     """The shipped fast path with the decode step's kernels launched by programmatic dependent
     launch (inductor's and the NF4 kernel's, `GraphDecoding.pdl`): each kernel waits for the
