@@ -64,9 +64,18 @@ VARIANTS = {
     # the column scales' power of two per split, and the adapter's x A^T on fp16 operands; the
     # kernel before them timed in the same call from that commit's library (`nf4_sweep_4_before`)
     "n128 x2 xa fp16": dataclasses.replace(WIDE, xa_precision="fp16"),
-    # K in the lanes' order (`Tiles.lane_order`), not timed yet
+    # K in the lanes' order (`Tiles.lane_order`), timed in the fifth round (`nf4_sweep_5.json`)
     "n128 x2 xa fp16 lanes": dataclasses.replace(WIDE, xa_precision="fp16", lane_order=True),
 }
+# The sixth round (`nf4_sweep_6.json`): the shipped tiles with wider tiles of the second launch,
+# which adds the splits (`sum_block_n` columns by `sum_rows` rows a program; the same sums in the
+# same order, so the same bits), and with fewer or more splits (`programs_per_sm`).
+SHIPPED = dataclasses.replace(WIDE, xa_precision="fp16")
+VARIANTS |= {f"fp16 sum n{columns} r{rows}": dataclasses.replace(
+    SHIPPED, sum_block_n=columns, sum_rows=rows)
+    for columns in (16, 32, 64, 128) for rows in (16, 32)}
+VARIANTS |= {f"fp16 pps{programs}": dataclasses.replace(SHIPPED, programs_per_sm=programs)
+             for programs in (2, 8)}
 
 
 def random_group(widths: tuple[int, ...], in_features: int) -> tuple[list[PackedNF4], list]:
