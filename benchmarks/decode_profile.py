@@ -128,9 +128,12 @@ SWEEP = [Tiles(128, 4, 3, 4), Tiles(128, 4, 3, 2), Tiles(128, 4, 3, 1), Tiles(25
          Tiles(128, xa_chunk=16, max_registers=168), Tiles(128, pdl=True, xa_chunk=16)]
 
 
-def field_value(name: str, kind: type, text: str) -> bool | float | int | None:
-    """A `--tiles` value as the Tiles field's type takes it (booleans: 0/1/true/false)."""
+def field_value(name: str, kind: type, text: str) -> bool | float | int | str | None:
+    """A `--tiles` value as the Tiles field's type takes it (booleans: 0/1/true/false; text,
+    such as `xa_precision`, as it is)."""
     text = text.strip()
+    if kind is str:
+        return text
     if kind is bool:
         if text.lower() not in ("0", "1", "true", "false"):
             raise ValueError(f"{name} is {text!r}, not 0 or 1")

@@ -80,6 +80,8 @@ TABLES: tuple[list[str], ...] = (
      f"{RESULTS}/nf4_sweep_4_before.json", "--doc", "{doc}", "--doc-block", "-4"],
     ["nf4_sweep.py", "--from-json", f"{RESULTS}/nf4_sweep_5.json", "--doc", "{doc}",
      "--doc-block", "-5"],
+    ["nf4_sweep.py", "--from-json", f"{RESULTS}/nf4_sweep_6.json", "--doc", "{doc}",
+     "--doc-block", "-6"],
     gspo_step_block("h200x4-2b", "gspo_step_h200x4_2b", doc="{doc}"),
     gspo_step_block("h200x4-8b", "gspo_step_h200x4_8b", doc="{doc}"),
     gspo_step_block("h200x4-pdl", "gspo_step_h200x4_pdl", doc="{doc}"),

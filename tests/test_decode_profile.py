@@ -23,6 +23,8 @@ def test_tiles_parse_in_order_and_by_name(profile) -> None:
     assert profile.parse_tiles("128,pdl=1,xa_chunk=16,max_registers=168") == [
         Tiles(128, pdl=True, xa_chunk=16, max_registers=168)]
     assert profile.parse_tiles("128,max_registers=none")[0].max_registers is None
+    assert profile.parse_tiles("128,k_blocks=2,xa_precision=fp16") == [
+        Tiles(128, k_blocks=2, xa_precision="fp16")]
 
 
 @pytest.mark.parametrize(("text", "says"), [
@@ -31,7 +33,8 @@ def test_tiles_parse_in_order_and_by_name(profile) -> None:
     (",".join(["64"] * (len(dataclasses.fields(Tiles)) + 1)), "more than the"),
     ("pdl=1,128", "come before"),
     ("128,pdl=1,pdl=0", "pdl is given twice"), ("", "block_n is ''"),
-    ("128,max_registers=16", "Tiles.max_registers is 16")])
+    ("128,max_registers=16", "Tiles.max_registers is 16"),
+    ("128,xa_precision=fp8", "Tiles.xa_precision is 'fp8'")])
 def test_bad_tiles_name_the_shape_and_the_field(profile, text, says) -> None:
     with pytest.raises(argparse.ArgumentTypeError, match=repr(text)) as raised:
         profile.parse_tiles(text)
