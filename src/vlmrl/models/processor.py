@@ -24,6 +24,10 @@ from transformers import AutoConfig, AutoProcessor, AutoTokenizer, Qwen3VLProces
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.processing_utils import ProcessorMixin
 
+from vlmrl.models.distinct_images import distinct_images_class
+
+# Qwen2-VL's image processors (PIL and torchvision backends), which Qwen2.5-VL and Qwen3-VL use.
+QWEN_VL_IMAGE_PROCESSORS = ("Qwen2VLImageProcessor",)
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>",
                  "<|video_pad|>")
 
@@ -53,20 +57,26 @@ def is_text_checkpoint(path: str | Path) -> bool:
 
 def load_processor(path: str | Path):
     """`AutoProcessor`, or a Qwen3-VL processor without its video part where torchvision is
-    missing (there `AutoProcessor` silently returns a bare tokenizer); a text model's tokenizer."""
+    missing (there `AutoProcessor` silently returns a bare tokenizer); a text model's tokenizer.
+    A Qwen-VL image processor processes each distinct image of a call once
+    (`vlmrl.models.distinct_images`)."""
     if is_text_checkpoint(path):
         return load_text_tokenizer(path)
     if importlib.util.find_spec("torchvision") is None:
         return _image_only_processor(path)
     processor = AutoProcessor.from_pretrained(str(path))
-    if getattr(processor, "image_processor", None) is not None:
-        return processor
-    return _image_only_processor(path)
+    image_processor = getattr(processor, "image_processor", None)
+    if image_processor is None:
+        return _image_only_processor(path)
+    if type(image_processor).__name__.startswith(QWEN_VL_IMAGE_PROCESSORS):
+        processor.image_processor = distinct_images_class(type(image_processor)).from_pretrained(
+            str(path))
+    return processor
 
 
 def _image_only_processor(path: str | Path) -> ImageOnlyQwen3VLProcessor:
     tokenizer = AutoTokenizer.from_pretrained(str(path))
-    image_processor = Qwen2VLImageProcessorPil.from_pretrained(str(path))
+    image_processor = distinct_images_class(Qwen2VLImageProcessorPil).from_pretrained(str(path))
     return ImageOnlyQwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
                                      chat_template=tokenizer.chat_template)
 
