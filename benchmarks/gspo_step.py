@@ -198,6 +198,11 @@ for _name in ("gpu_profile_graph_fp8_compiled", "gpu_profile_graph_fp8_mb4_compi
 for _name in ("gpu_profile_graph_fp8_rolled_compiled", "gpu_profile_graph_fp8_mb4_rolled_compiled"):
     CONFIGS[f"{_name}_lanes"] = {**CONFIGS[_name], "decode_tiles": {
         "block_n": 128, "k_blocks": 2, "xa_precision": "fp16", "lane_order": True}}
+# The recipes' profiles with the NF4 kernel's partial sums in bfloat16 between its two launches
+# (`Tiles.partials`): one device call measures it beside the recipe.
+for _name in ("gpu_profile_graph_fp8_rolled_compiled", "gpu_profile_graph_fp8_mb4_rolled_compiled"):
+    CONFIGS[f"{_name}_parts_bf16"] = {**CONFIGS[_name], "decode_tiles": {
+        "block_n": 128, "k_blocks": 2, "xa_precision": "fp16", "partials": "bfloat16"}}
 # The recipes' profiles with the decode step's kernels launched by programmatic dependent launch
 # (`graph_decode.DECODE_PDL`): one device call measures it beside the recipe.
 for _name in ("gpu_profile_graph_fp8_rolled_compiled", "gpu_profile_graph_fp8_mb4_rolled_compiled"):

@@ -76,6 +76,8 @@ VARIANTS |= {f"fp16 sum n{columns} r{rows}": dataclasses.replace(
     for columns in (16, 32, 64, 128) for rows in (16, 32)}
 VARIANTS |= {f"fp16 pps{programs}": dataclasses.replace(SHIPPED, programs_per_sm=programs)
              for programs in (2, 8)}
+# The partial sums in bfloat16 between the two launches (`Tiles.partials`), not timed yet.
+VARIANTS["fp16 parts bf16"] = dataclasses.replace(SHIPPED, partials="bfloat16")
 
 
 def random_group(widths: tuple[int, ...], in_features: int) -> tuple[list[PackedNF4], list]:

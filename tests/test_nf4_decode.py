@@ -6,6 +6,7 @@ tests/gpu/test_graph_decode_gpu.py."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -38,6 +39,11 @@ def test_one_split_when_the_columns_alone_fill_the_sms():
 def test_tiles_that_are_not_powers_of_two_are_refused_by_name(field) -> None:
     with pytest.raises(ValueError, match=f"Tiles.{field} is 24"):
         Tiles(**{field: 24})
+
+
+def test_partial_sums_of_another_type_are_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="Tiles.partials is 'float16'"):
+        Tiles(partials="float16")
 
 
 def test_an_adapter_chunk_below_tl_dots_k_is_refused() -> None:
@@ -253,7 +259,11 @@ def random_nf4(out_features: int, in_features: int, nested: bool, generator: tor
     (19, 192, 640, True, True, Tiles(block_n=64, programs_per_sm=1, sum_rows=8, xa_chunk=16),
      {4: 2.0 ** -20}),
     # float32 scales over 4 steps, no adapter
-    (5, 128, 512, False, False, Tiles(block_n=64, programs_per_sm=1, pdl=True), {1: 2.0 ** 20})])
+    (5, 128, 512, False, False, Tiles(block_n=64, programs_per_sm=1, pdl=True), {1: 2.0 ** 20}),
+    # the partial sums in bfloat16 between the launches: the shipped tiles, and 6 splits
+    (32, 256, 256, True, True, dataclasses.replace(TILES, partials="bfloat16"), {1: 2.0 ** 40}),
+    (19, 192, 768, True, True, Tiles(block_n=64, programs_per_sm=2, partials="bfloat16"),
+     {4: 2.0 ** -20})])
 @pytest.mark.filterwarnings("error::RuntimeWarning")  # the interpreter's word for an unmasked read
 def test_the_kernel_matches_a_float64_product_under_the_interpreter(
         interpreted_kernel, rows, out_features, in_features, nested, lora, tiles, row_scales):

@@ -68,6 +68,10 @@ def _kernel():
         nf4_kernels.nf4_lora_matmul_wide
 
 
+# The types `Tiles.partials` names, for the K splits' partial sums between the two launches.
+PARTIALS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
 @dataclass(frozen=True)
 class Tiles:
     """The kernel's tile shape (its K step `k_blocks` scale blocks); `programs_per_sm` is how many
@@ -90,7 +94,9 @@ class Tiles:
     registers). `lane_order` (with K steps of 2 or 4 blocks): `fp16_rows` lays each K step's
     columns out in the order the tensor cores' register operand gives its lanes, so that the
     kernel reads a lane's packed bytes as one contiguous quarter of the step (16-byte loads where
-    K's own order gives single bytes four apart); the sums are the same."""
+    K's own order gives single bytes four apart); the sums are the same. `partials`: the type
+    the K splits' partial sums are stored in between the two launches ("bfloat16": half the
+    bytes, each partial rounded to 8 significant bits; the second launch adds them in float32)."""
 
     block_n: int = 64
     warps: int = 4
@@ -104,8 +110,12 @@ class Tiles:
     k_blocks: int = 1
     xa_precision: str = "ieee"
     lane_order: bool = False
+    partials: str = "float32"
 
     def __post_init__(self) -> None:
+        if self.partials not in PARTIALS:
+            raise ValueError(f"Tiles.partials is {self.partials!r}, not one of "
+                             f"{', '.join(map(repr, PARTIALS))}")
         for name in ("block_n", "sum_block_n", "sum_rows", "xa_chunk", "k_blocks"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
@@ -332,7 +342,8 @@ def nf4_rows_matmul(x16: torch.Tensor, row_up: torch.Tensor, weights: Sequence[P
     row_up = row_up.reshape(-1).contiguous()
     rows = flat.shape[0]
     splits = k_splits(out_features, in_features, tiles, _sm_count(x16.device), first.blocksize)
-    parts = torch.empty(splits, rows, out_features, dtype=torch.float32, device=x16.device)
+    parts = torch.empty(splits, rows, out_features, dtype=PARTIALS[tiles.partials],
+                        device=x16.device)
     adapters = loras or [(flat, flat, 1.0)] * len(weights)
     rank = adapters[0][0].shape[0] if loras is not None else 1
     r_tile = max(16, triton.next_power_of_2(rank))

@@ -125,10 +125,11 @@ def program_tile(start, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 def store_partials(part_ptr, xa_part_ptr, acc, xa, split, M, N, rows, cols, ranks, segment,
                    first_tile, row_ok, col_ok, HAS_LORA: tl.constexpr, SEGMENTS: tl.constexpr,
                    R: tl.constexpr):
-    """A program's float32 partial sums (stored as x W^T) in its split's part, and, for the first
-    column tile of its projection, its x A^T in the projection's R columns of xa_part."""
-    tl.store(part_ptr + split * M * N + rows[None, :] * N + cols[:, None], acc,
-             mask=row_ok[None, :] & col_ok[:, None])
+    """A program's partial sums (stored as x W^T, in the parts' type: `Tiles.partials`) in its
+    split's part, and, for the first column tile of its projection, its x A^T in the
+    projection's R columns of xa_part."""
+    tl.store(part_ptr + split * M * N + rows[None, :] * N + cols[:, None],
+             acc.to(part_ptr.dtype.element_ty), mask=row_ok[None, :] & col_ok[:, None])
     if HAS_LORA:  # noqa: SIM102  (a compile-time branch around a run-time one)
         if first_tile:
             xa_width = SEGMENTS * R
@@ -264,7 +265,8 @@ def sum_splits(part_ptr, xa_part_ptr, b_ptr, out_ptr, M, N, rank, scaling, b1_pt
                start1, start2, SPLITS: tl.constexpr, HAS_LORA: tl.constexpr, R: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
                SEGMENTS: tl.constexpr):
-    """out = bf16(sum of the splits + s (x A^T) B^T) for BLOCK_M rows (program_id 1) by
+    """out = bf16(sum of the splits, in float32 whatever their type, + s (x A^T) B^T) for
+    BLOCK_M rows (program_id 1) by
     BLOCK_N columns, added in split order (replays give equal bits); in a group (SEGMENTS, as
     `nf4_lora_matmul`) with the x A^T and B of the columns' projection."""
     if PDL:
@@ -276,9 +278,9 @@ def sum_splits(part_ptr, xa_part_ptr, b_ptr, out_ptr, M, N, rank, scaling, b1_pt
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = (rows < M)[:, None] & (cols < N)[None, :]
     where = rows[:, None] * N + cols[None, :]
-    total = tl.load(part_ptr + where, mask=ok, other=0.0)
+    total = tl.load(part_ptr + where, mask=ok, other=0.0).to(tl.float32)
     for split in tl.static_range(1, SPLITS):
-        total += tl.load(part_ptr + split * M * N + where, mask=ok, other=0.0)
+        total += tl.load(part_ptr + split * M * N + where, mask=ok, other=0.0).to(tl.float32)
     if HAS_LORA:
         ranks = tl.arange(0, R)
         xa_width = SEGMENTS * R
