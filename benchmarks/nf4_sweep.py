@@ -70,7 +70,7 @@ VARIANTS = {
 # The sixth round (`nf4_sweep_6.json`): the shipped tiles with wider tiles of the second launch,
 # which adds the splits (`sum_block_n` columns by `sum_rows` rows a program; the same sums in the
 # same order, so the same bits), and with fewer or more splits (`programs_per_sm`).
-SHIPPED = dataclasses.replace(WIDE, xa_precision="fp16")
+SHIPPED = VARIANTS["n128 x2 xa fp16"]
 VARIANTS |= {f"fp16 sum n{columns} r{rows}": dataclasses.replace(
     SHIPPED, sum_block_n=columns, sum_rows=rows)
     for columns in (16, 32, 64, 128) for rows in (16, 32)}

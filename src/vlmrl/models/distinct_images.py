@@ -54,18 +54,20 @@ class DistinctImages:
         kept = KEPT.setdefault(self, Kept())
         returned = kwargs.get("return_tensors")
         settings = repr(sorted((k, v) for k, v in kwargs.items() if k != "return_tensors"))
+        kept.seen = {at: entry for at, entry in kept.seen.items() if entry[0]() is not None}
         keys = [settings + image_key(kept, image) for image in flat]
         fresh = {key: image for key, image in zip(keys, flat) if key not in kept.images}
         if returned is None and returned not in kept.kinds:
             fresh = dict(zip(keys, flat))  # the plain output's array type is not known yet
+        available = kept.images
         if fresh:
             processed = super().preprocess(list(fresh.values()), **kwargs)
             if set(processed.keys()) != OUTPUTS:
                 kept.images = {}
                 return super().preprocess(images, **kwargs)
             kept.kinds[returned] = type(processed["pixel_values"])
-            kept.images = {**kept.images, **dict(zip(fresh, per_image(processed)))}
-        kept.images = {key: kept.images[key] for key in keys}
+            available = {**available, **dict(zip(fresh, per_image(processed)))}
+        kept.images = {key: available[key] for key in keys}
         pixels, grids = zip(*(kept.images[key] for key in keys))
         values = {"pixel_values": torch.cat(pixels), "image_grid_thw": torch.stack(grids)}
         if returned is None and kept.kinds[None] is np.ndarray:
@@ -74,10 +76,9 @@ class DistinctImages:
 
 
 def image_key(kept: Kept, image) -> str:
-    """The image's bytes hashed, or, for an object the call before hashed, that hash."""
+    """The image's bytes hashed, or, for an object hashed before (still alive), that hash."""
     known = kept.seen.get(id(image))
     key = known[1] if known is not None and known[0]() is image else content_hash(image)
-    kept.seen = {at: entry for at, entry in kept.seen.items() if entry[0]() is not None}
     kept.seen[id(image)] = (weakref.ref(image), key)
     return key
 
