@@ -401,6 +401,8 @@ def test_nf4_kernel_is_as_exact_as_bitsandbytes_and_peft(rows):
                           Tiles(block_n=64, k_blocks=2, xa_precision="tf32"),
                           Tiles(block_n=128, k_blocks=2, xa_precision="fp16"),
                           Tiles(block_n=128, k_blocks=2, xa_precision="fp16", lane_order=True),
+                          Tiles(block_n=128, k_blocks=2, xa_precision="fp16",
+                                partials="bfloat16"),
                           Tiles(block_n=64, k_blocks=4, warps=8, programs_per_sm=2,
                                 xa_precision="tf32")):
                 ours = nf4_matmul(x, weight, lora or None, tiles).float()
@@ -441,7 +443,8 @@ def test_nf4_groups_are_as_exact_as_their_projections_one_by_one(rows):
         loras = [(torch.randn(16, in_features, device="cuda") * 0.02,
                   torch.randn(w.out_features, 16, device="cuda") * 0.02, 2.0) for w in weights]
         for tiles in (TILES, Tiles(block_n=64, programs_per_sm=1),
-                      Tiles(block_n=64, k_blocks=4, warps=8, xa_precision="tf32")):
+                      Tiles(block_n=64, k_blocks=4, warps=8, xa_precision="tf32"),
+                      Tiles(block_n=128, k_blocks=2, xa_precision="fp16", partials="bfloat16")):
             assert groupable(weights, loras, tiles)
             together = nf4_group_matmul(x, weights, loras, tiles).float()
             start = 0
