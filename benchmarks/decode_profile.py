@@ -85,8 +85,70 @@ def ms_per_step(model, batch, attention: str, new_tokens: int, cache_len: int,
     decoding._decode(config(model, new_tokens, cache_len, compiled), batch)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - started
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    replays = {count: replay_ms(decoding, count) for count in (8, 64)}
     del decoding
-    return seconds * 1000 / new_tokens, torch.cuda.max_memory_allocated() / 2**30
+    return seconds * 1000 / new_tokens, peak, replays
+
+
+def replay_ms(decoding, count: int) -> dict[str, float]:
+    """Milliseconds per replay of the decode step's graph, `count` replays launched back to back:
+    on the host (the launches alone, no synchronisation) and on the GPU (CUDA events around them
+    all). A host time near the GPU's says the host, not the GPU, sets the step's pace."""
+    (decoder,) = decoding.decoders.values()
+    (graph,) = decoder.graphs.values()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    launched = time.perf_counter()
+    for _ in range(count):
+        graph.replay()
+    host = time.perf_counter() - launched
+    end.record()
+    torch.cuda.synchronize()
+    return {"host_ms": round(host * 1000 / count, 4),
+            "gpu_ms": round(start.elapsed_time(end) / count, 4)}
+
+
+def call_phases(model, batch, attention: str, new_tokens: int, cache_len: int, keep: bool,
+                calls: int = 3) -> list[dict[str, float]]:
+    """Seconds of consecutive generate calls (compiled step, NF4 kernel) and of their parts, each
+    synchronised: the prefill, the first decode step (with `keep` off, as the "graph" mode
+    trains, a new cache and a new capture each call), and the rest; what the calls hold beyond
+    the decode steps' replays."""
+    from vlmrl.rollout import graph_decode
+
+    records: list[dict[str, float]] = []
+    cls = graph_decode.GraphDecoder
+    plain_prefill, plain_run_step = cls.prefill, cls._run_step
+
+    def timed(phase: str, function, *args):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        out = function(*args)
+        torch.cuda.synchronize()
+        records[-1][phase] = round(time.perf_counter() - started, 4)
+        return out
+
+    def prefill(self, *args):
+        return timed("prefill_s", plain_prefill, self, *args)
+
+    def run_step(self, span):
+        if "first_step_s" in records[-1]:
+            return plain_run_step(self, span)
+        return timed("first_step_s", plain_run_step, self, span)
+
+    decoding = graph_decode.GraphDecoding(model=model, original=model.generate,
+                                          attention=attention, nf4_kernel=True,
+                                          kv_cache_dtype=KV_CACHE_DTYPE, keep=keep)
+    cls.prefill, cls._run_step = prefill, run_step
+    try:
+        for _ in range(calls):
+            records.append({})
+            timed("call_s", decoding._decode, config(model, new_tokens, cache_len, True), batch)
+    finally:
+        cls.prefill, cls._run_step = plain_prefill, plain_run_step
+    return records
 
 
 def kernels(model, batch, attention: str, cache_len: int, nf4_kernel: bool, compiled: bool,
@@ -299,6 +361,55 @@ def kernel_table(files: list[Path]) -> str:
     return "\n".join(lines)
 
 
+CALL_TOKENS = 1024  # --call-tokens' default (the results before it was recorded used it)
+
+
+def replay_rows(results: dict) -> list[str]:
+    """One row per run that timed its graph's replays (`replay_ms`), and with `--call-phases` one
+    per decoder (kept between calls, or made anew each call as the "graph" mode trains): the
+    steady calls' (all but the first) mean seconds, their parts, and their later decode steps'
+    milliseconds each."""
+    rows = []
+    for run in results["runs"]:
+        if "replay_ms" not in run:
+            continue
+        replay = run["replay_ms"]["64"]
+        head = (f"| {results['model'].removeprefix('embedded:')}{tiles_note(results)} | "
+                f"{short_device(results['device'])} | {run['ms_per_step']:.2f} | "
+                f"{replay['gpu_ms']:.2f} | {replay['host_ms']:.3f} |")
+        steps = run.get("call_tokens", CALL_TOKENS) - 2  # after the prefill's and the first
+        for decoder, calls in (run.get("call_phases") or {"-": []}).items():
+            steady = calls[1:]
+            if not steady:
+                rows.append(head + " - |" * 6)
+                continue
+            mean = {key: sum(call[key] for call in steady) / len(steady)
+                    for key in ("call_s", "prefill_s", "first_step_s")}
+            later = (mean["call_s"] - mean["prefill_s"] - mean["first_step_s"]) * 1000 / steps
+            rows.append(head + f" {decoder} | {len(steady)} | {mean['call_s']:.2f} | "
+                        f"{mean['prefill_s']:.3f} | {mean['first_step_s']:.3f} | {later:.2f} |")
+    return rows
+
+
+def replay_table(files: list[Path]) -> str:
+    lines = [("Written by `benchmarks/decode_profile.py --from-json ... --table replays`: the "
+              "decode step of the compiled graph (NF4 kernel, grouped attention, 32 rows) timed "
+              "over 256 steps of a call, its prefill included (ms / step); its graph replayed 64 "
+              "times back to back after that call (the cache filled to the prompt and 256 "
+              "tokens), on the GPU (CUDA events) and on the host (the launches alone); with "
+              "`--call-phases`, generate calls of 1024 tokens (the calls after each decoder's "
+              "first, mean), synchronised around the prefill and the first decode step (for a "
+              "decoder made anew each call: its cache and the graph's capture), and the later "
+              "steps' milliseconds each (over a cache filled further: longer attention)."), "",
+             ("| model | device | ms / step | replay on the GPU, ms | replay on the host, ms | "
+              "decoder | calls | call s | prefill s | first step s | later steps, ms each | "
+              "results file |"),
+             "| --- | --- | ---: | ---: | ---: | --- |" + " ---: |" * 5 + " --- |"]
+    for path in files:
+        lines += [f"{row} `{path.name}` |" for row in render_results(path, replay_rows)]
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="16,32")
@@ -326,6 +437,10 @@ def main() -> int:
     parser.add_argument("--pdls", default=None,
                         help="the decode step's kernels with programmatic dependent launch "
                              "(graph_decode.DECODE_PDL): off, on or both (default: the shipped)")
+    parser.add_argument("--call-phases", action="store_true",
+                        help="also time three generate calls of --call-tokens and their parts "
+                             "(prefill, first step, the rest), with the decoder kept and not")
+    parser.add_argument("--call-tokens", type=int, default=CALL_TOKENS)
     parser.add_argument("--compiles", default="off",
                         help="the decode step's forward pass eager (off) or under torch.compile (on)")
     parser.add_argument("--model", default=gspo_step.MODEL,
@@ -334,11 +449,14 @@ def main() -> int:
                         help="train.kv_cache_dtype of the decoding measured")
     parser.add_argument("--out", type=Path, default=Path("decode_profile.json"))
     parser.add_argument("--from-json", type=Path, nargs="+", metavar="RESULTS",
-                        help="measure nothing: write the kernel table of these results into --doc")
+                        help="measure nothing: write --table of these results into --doc")
     parser.add_argument("--doc", type=Path, default=gspo_step.ROOT / "docs" / "benchmarks.md")
+    parser.add_argument("--table", choices=("kernels", "replays"), default="kernels",
+                        help="with --from-json: the kernel table, or the replays and calls")
     args = parser.parse_args()
     if args.from_json:
-        write_doc_block(args.doc, kernel_table(args.from_json), Path(__file__).name, ":kernels")
+        table = replay_table if args.table == "replays" else kernel_table
+        write_doc_block(args.doc, table(args.from_json), Path(__file__).name, f":{args.table}")
         return 0
     global MODEL, KV_CACHE_DTYPE
     MODEL, KV_CACHE_DTYPE = args.model, args.kv_cache_dtype
@@ -362,6 +480,7 @@ def main() -> int:
     bandwidth = gspo_step.copy_bandwidth()
     results: dict = {"device": gspo_step.device_name(), "bandwidth_bytes_per_s": bandwidth,
                      "model": MODEL, "kv_cache_dtype": KV_CACHE_DTYPE, "runs": [],
+                     "command": " ".join(["benchmarks/decode_profile.py", *sys.argv[1:]]),
                      "decode_tiles": dataclasses.asdict(args.decode_tiles[0])
                      if args.decode_tiles else None}
     for dtype in args.dtypes.split(","):
@@ -379,19 +498,26 @@ def main() -> int:
                     if (dtype == "nf4" and k == "on") or (k == "off" and g == "on")]:
                 nf4_projections.GROUPS = shipped_groups if groups == "on" else ()
                 graph_decode.DECODE_PDL = pdl == "on"
-                ms, peak = ms_per_step(model, batch, attention, args.new_tokens, args.cache_len,
-                                       kernel == "on", compiled == "on")
+                ms, peak, replays = ms_per_step(model, batch, attention, args.new_tokens,
+                                                args.cache_len, kernel == "on", compiled == "on")
                 run = {"dtype": dtype, "rows": rows, "attention": attention,
                        "nf4_kernel": kernel if dtype == "nf4" else None, "compiled": compiled,
                        "nf4_groups": groups if kernel == "on" else None, "pdl": pdl,
                        "ms_per_step": round(ms, 3), "tokens_per_s": round(rows * 1000 / ms),
                        "peak_allocated_gib": round(peak, 3),
                        "weight_bytes": weights,
-                       "bound_fraction": round(weights / bandwidth / (ms / 1000), 4)}
+                       "bound_fraction": round(weights / bandwidth / (ms / 1000), 4),
+                       "replay_ms": replays, "call_tokens": args.call_tokens}
                 if args.kernels and rows == max(int(r) for r in args.rows.split(",")):
                     run["kernels"], run["all_kernels"] = kernels(
                         model, batch, attention, args.cache_len, kernel == "on", compiled == "on",
                         args.top)
+                if args.call_phases and kernel == "on" and compiled == "on":
+                    run["call_phases"] = {
+                        "kept" if keep else "not kept": call_phases(
+                            model, batch, attention, args.call_tokens,
+                            max(args.cache_len, args.call_tokens), keep)
+                        for keep in (True, False)}
                 results["runs"].append(run)
                 print(json.dumps(run), flush=True)
                 args.out.write_text(json.dumps(results, indent=1))

@@ -1,10 +1,12 @@
 """benchmarks/decode_profile.py's tile shapes: what `--tiles` accepts, and that every shape the
-sweep times is one the kernel takes (a bad one would only fail on the GPU, inside a paid call)."""
+sweep times is one the kernel takes (a bad one would only fail on the GPU, inside a paid call);
+and its replay table, rendered from stored results."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 
 import pytest
 from conftest import load_benchmark
@@ -44,3 +46,29 @@ def test_bad_tiles_name_the_shape_and_the_field(profile, text, says) -> None:
 def test_the_sweep_has_no_shape_twice(profile) -> None:
     assert all(isinstance(tiles, Tiles) for tiles in profile.SWEEP)
     assert len(set(profile.SWEEP)) == len(profile.SWEEP)
+
+
+def test_the_replay_table_gives_steady_calls_and_their_parts(profile, tmp_path) -> None:
+    """The first call of each decoder is left out (it warms up), the later steps' milliseconds
+    are what the call had beyond its prefill and first step, and a run without call phases
+    gets dashes."""
+    run = {"ms_per_step": 4.0, "replay_ms": {"64": {"gpu_ms": 3.5, "host_ms": 0.03}},
+           "call_tokens": 102}
+    timed = {**run, "call_phases": {"not kept": [
+        {"call_s": 9.0, "prefill_s": 9.0, "first_step_s": 9.0},
+        {"call_s": 0.6, "prefill_s": 0.1, "first_step_s": 0.1},
+        {"call_s": 0.8, "prefill_s": 0.3, "first_step_s": 0.1}]}}
+    path = tmp_path / "calls.json"
+    path.write_text(json.dumps({"model": "embedded:qwen3-vl-2b-shape", "device": "NVIDIA H200",
+                                "decode_tiles": None, "runs": [timed, run]}))
+    rows = profile.replay_table([path]).splitlines()[-2:]
+    assert rows[0].split(" | ")[5:11] == ["not kept", "2", "0.70", "0.200", "0.100", "4.00"]
+    assert rows[1].split(" | ")[5:11] == ["-"] * 6
+
+
+def test_the_replay_table_names_a_file_without_replays(profile, tmp_path) -> None:
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"model": "m", "device": "d", "runs": [
+        {"ms_per_step": 4.0, "replay_ms": {}}]}))
+    with pytest.raises(SystemExit, match="old.json"):
+        profile.replay_table([path])
