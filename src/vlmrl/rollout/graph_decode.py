@@ -177,10 +177,6 @@ class GraphDecoder:
         self.index = torch.zeros((), dtype=torch.long, device=device)  # cache slot being written
         self.slots = torch.arange(length, device=device)
         self.finished = torch.zeros(rows, dtype=torch.bool, device=device)
-        # the call's drawn tokens, written by the step itself at `drawn`: nothing is launched
-        # between two replays of the step
-        self.record = torch.full((rows, length), pad, dtype=torch.long, device=device)
-        self.drawn = torch.zeros((), dtype=torch.long, device=device)
         self.eos = torch.tensor(eos or [-1], dtype=torch.long, device=device)
         self.pad = pad
         self.suppress = torch.tensor(suppress, dtype=torch.long, device=device) if suppress else None
@@ -203,8 +199,6 @@ class GraphDecoder:
         chosen = torch.where(self.finished, torch.full_like(chosen, self.pad), chosen)
         self.finished |= torch.isin(chosen, self.eos)
         self.token.copy_(chosen[:, None])
-        self.record.index_copy_(1, self.drawn.view(1), chosen[:, None])
-        self.drawn.add_(1)
         self.positions.add_(1)
         self.index.add_(1)
 
@@ -277,8 +271,6 @@ class GraphDecoder:
         first = sample_next(logits, self.plan.sampling, self.suppress)
         self.finished |= torch.isin(first, self.eos)
         self.token.copy_(first[:, None])
-        self.record[:, 0] = first
-        self.drawn.fill_(1)
         return first
 
     def _prefill(self, input_ids, attention_mask, model_kwargs, cache) -> torch.Tensor:
@@ -292,7 +284,9 @@ class GraphDecoder:
 
     def generate(self, input_ids, attention_mask, max_new_tokens: int,
                  model_kwargs: dict[str, Any]) -> torch.Tensor:
-        self.prefill(input_ids, attention_mask, model_kwargs)
+        tokens = torch.full((input_ids.shape[0], max_new_tokens), self.pad, dtype=torch.long,
+                            device=input_ids.device)
+        tokens[:, 0] = self.prefill(input_ids, attention_mask, model_kwargs)
         prompt_len = input_ids.shape[1]
         if self.merged is not None:
             self.merged.refresh()  # the adapter as trained so far, folded into the copies
@@ -302,8 +296,9 @@ class GraphDecoder:
                 if made % CHECK_EVERY == 0 and bool(self.finished.all()):
                     break
                 self._run_step(self.span(prompt_len + made - 1))
+                tokens[:, made] = self.token[:, 0]
                 made += 1
-        return torch.cat([input_ids, self.record[:, :made]], dim=1)
+        return torch.cat([input_ids, tokens[:, :made]], dim=1)
 
 
 def _rope_deltas_holder(model):
