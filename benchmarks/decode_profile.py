@@ -119,36 +119,38 @@ def call_phases(model, batch, attention: str, new_tokens: int, cache_len: int, k
     from vlmrl.rollout import graph_decode
 
     records: list[dict[str, float]] = []
-    cls = graph_decode.GraphDecoder
-    plain_prefill, plain_run_step = cls.prefill, cls._run_step
 
     def timed(phase: str, function, *args):
-        torch.cuda.synchronize()
+        synchronize()
         started = time.perf_counter()
         out = function(*args)
-        torch.cuda.synchronize()
+        synchronize()
         records[-1][phase] = round(time.perf_counter() - started, 4)
         return out
 
-    def prefill(self, *args):
-        return timed("prefill_s", plain_prefill, self, *args)
+    class TimedDecoder(graph_decode.GraphDecoder):
+        def prefill(self, *args):
+            return timed("prefill_s", super().prefill, *args)
 
-    def run_step(self, span):
-        if "first_step_s" in records[-1]:
-            return plain_run_step(self, span)
-        return timed("first_step_s", plain_run_step, self, span)
+        def _run_step(self, span):
+            if "first_step_s" in records[-1]:
+                return super()._run_step(span)
+            return timed("first_step_s", super()._run_step, span)
 
     decoding = graph_decode.GraphDecoding(model=model, original=model.generate,
                                           attention=attention, nf4_kernel=True,
-                                          kv_cache_dtype=KV_CACHE_DTYPE, keep=keep)
-    cls.prefill, cls._run_step = prefill, run_step
-    try:
-        for _ in range(calls):
-            records.append({})
-            timed("call_s", decoding._decode, config(model, new_tokens, cache_len, True), batch)
-    finally:
-        cls.prefill, cls._run_step = plain_prefill, plain_run_step
+                                          kv_cache_dtype=KV_CACHE_DTYPE, keep=keep,
+                                          decoder_class=TimedDecoder)
+    for _ in range(calls):
+        records.append({})
+        timed("call_s", decoding._decode, config(model, new_tokens, cache_len, True), batch)
     return records
+
+
+def synchronize() -> None:
+    """Waits for the GPU where there is one (a CPU run, the tests', has nothing to wait for)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def kernels(model, batch, attention: str, cache_len: int, nf4_kernel: bool, compiled: bool,

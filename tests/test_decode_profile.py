@@ -9,6 +9,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 from conftest import load_benchmark
 
 from vlmrl.rollout.nf4_decode import Tiles
@@ -72,3 +73,27 @@ def test_the_replay_table_names_a_file_without_replays(profile, tmp_path) -> Non
         {"ms_per_step": 4.0, "replay_ms": {}}]}))
     with pytest.raises(SystemExit, match="old.json"):
         profile.replay_table([path])
+
+
+def test_call_phases_time_each_calls_prefill_and_first_step(profile) -> None:
+    """`--call-phases` on the CPU's eager decode loop: each call gets its prefill and first step
+    timed (through `GraphDecoding.decoder_class`), inside the call's own time."""
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText
+
+    from vlmrl.models.embedded import ensure_embedded_model
+    from vlmrl.models.processor import load_processor
+
+    path = ensure_embedded_model("embedded:tiny-qwen3-vl", seed=0)
+    model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=torch.float32).eval()
+    processor = load_processor(str(path))
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "2 + 2?"}]}],
+        add_generation_prompt=True, tokenize=False)
+    batch = dict(processor(text=[text] * 2, images=[Image.new("RGB", (64, 64))] * 2,
+                           return_tensors="pt"))
+    with torch.no_grad():
+        records = profile.call_phases(model, batch, "model", 5, 64, keep=False, calls=2)
+    assert [sorted(record) for record in records] == [["call_s", "first_step_s", "prefill_s"]] * 2
+    assert all(record["call_s"] >= record["prefill_s"] + record["first_step_s"]
+               for record in records)

@@ -331,6 +331,7 @@ class GraphDecoding:
     pdl: bool = field(default_factory=lambda: DECODE_PDL)  # see DECODE_PDL
     decoders: dict | None = None
     calls: int = 0
+    decoder_class: type = GraphDecoder  # a subclass times its phases (benchmarks/decode_profile.py)
 
     def __call__(self, *args: Any, generation_config=None, **kwargs: Any):
         config = generation_config if generation_config is not None else \
@@ -391,7 +392,7 @@ class GraphDecoding:
             pad = config.pad_token_id if config.pad_token_id is not None else (eos or [0])[0]
             use_graph = self.use_graph and input_ids.device.type == "cuda"
             compiled = use_graph and config.disable_compile is False  # as transformers' rule
-            decoder = self.decoders[plan] = GraphDecoder(
+            decoder = self.decoders[plan] = self.decoder_class(
                 self.model, plan, input_ids.device, eos, int(pad), suppress, use_graph,
                 self.attention, self.merged, self.nf4, self.compiled if compiled else None,
                 self.share_prompts, self.spans, self.kv_cache_dtype, pdl=self.pdl)
