@@ -120,22 +120,19 @@ def call_phases(model, batch, attention: str, new_tokens: int, cache_len: int, k
 
     records: list[dict[str, float]] = []
 
-    def timed(phase: str, function, *args):
-        synchronize()
-        started = time.perf_counter()
-        out = function(*args)
-        synchronize()
-        records[-1][phase] = round(time.perf_counter() - started, 4)
-        return out
+    def record(phase: str, seconds: float) -> None:
+        records[-1][phase] = round(seconds, 4)
+
+    def timed(phase_of, function):
+        return gspo_step.synced_timer(function, phase_of, record)
 
     class TimedDecoder(graph_decode.GraphDecoder):
         def prefill(self, *args):
-            return timed("prefill_s", super().prefill, *args)
+            return timed(lambda: "prefill_s", super().prefill)(*args)
 
         def _run_step(self, span):
-            if "first_step_s" in records[-1]:
-                return super()._run_step(span)
-            return timed("first_step_s", super()._run_step, span)
+            first = None if "first_step_s" in records[-1] else "first_step_s"
+            return timed(lambda: first, super()._run_step)(span)
 
     decoding = graph_decode.GraphDecoding(model=model, original=model.generate,
                                           attention=attention, nf4_kernel=True,
@@ -143,14 +140,9 @@ def call_phases(model, batch, attention: str, new_tokens: int, cache_len: int, k
                                           decoder_class=TimedDecoder)
     for _ in range(calls):
         records.append({})
-        timed("call_s", decoding._decode, config(model, new_tokens, cache_len, True), batch)
+        timed(lambda: "call_s", decoding._decode)(config(model, new_tokens, cache_len, True),
+                                                  batch)
     return records
-
-
-def synchronize() -> None:
-    """Waits for the GPU where there is one (a CPU run, the tests', has nothing to wait for)."""
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def kernels(model, batch, attention: str, cache_len: int, nf4_kernel: bool, compiled: bool,
