@@ -52,6 +52,8 @@ TABLES: tuple[list[str], ...] = (
                       "gspo_step_8b_today::gpu_profile_mb8_spg4_rows16", doc="{doc}"),
      "--readme", "{readme}"],
     gspo_step_block("speed-h200", "gspo_step_h200x4_2b", "gspo_step_h200x4_8b", doc="{doc}"),
+    gspo_step_block("speed-h200-parts", "gspo_step_h200_parts_bf16_8b", doc="{doc}"),
+    gspo_step_block("h200-parts-8b", "gspo_step_h200_parts_bf16_8b", doc="{doc}"),
     gspo_step_block("speed-h200-x2", "gspo_step_h200_2b",
                     "gspo_step_h200_unsloth_2b::unsloth_4bit", "gspo_step_h200_8b", doc="{doc}"),
     ["learning.py", "--summary", f"{RESULTS}/learning.json", f"{RESULTS}/learning_gpu_bf16.json",

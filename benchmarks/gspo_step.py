@@ -194,15 +194,18 @@ RECIPE_8B_PROFILE = "gpu_profile_graph_fp8_mb4_rolled_compiled"  # recipes/mathv
 for _name in ("gpu_profile_graph_fp8_compiled", "gpu_profile_graph_fp8_mb4_compiled"):
     CONFIGS[f"{_name}_narrow"] = {**CONFIGS[_name], "decode_tiles": {"block_n": 128}}
 # The recipes' profiles with each K step of the NF4 kernel in the tensor cores' lane order
-# (`Tiles.lane_order`: a lane's packed bytes load 16 at a time); one device call times it.
+# (`Tiles.lane_order`: a lane's packed bytes load 16 at a time), on the tiles shipped when it was
+# timed (partial sums in float32); one device call times it.
 for _name in ("gpu_profile_graph_fp8_rolled_compiled", "gpu_profile_graph_fp8_mb4_rolled_compiled"):
     CONFIGS[f"{_name}_lanes"] = {**CONFIGS[_name], "decode_tiles": {
-        "block_n": 128, "k_blocks": 2, "xa_precision": "fp16", "lane_order": True}}
+        "block_n": 128, "k_blocks": 2, "xa_precision": "fp16", "lane_order": True,
+        "partials": "float32"}}
 # The recipes' profiles with the NF4 kernel's partial sums in bfloat16 between its two launches
-# (`Tiles.partials`): one device call measures it beside the recipe.
+# (`Tiles.partials`; the shipped tiles since it was timed) and in float32 (the tiles before).
 for _name in ("gpu_profile_graph_fp8_rolled_compiled", "gpu_profile_graph_fp8_mb4_rolled_compiled"):
-    CONFIGS[f"{_name}_parts_bf16"] = {**CONFIGS[_name], "decode_tiles": {
-        "block_n": 128, "k_blocks": 2, "xa_precision": "fp16", "partials": "bfloat16"}}
+    for _suffix, _partials in (("parts_bf16", "bfloat16"), ("parts_float32", "float32")):
+        CONFIGS[f"{_name}_{_suffix}"] = {**CONFIGS[_name], "decode_tiles": {
+            "block_n": 128, "k_blocks": 2, "xa_precision": "fp16", "partials": _partials}}
 # The recipes' profiles with the decode step's kernels launched by programmatic dependent launch
 # (`graph_decode.DECODE_PDL`): one device call measures it beside the recipe.
 for _name in ("gpu_profile_graph_fp8_rolled_compiled", "gpu_profile_graph_fp8_mb4_rolled_compiled"):

@@ -59,11 +59,25 @@ def test_narrow_runs_the_recipe_on_the_one_block_kernel(gspo_step, name: str) ->
 
 @pytest.mark.parametrize("name", ["gpu_profile_graph_fp8_rolled_compiled",
                                   "gpu_profile_graph_fp8_mb4_rolled_compiled"])
-def test_lanes_runs_the_recipe_on_the_shipped_tiles_in_lane_order(gspo_step, name: str) -> None:
+def test_lanes_runs_the_recipe_on_the_tiles_it_was_timed_with_in_lane_order(gspo_step,
+                                                                             name: str) -> None:
     lanes = gspo_step.CONFIGS[f"{name}_lanes"]
     assert {key: value for key, value in lanes.items() if key != "decode_tiles"} == \
         gspo_step.CONFIGS[name]
-    assert Tiles(**lanes["decode_tiles"]) == dataclasses.replace(TILES, lane_order=True)
+    assert Tiles(**lanes["decode_tiles"]) == dataclasses.replace(TILES, lane_order=True,
+                                                                 partials="float32")
+
+
+@pytest.mark.parametrize("name", ["gpu_profile_graph_fp8_rolled_compiled",
+                                  "gpu_profile_graph_fp8_mb4_rolled_compiled"])
+def test_parts_run_the_recipe_on_the_shipped_tiles_and_the_tiles_before(gspo_step,
+                                                                        name: str) -> None:
+    for suffix, tiles in (("parts_bf16", TILES),
+                          ("parts_float32", dataclasses.replace(TILES, partials="float32"))):
+        parts = gspo_step.CONFIGS[f"{name}_{suffix}"]
+        assert {key: value for key, value in parts.items() if key != "decode_tiles"} == \
+            gspo_step.CONFIGS[name]
+        assert Tiles(**parts["decode_tiles"]) == tiles
 
 
 @pytest.mark.parametrize("name", ["gpu_profile_graph_fp8_rolled_compiled",

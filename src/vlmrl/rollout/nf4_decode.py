@@ -5,7 +5,8 @@ in float32 with a clone, two casts, two products, a scale and an add: about ten 
 times the weight's bytes per projection. Here two Triton launches do it: the first reads the packed
 4-bit weight once and decodes it in registers, with K split over the SMs so that a few rows still
 keep the GPU busy, and its first column tile also computes the adapter's `x A^T`; the second adds
-the splits in a fixed order (replays give equal bits) plus `s (x A^T) B^T` and rounds once to bf16.
+the splits in a fixed order (replays give equal bits) plus `s (x A^T) B^T` and rounds once to bf16
+(the splits' partial sums are stored in between as `Tiles.partials` says).
 A K step takes `Tiles.k_blocks` scale blocks. The codes become fp16 NF4 values by byte permutes
 (`prmt`, a table lookup in registers; with bitsandbytes' selects the kernel's loop had about twice
 the instructions), and the product runs in fp16 with the weight as the tensor cores' register
@@ -133,8 +134,10 @@ class Tiles:
 
 
 # The tiles `benchmarks/nf4_sweep.py` found fastest over the decode step's projections of both
-# shapes (docs/benchmarks.md, the NF4 sweep).
-TILES = Tiles(block_n=128, k_blocks=2, xa_precision="fp16")
+# shapes (docs/benchmarks.md, the NF4 sweep), with the partial sums in bfloat16: the 8B recipe's
+# GSPO step measured shorter with them, their error at most twice bitsandbytes + PEFT's
+# (tests/gpu/test_graph_decode_gpu.py).
+TILES = Tiles(block_n=128, k_blocks=2, xa_precision="fp16", partials="bfloat16")
 
 
 def k_splits(out_features: int, in_features: int, tiles: Tiles, sms: int,
