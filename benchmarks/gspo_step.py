@@ -206,6 +206,11 @@ for _name in ("gpu_profile_graph_fp8_rolled_compiled", "gpu_profile_graph_fp8_mb
     for _suffix, _partials in (("parts_bf16", "bfloat16"), ("parts_float32", "float32")):
         CONFIGS[f"{_name}_{_suffix}"] = {**CONFIGS[_name], "decode_tiles": {
             "block_n": 128, "k_blocks": 2, "xa_precision": "fp16", "partials": _partials}}
+# The recipes' profiles with each image through the vision tower once a generation
+# (train.keep_image_features, vlmrl.models.image_features): one device call measures it beside
+# the recipe.
+for _name in ("gpu_profile_graph_fp8_rolled_compiled", "gpu_profile_graph_fp8_mb4_rolled_compiled"):
+    CONFIGS[f"{_name}_images"] = {**CONFIGS[_name], "keep_image_features": True}
 # The recipes' profiles with the decode step's kernels launched by programmatic dependent launch
 # (`graph_decode.DECODE_PDL`): one device call measures it beside the recipe.
 for _name in ("gpu_profile_graph_fp8_rolled_compiled", "gpu_profile_graph_fp8_mb4_rolled_compiled"):
@@ -687,7 +692,8 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
                            generation_rows=knobs.get("max_generation_rows"), callbacks=[Timer()],
                            graph_decoding=knobs.get("graph", "eager"),
                            kv_cache_dtype=knobs.get("kv_cache_dtype", "auto"),
-                           **{key: knobs[key] for key in ("training_attention", "compile_layers")
+                           **{key: knobs[key] for key in ("training_attention", "compile_layers",
+                                                          "keep_image_features")
                               if key in knobs})
     phase_seconds = time_phases(trainer)
     training_kernels = profile_training(trainer, warmup + steps) if profile else None

@@ -4,6 +4,7 @@ train, and an interrupted run must resume instead of starting over."""
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from pathlib import Path
 
@@ -250,12 +251,18 @@ def test_generation_in_chunks_keeps_the_row_order() -> None:
     ({"train.max_generation_rows": 4}, "generating 8 rows per generation batch in chunks of 4"),
     ({"train.training_attention": "rolled"}, "training attention: rows rolled"),
     ({"train.compile_layers": True}, "text decoder layers compiled for training"),
-], ids=["generation_in_chunks", "rolled_training_attention", "compiled_layers"])
+    ({"train.keep_image_features": True}, "image features kept through a generation's passes"),
+], ids=["generation_in_chunks", "rolled_training_attention", "compiled_layers",
+        "kept_image_features"])
 def test_train_gspo_trains_with(fresh_repo: Path, setting: dict, printed: str) -> None:
     update_params(fresh_repo, {"train.grpo.max_steps": 2, **setting})
     dvc_repro(fresh_repo, "sft_cold_start")
     result = run(stage_command("train_gspo"), fresh_repo)
     assert printed in result.stdout
+    if "train.keep_image_features" in setting:
+        encoded, asked = map(int, re.search(r"vision tower encoded (\d+) of the (\d+) images",
+                                            result.stdout).groups())
+        assert 0 < encoded < asked
     summary = json.loads((fresh_repo / "data/metrics/train.json").read_text())
     assert summary["steps"] == 2
     assert all(value > 0 for value in lora_b_norms(fresh_repo / "data/models/adapter").values())
@@ -529,6 +536,8 @@ def test_graph_decoding_needs_the_transformers_backend() -> None:
      r"train\.training_attention: rolled needs model\.backend transformers, not unsloth"),
     ({"compile_layers": True},
      r"train\.compile_layers: true needs model\.backend transformers, not unsloth"),
+    ({"keep_image_features": True},
+     r"train\.keep_image_features: true needs model\.backend transformers, not unsloth"),
 ])
 def test_training_switches_need_the_transformers_backend(setting: dict, message: str) -> None:
     import yaml

@@ -39,6 +39,7 @@ from vlmrl.compiled_layers import CompiledLayers, text_decoder_layers
 from vlmrl.data_parallel import load_optimizer_state_on_cpu, write_gathered_files
 from vlmrl.logprob_fallback import TorchChunkedLogProb, kernel_cannot_run
 from vlmrl.models.backend import avoid_cudnn_attention
+from vlmrl.models.image_features import kept_image_features, vision_tower_path
 from vlmrl.nonfinite import NonFiniteGuard
 from vlmrl.private_names import (
     GRPO_NAMES,
@@ -160,6 +161,29 @@ class CompiledTrainingLayers:
         layers = self.compiled_layers
         with layers.eager() if layers is not None else contextlib.nullcontext():
             return super()._generate_single_turn(*args, **kwargs)
+
+
+class KeptImagesInTraining:
+    """`keep_image_features`: while `train` runs, the policy's vision tower encodes each image once
+    a generation and its prefill's features serve the log-probability passes and the training
+    micro-batches (vlmrl.models.image_features)."""
+
+    def __init__(self, *args: Any, keep_image_features: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.keep_image_features = keep_image_features
+        if keep_image_features:
+            vision_tower_path(self.model)  # a model without one is refused before training
+
+    def train(self, *args: Any, **kwargs: Any):
+        if not self.keep_image_features:
+            return super().train(*args, **kwargs)
+        with kept_image_features(self.model) as tower:
+            print("image features kept through a generation's passes (train.keep_image_features)")
+            try:
+                return super().train(*args, **kwargs)
+            finally:
+                print(f"image features: the vision tower encoded {tower.encoded} of the "
+                      f"{tower.asked} images its calls brought (train.keep_image_features)")
 
 
 class OldLogProbsWhereNeeded:
@@ -349,7 +373,7 @@ def grpo_class() -> type:
     base = trl.GRPOTrainer
     trls_own = base.__module__.startswith("trl.")
     return _subclass(base, GRPO_NAMES + (OLD_LOGPS_NAMES if trls_own else ()),
-                     (ChunkedGeneration, CompiledTrainingLayers,
+                     (ChunkedGeneration, CompiledTrainingLayers, KeptImagesInTraining,
                       *((OldLogProbsWhereNeeded,) if trls_own else ()),
                       DataParallelRun, RestorableRun, CompletionsTableToFile),
                      (TrainerLogToStdout,))
@@ -362,16 +386,20 @@ def sft_class() -> type:
 
 def grpo_trainer(*, max_nonfinite_steps: int, generation_rows: int | None = None,
                  compile_generation: bool = False, compile_layers: bool = False,
-                 completions_table: Path | None = None, **kwargs: Any):
+                 keep_image_features: bool = False, completions_table: Path | None = None,
+                 **kwargs: Any):
     """`trl.GRPOTrainer(**kwargs)` with the non-finite guard (`train.max_nonfinite_steps`),
     generation in chunks of `generation_rows` (`train.max_generation_rows`), compiled decoding
     where `compile_generation`, the text decoder layers compiled outside generation where
-    `compile_layers` (`train.compile_layers`), and the sample completions table in
+    `compile_layers` (`train.compile_layers`), each image through the vision tower once a
+    generation where `keep_image_features` (`train.keep_image_features`), and the sample
+    completions table in
     `completions_table`."""
     avoid_cudnn_attention()
     return grpo_class()(max_nonfinite_steps=max_nonfinite_steps,
                         limit_key="train.max_nonfinite_steps", generation_rows=generation_rows,
                         compile_generation=compile_generation, compile_layers=compile_layers,
+                        keep_image_features=keep_image_features,
                         completions_table=completions_table, **kwargs)
 
 

@@ -194,8 +194,8 @@ class TrainResult:
 def make_trainer(model, processor, config, dataset, reward_funcs, *,
                  generation_rows: int | None, callbacks: list, graph_decoding: str = "eager",
                  kv_cache_dtype: str = "auto", training_attention: str = "sdpa",
-                 compile_layers: bool = False, max_nonfinite_steps: int = 3,
-                 completions_table: Path | None = None):
+                 compile_layers: bool = False, keep_image_features: bool = False,
+                 max_nonfinite_steps: int = 3, completions_table: Path | None = None):
     """TRL's GRPOTrainer with the project's generation switches: the processor's suppressed
     tokens, compiled decoding when `generation_kwargs.disable_compile` is false (TRL itself
     always disables it), generation in chunks of `generation_rows`, on a GPU with
@@ -203,7 +203,8 @@ def make_trainer(model, processor, config, dataset, reward_funcs, *,
     of `kv_cache_dtype` (`vlmrl.rollout.decode_attention`), the training forward's attention over
     rolled rows where `training_attention` is "rolled" (`vlmrl.training_attention`), the text
     decoder layers compiled outside generation where `compile_layers`
-    (`vlmrl.compiled_layers`), on a CPU
+    (`vlmrl.compiled_layers`), each image through the vision tower once a generation where
+    `keep_image_features` (`vlmrl.models.image_features`), on a CPU
     top-k sampling among k tokens
     (`vlmrl.rollout.generation`; both need the policy loaded with `rollout_class`), and steps
     with a non-finite loss or gradient skipped (`vlmrl.nonfinite`, at most
@@ -220,6 +221,7 @@ def make_trainer(model, processor, config, dataset, reward_funcs, *,
                            train_dataset=dataset, processing_class=processor, callbacks=callbacks,
                            max_nonfinite_steps=max_nonfinite_steps, generation_rows=generation_rows,
                            compile_generation=compile_generation, compile_layers=compile_layers,
+                           keep_image_features=keep_image_features,
                            completions_table=completions_table)
     sample_top_k_on_cpu(trainer.model, top_k_settings(
         True, config.temperature, config.top_k, config.top_p, config.min_p,
@@ -319,6 +321,7 @@ def train(*, train_set: Path, params: Params, adapter_out: Path, checkpoints: Pa
                            kv_cache_dtype=train_params.kv_cache_dtype,
                            training_attention=train_params.training_attention,
                            compile_layers=train_params.compile_layers,
+                           keep_image_features=train_params.keep_image_features,
                            max_nonfinite_steps=train_params.max_nonfinite_steps,
                            completions_table=live.samples if live is not None else None)
     live = live if trainer.accelerator.is_main_process else None  # rank 0 alone writes
@@ -364,7 +367,8 @@ def check_graph_backend(graph_decoding: str, backend: str) -> None:
 
 def check_training_switches(train_params: TrainParams, backend: str) -> None:
     """The rolled attention is registered with transformers' attention functions, which Unsloth's
-    own model classes do not call; Unsloth compiles its own layers."""
+    own model classes do not call; Unsloth compiles its own layers; the kept image features wrap
+    transformers' Qwen3-VL vision tower, tested with its model classes only."""
     if backend == "transformers":
         return
     if train_params.training_attention == "rolled":
@@ -374,6 +378,10 @@ def check_training_switches(train_params: TrainParams, backend: str) -> None:
         raise ParamsError(f"params.yaml train.compile_layers: true needs model.backend "
                           f"transformers, not {backend} (it compiles its own); set "
                           "train.compile_layers: false for it")
+    if train_params.keep_image_features:
+        raise ParamsError(f"params.yaml train.keep_image_features: true needs model.backend "
+                          f"transformers, not {backend}; set train.keep_image_features: false "
+                          "for it")
 
 
 def rows_report(rows_per_process: list[list[Any]]) -> dict[str, Any]:

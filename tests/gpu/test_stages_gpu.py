@@ -62,6 +62,10 @@ CONFIGS["transformers-4bit-graph-fp8-compiled"] = {**CONFIGS["transformers-4bit-
 # compiled layers
 CONFIGS["transformers-4bit-graph-fp8-rolled-compiled"] = {
     **CONFIGS["transformers-4bit-graph-fp8-compiled"], "train.training_attention": "rolled"}
+# the recipes' profile with each image through the vision tower once a generation
+# (vlmrl.models.image_features); named apart, so that `-k fp8-rolled-compiled` runs the recipes'
+CONFIGS["transformers-4bit-graph-fp8-kept-images"] = {
+    **CONFIGS["transformers-4bit-graph-fp8-rolled-compiled"], "train.keep_image_features": True}
 DOWNSTREAM_CONFIGS = [name for name in CONFIGS if "-graph" not in name]
 # The cold start is the shipped one (params.yaml sft.args: 40 steps, cosine decay from 2e-3) at
 # batch 8. Measured on an H100 (transformers bf16) with `tests/gpu/run_on_device.sh probe --sft

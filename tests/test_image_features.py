@@ -1,0 +1,119 @@
+"""`vlmrl.models.image_features` on the tiny Qwen3-VL: a model whose vision tower keeps its
+images' features gives the plain model's logits and adapter gradients, encodes each image once
+per generation (a prefill of distinct images, then micro-batches of repeated and reordered ones),
+lets one generation's images go at the next's prefill, runs the tower itself where it is
+trained, and is put back as it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from PIL import Image
+from transformers import AutoModelForImageTextToText
+
+from vlmrl.errors import ParamsError
+from vlmrl.models.embedded import ensure_embedded_model
+from vlmrl.models.image_features import (
+    KeptImageFeatures,
+    kept_image_features,
+    plain_call,
+    vision_tower_path,
+)
+from vlmrl.models.processor import load_processor
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    path = ensure_embedded_model("embedded:tiny-qwen3-vl", seed=0)
+    model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                             target_modules=["q_proj", "v_proj"]))
+    return model.train(), load_processor(str(path))
+
+
+def image(index: int) -> Image.Image:
+    return Image.new("RGB", (64 + 32 * (index % 2), 64), (40 * index, 90, 200 - 30 * index))
+
+
+def batch(processor, images: list[int]) -> dict[str, torch.Tensor]:
+    """One row per entry of `images` (an image index each), left-padded prompts."""
+    processor.tokenizer.padding_side = "left"
+    texts = [processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x" * (1 + i)}]}],
+        add_generation_prompt=True, tokenize=False) for i in range(len(images))]
+    return dict(processor(text=texts, images=[image(i) for i in images], return_tensors="pt",
+                          padding=True))
+
+
+def logits_and_grads(model, inputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    logits = model(**inputs).logits
+    logits.float().logsumexp(-1).mean().backward()
+    return logits.detach(), {name: param.grad.clone() for name, param in model.named_parameters()
+                             if param.requires_grad}
+
+
+def test_kept_features_give_the_plain_models_logits_and_gradients(tiny):
+    model, processor = tiny
+    prefill, micro_batches = batch(processor, [0, 1, 2]), [batch(processor, images) for images
+                                                           in ([2, 0, 0, 1], [1, 1, 2, 0])]
+    plain = [logits_and_grads(model, inputs) for inputs in micro_batches]
+    with kept_image_features(model) as tower:
+        with torch.no_grad():
+            model(**prefill)
+        assert tower.encoded == 3
+        kept = [logits_and_grads(model, inputs) for inputs in micro_batches]
+        assert tower.encoded == 3  # every micro-batch's images were the prefill's
+    for (logits, grads), (kept_logits, kept_grads) in zip(plain, kept):
+        torch.testing.assert_close(kept_logits, logits, rtol=1e-5, atol=1e-5)
+        assert grads.keys() == kept_grads.keys()
+        for name in grads:
+            torch.testing.assert_close(kept_grads[name], grads[name], rtol=1e-4, atol=1e-6)
+
+
+def test_the_next_generations_prefill_lets_the_kept_images_go(tiny):
+    model, processor = tiny
+    with kept_image_features(model) as tower, torch.no_grad():
+        model(**batch(processor, [0, 1]))
+        model(**batch(processor, [1, 2]))  # one kept, one new: added
+        assert (tower.encoded, len(tower.kept)) == (3, 3)
+        model(**batch(processor, [3, 4]))  # only new images: the next generation
+        assert (tower.encoded, len(tower.kept)) == (5, 2)
+        model(**batch(processor, [0]))
+        assert tower.encoded == 6
+
+
+def test_a_trained_tower_encodes_every_call_and_the_tower_is_put_back(tiny):
+    model, processor = tiny
+    path = vision_tower_path(model)
+    original = model.get_submodule(path)
+    parameter = next(original.parameters())
+    parameter.requires_grad_(True)
+    try:
+        with kept_image_features(model) as tower, torch.no_grad():
+            assert isinstance(model.get_submodule(path), KeptImageFeatures)
+            assert tower.dtype == original.dtype
+            for _ in range(2):
+                model(**batch(processor, [0, 1]))
+            assert (tower.encoded, tower.kept) == (0, [])
+    finally:
+        parameter.requires_grad_(False)
+    assert model.get_submodule(path) is original
+
+
+def test_a_model_without_such_a_tower_is_refused_by_its_param():
+    with pytest.raises(ParamsError, match="train.keep_image_features"):
+        vision_tower_path(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+@pytest.mark.parametrize(("options", "plain"), [
+    ({}, True),
+    ({"return_dict": True, "use_cache": False, "output_attentions": False,
+      "output_hidden_states": None}, True),
+    ({"output_attentions": True}, False),
+    ({"output_hidden_states": True}, False),
+    ({"return_dict": False}, False),
+    ({"cu_seqlens": torch.zeros(2)}, False)])
+def test_only_calls_for_the_features_alone_are_served(options: dict, plain: bool):
+    assert plain_call(options) is plain
