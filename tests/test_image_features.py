@@ -117,3 +117,27 @@ def test_a_model_without_such_a_tower_is_refused_by_its_param():
     ({"cu_seqlens": torch.zeros(2)}, False)])
 def test_only_calls_for_the_features_alone_are_served(options: dict, plain: bool):
     assert plain_call(options) is plain
+
+
+class PlainTower(torch.nn.Module):
+    """A tower whose output has no deepstack features (not Qwen3-VL's), counting its calls."""
+
+    spatial_merge_size = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.deepstack_merger_list = torch.nn.ModuleList()
+        self.calls = 0
+
+    def forward(self, hidden_states, grid_thw, **kwargs):
+        self.calls += 1
+        return hidden_states * 2
+
+
+def test_a_tower_without_deepstack_features_runs_once_a_call_and_is_not_served_again():
+    tower = PlainTower()
+    wrapper = KeptImageFeatures(tower)
+    patches, grid = torch.ones(8, 3), torch.tensor([[1, 2, 4]])
+    for calls in (1, 2):
+        assert torch.equal(wrapper(patches, grid, return_dict=True), patches * 2)
+        assert (tower.calls, wrapper.serves, wrapper.encoded) == (calls, False, 0)

@@ -393,8 +393,7 @@ def grpo_trainer(*, max_nonfinite_steps: int, generation_rows: int | None = None
     where `compile_generation`, the text decoder layers compiled outside generation where
     `compile_layers` (`train.compile_layers`), each image through the vision tower once a
     generation where `keep_image_features` (`train.keep_image_features`), and the sample
-    completions table in
-    `completions_table`."""
+    completions table in `completions_table`."""
     avoid_cudnn_attention()
     return grpo_class()(max_nonfinite_steps=max_nonfinite_steps,
                         limit_key="train.max_nonfinite_steps", generation_rows=generation_rows,

@@ -42,6 +42,7 @@ class KeptImageFeatures(torch.nn.Module):
         self.kept: list[KeptImage] = []
         self.asked = 0  # images the calls served here brought
         self.encoded = 0  # of them, those the tower encoded
+        self.serves = True  # false once the tower's output has turned out to have no deepstack
 
     def __getattr__(self, name: str):
         try:
@@ -61,7 +62,7 @@ class KeptImageFeatures(torch.nn.Module):
         return frozen and not dropout
 
     def forward(self, hidden_states: torch.Tensor, grid_thw: torch.Tensor, **kwargs):
-        if not plain_call(kwargs) or not self.servable():
+        if not (self.serves and plain_call(kwargs) and self.servable()):
             return self.tower(hidden_states, grid_thw=grid_thw, **kwargs)
         grids = [tuple(grid) for grid in grid_thw.tolist()]
         self.asked += len(grids)
@@ -72,9 +73,12 @@ class KeptImageFeatures(torch.nn.Module):
             self.kept = []
         new = [i for i, index in enumerate(found) if index is None]
         if new:
-            encoded = self.encode(hidden_states, grid_thw, patches, new, grids, prints, kwargs)
+            encoded, output = self.encode(hidden_states, grid_thw, patches, new, grids, prints,
+                                          kwargs)
             if encoded is None:
-                return self.tower(hidden_states, grid_thw=grid_thw, **kwargs)
+                self.serves, self.kept = False, []
+                whole = len(new) == len(patches)
+                return output if whole else self.tower(hidden_states, grid_thw=grid_thw, **kwargs)
             for i, image in zip(new, encoded):
                 found[i] = len(self.kept)
                 self.kept.append(image)
@@ -110,9 +114,9 @@ class KeptImageFeatures(torch.nn.Module):
         return found
 
     def encode(self, hidden_states, grid_thw, patches, new: list[int], grids, prints,
-               kwargs: dict) -> list[KeptImage] | None:
-        """The new images through the tower, in one call, as KeptImage; None where its output
-        has no deepstack features (a tower this does not serve)."""
+               kwargs: dict) -> tuple[list[KeptImage] | None, object]:
+        """The new images through the tower, in one call, as KeptImage (None where its output
+        has no deepstack features: a tower this does not serve), and the tower's output."""
         if len(new) == len(patches):
             inputs, new_grids = hidden_states, grid_thw
         else:
@@ -121,7 +125,7 @@ class KeptImageFeatures(torch.nn.Module):
         output = self.tower(inputs, grid_thw=new_grids, **{**kwargs, "return_dict": True})
         deepstack = getattr(output, "deepstack_features", None)
         if deepstack is None or getattr(output, "pooler_output", None) is None:
-            return None
+            return None, output
         self.output_class = type(output)
         self.encoded += len(new)
         merge = self.tower.spatial_merge_size ** 2
@@ -129,7 +133,7 @@ class KeptImageFeatures(torch.nn.Module):
         pooled = torch.split(output.pooler_output.detach(), sizes)
         levels = [torch.split(level.detach(), sizes) for level in deepstack]
         return [KeptImage(grids[i], prints[i], pooled[n], [level[n] for level in levels])
-                for n, i in enumerate(new)]
+                for n, i in enumerate(new)], output
 
 
 def plain_call(kwargs: dict) -> bool:
