@@ -774,6 +774,8 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
         "timed_steps": len(timed),
         "generation_calls": [{**g, "seconds": round(g["seconds"], 3)} for g in generations],
         "kv_cache_dropped_in_generation": detector.seen,
+        **({"images_encoded": trainer.images_encoded}  # train.keep_image_features: its counts
+           if getattr(trainer, "images_encoded", None) else {}),
         "per_step": per_step_fields(trainer.state.log_history),
         **({"profiled_step": warmup + steps, "training_kernels": training_kernels}
            if profile else {}),

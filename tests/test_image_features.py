@@ -141,3 +141,28 @@ def test_a_tower_without_deepstack_features_runs_once_a_call_and_is_not_served_a
     for calls in (1, 2):
         assert torch.equal(wrapper(patches, grid, return_dict=True), patches * 2)
         assert (tower.calls, wrapper.serves, wrapper.encoded) == (calls, False, 0)
+
+
+def test_the_trainer_mixin_keeps_images_while_it_trains_and_reports_its_counts(tiny, capsys):
+    from vlmrl.trainers import KeptImagesInTraining
+
+    model, processor = tiny
+    path = vision_tower_path(model)
+    original = model.get_submodule(path)
+
+    class Trainer:  # what the mixin needs of TRL's trainer: `model` and `train`
+        def __init__(self, model) -> None:
+            self.model = model
+
+        def train(self) -> None:
+            assert isinstance(self.model.get_submodule(path), KeptImageFeatures)
+            with torch.no_grad():
+                for images in ([0, 1], [1, 0, 1]):
+                    self.model(**batch(processor, images))
+
+    trainer = type("Trained", (KeptImagesInTraining, Trainer), {})(
+        model=model, keep_image_features=True)
+    trainer.train()
+    assert trainer.images_encoded == {"encoded": 2, "asked": 5}
+    assert "the vision tower encoded 2 of the 5 images" in capsys.readouterr().out
+    assert model.get_submodule(path) is original

@@ -171,6 +171,7 @@ class KeptImagesInTraining:
     def __init__(self, *args: Any, keep_image_features: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.keep_image_features = keep_image_features
+        self.images_encoded: dict[str, int] | None = None  # after `train`: encoded, asked
         if keep_image_features:
             vision_tower_path(self.model)  # a model without one is refused before training
 
@@ -182,6 +183,7 @@ class KeptImagesInTraining:
             try:
                 return super().train(*args, **kwargs)
             finally:
+                self.images_encoded = {"encoded": tower.encoded, "asked": tower.asked}
                 print(f"image features: the vision tower encoded {tower.encoded} of the "
                       f"{tower.asked} images its calls brought (train.keep_image_features)")
 
