@@ -193,28 +193,26 @@ RECIPE_8B_PROFILE = "gpu_profile_graph_fp8_mb4_rolled_compiled"  # recipes/mathv
 # the adapter's x A^T in float32 on CUDA cores): one device call measures the kernel's change.
 for _name in ("gpu_profile_graph_fp8_compiled", "gpu_profile_graph_fp8_mb4_compiled"):
     CONFIGS[f"{_name}_narrow"] = {**CONFIGS[_name], "decode_tiles": {"block_n": 128}}
-# The recipes' profiles with each K step of the NF4 kernel in the tensor cores' lane order
-# (`Tiles.lane_order`: a lane's packed bytes load 16 at a time), on the tiles shipped when it was
-# timed (partial sums in float32); one device call times it.
+# The recipes' profiles with one change each, timed beside the recipe in one device call:
+WIDE_TILES = {"block_n": 128, "k_blocks": 2, "xa_precision": "fp16"}  # TILES but for `partials`
+RECIPE_VARIANTS = {
+    # each K step of the NF4 kernel in the tensor cores' lane order (`Tiles.lane_order`: a lane's
+    # packed bytes load 16 at a time), on the tiles shipped when it was timed
+    "lanes": {"decode_tiles": {**WIDE_TILES, "lane_order": True, "partials": "float32"}},
+    # the NF4 kernel's partial sums between its two launches in bfloat16 (`Tiles.partials`; the
+    # shipped tiles since it was timed) and in float32 (the tiles before)
+    "parts_bf16": {"decode_tiles": {**WIDE_TILES, "partials": "bfloat16"}},
+    "parts_float32": {"decode_tiles": {**WIDE_TILES, "partials": "float32"}},
+    # each image through the vision tower once a generation (train.keep_image_features,
+    # vlmrl.models.image_features)
+    "images": {"keep_image_features": True},
+    # the decode step's kernels launched by programmatic dependent launch
+    # (`graph_decode.DECODE_PDL`)
+    "pdl": {"decode_pdl": True},
+}
 for _name in ("gpu_profile_graph_fp8_rolled_compiled", "gpu_profile_graph_fp8_mb4_rolled_compiled"):
-    CONFIGS[f"{_name}_lanes"] = {**CONFIGS[_name], "decode_tiles": {
-        "block_n": 128, "k_blocks": 2, "xa_precision": "fp16", "lane_order": True,
-        "partials": "float32"}}
-# The recipes' profiles with the NF4 kernel's partial sums in bfloat16 between its two launches
-# (`Tiles.partials`; the shipped tiles since it was timed) and in float32 (the tiles before).
-for _name in ("gpu_profile_graph_fp8_rolled_compiled", "gpu_profile_graph_fp8_mb4_rolled_compiled"):
-    for _suffix, _partials in (("parts_bf16", "bfloat16"), ("parts_float32", "float32")):
-        CONFIGS[f"{_name}_{_suffix}"] = {**CONFIGS[_name], "decode_tiles": {
-            "block_n": 128, "k_blocks": 2, "xa_precision": "fp16", "partials": _partials}}
-# The recipes' profiles with each image through the vision tower once a generation
-# (train.keep_image_features, vlmrl.models.image_features): one device call measures it beside
-# the recipe.
-for _name in ("gpu_profile_graph_fp8_rolled_compiled", "gpu_profile_graph_fp8_mb4_rolled_compiled"):
-    CONFIGS[f"{_name}_images"] = {**CONFIGS[_name], "keep_image_features": True}
-# The recipes' profiles with the decode step's kernels launched by programmatic dependent launch
-# (`graph_decode.DECODE_PDL`): one device call measures it beside the recipe.
-for _name in ("gpu_profile_graph_fp8_rolled_compiled", "gpu_profile_graph_fp8_mb4_rolled_compiled"):
-    CONFIGS[f"{_name}_pdl"] = {**CONFIGS[_name], "decode_pdl": True}
+    for _suffix, _change in RECIPE_VARIANTS.items():
+        CONFIGS[f"{_name}_{_suffix}"] = {**CONFIGS[_name], **_change}
 # The float8 profile as it stood before issue 41 (the NF4 kernel's tree decode and float32
 # block scales, old log-probs for every row): the same knobs run on the library exported from
 # that commit (`--baseline-src`), so one device call measures it beside the new one.

@@ -75,10 +75,9 @@ class KeptImageFeatures(torch.nn.Module):
         if new:
             encoded, output = self.encode(hidden_states, grid_thw, patches, new, grids, prints,
                                           kwargs)
-            if encoded is None:
-                self.serves, self.kept = False, []
-                whole = len(new) == len(patches)
-                return output if whole else self.tower(hidden_states, grid_thw=grid_thw, **kwargs)
+            if encoded is None:  # the first encoding, so of every image: its output as it is
+                self.serves = False
+                return output
             for i, image in zip(new, encoded):
                 found[i] = len(self.kept)
                 self.kept.append(image)
@@ -99,9 +98,8 @@ class KeptImageFeatures(torch.nn.Module):
 
     def find(self, grids: list[tuple], prints: list[torch.Tensor]) -> list[int | None]:
         """For each image, the index of the kept image it is, or None; one synchronisation."""
-        candidates = [[index for index, kept in enumerate(self.kept)
-                       if kept.grid == grid and kept.fingerprint.shape == print_.shape]
-                      for grid, print_ in zip(grids, prints)]
+        candidates = [[index for index, kept in enumerate(self.kept) if kept.grid == grid]
+                      for grid in grids]
         pairs = [(i, index) for i, found in enumerate(candidates) for index in found]
         if not pairs:
             return [None] * len(grids)
