@@ -54,6 +54,8 @@ TABLES: tuple[list[str], ...] = (
     gspo_step_block("speed-h200", "gspo_step_h200x4_2b", "gspo_step_h200x4_8b", doc="{doc}"),
     gspo_step_block("speed-h200-parts", "gspo_step_h200_parts_bf16_8b", doc="{doc}"),
     gspo_step_block("h200-parts-8b", "gspo_step_h200_parts_bf16_8b", doc="{doc}"),
+    gspo_step_block("speed-h200-images", "gspo_step_h200_images_2b", doc="{doc}"),
+    gspo_step_block("h200-images-2b", "gspo_step_h200_images_2b", doc="{doc}"),
     gspo_step_block("speed-h200-x2", "gspo_step_h200_2b",
                     "gspo_step_h200_unsloth_2b::unsloth_4bit", "gspo_step_h200_8b", doc="{doc}"),
     ["learning.py", "--summary", f"{RESULTS}/learning.json", f"{RESULTS}/learning_gpu_bf16.json",
