@@ -188,7 +188,6 @@ for _name in ("gpu_profile_graph_fp8", "gpu_profile_graph_fp8_mb4", "gpu_profile
 CONFIGS["gpu_profile_graph_fp8_mb4_rows48_rolled_compiled"] = {
     **CONFIGS["gpu_profile_graph_fp8_mb4_rolled_compiled"], "steps_per_generation": 12,
     "max_generation_rows": 48}
-RECIPE_8B_PROFILE = "gpu_profile_graph_fp8_mb4_rolled_compiled"  # recipes/mathvista-qwen3-vl-8b.yaml's
 # The same with the NF4 decode kernel's tiles before the wide kernel (one scale block a K step,
 # the adapter's x A^T in float32 on CUDA cores): one device call measures the kernel's change.
 for _name in ("gpu_profile_graph_fp8_compiled", "gpu_profile_graph_fp8_mb4_compiled"):
@@ -213,6 +212,7 @@ RECIPE_VARIANTS = {
 for _name in ("gpu_profile_graph_fp8_rolled_compiled", "gpu_profile_graph_fp8_mb4_rolled_compiled"):
     for _suffix, _change in RECIPE_VARIANTS.items():
         CONFIGS[f"{_name}_{_suffix}"] = {**CONFIGS[_name], **_change}
+RECIPE_8B_PROFILE = "gpu_profile_graph_fp8_mb4_rolled_compiled_images"  # recipes/mathvista-qwen3-vl-8b.yaml's
 # The float8 profile as it stood before issue 41 (the NF4 kernel's tree decode and float32
 # block scales, old log-probs for every row): the same knobs run on the library exported from
 # that commit (`--baseline-src`), so one device call measures it beside the new one.
