@@ -208,6 +208,9 @@ RECIPE_VARIANTS = {
     # the decode step's kernels launched by programmatic dependent launch
     # (`graph_decode.DECODE_PDL`)
     "pdl": {"decode_pdl": True},
+    # each group's prompt slots read from its first row's copy of the float8 cache
+    # (`graph_decode.SHARED_PROMPT_READS`)
+    "prompt_reads": {"decode_prompt_reads": True},
 }
 for _name in ("gpu_profile_graph_fp8_rolled_compiled", "gpu_profile_graph_fp8_mb4_rolled_compiled"):
     for _suffix, _change in RECIPE_VARIANTS.items():
@@ -686,6 +689,10 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
         from vlmrl.rollout import graph_decode
 
         graph_decode.DECODE_PDL = knobs["decode_pdl"]
+    if "decode_prompt_reads" in knobs:
+        from vlmrl.rollout import graph_decode
+
+        graph_decode.SHARED_PROMPT_READS = knobs["decode_prompt_reads"]
     trainer = make_trainer(model, processor, config, dataset, reward_funcs,
                            generation_rows=knobs.get("max_generation_rows"), callbacks=[Timer()],
                            graph_decoding=knobs.get("graph", "eager"),

@@ -87,3 +87,54 @@ def test_a_row_that_reads_no_slot_gets_nan_and_the_others_their_attention(monkey
     assert got[0].isnan().all()
     expected = reference(query, key, value, read, dim ** -0.5)
     torch.testing.assert_close(got[1].double(), expected[1], atol=2e-3, rtol=2e-3)
+
+
+def grouped_copies(rows: int, kv_heads: int, slots: int, dim: int, prompt: int):
+    """Keys and values whose first `prompt` slots repeat in the rows of a group (rows 0-1, 2-3),
+    as `copy_into_static` leaves a repeated prompt; the rows' own slots after it differ."""
+    generator = torch.Generator().manual_seed(2)
+    key, value = (torch.randn(rows, kv_heads, slots, dim, generator=generator).to(torch.float16)
+                  for _ in range(2))
+    for cache in (key, value):
+        cache[1::2, :, :prompt] = cache[0::2, :, :prompt]
+    return key, value, torch.tensor([0, 0, 2, 2], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("mask", ["step", "holes", "apart"])
+def test_prompt_slots_read_from_the_groups_first_row_give_the_same_bits(monkeypatch, splits,
+                                                                         mask):
+    monkeypatch.setattr(decode_attention, "SPLITS", splits)
+    monkeypatch.setattr(decode_attention, "BLOCK_SLOTS", 16)
+    rows, heads, kv_heads, dim, slots, length, prompt = 4, 4, 2, 16, 208, 200, 93
+    key, value, leaders = grouped_copies(rows, kv_heads, slots, dim, prompt)
+    query = torch.randn(rows, heads, 1, dim, generator=torch.Generator().manual_seed(3))
+    query = query.to(torch.float16)
+    read = masks(rows, length)[mask]
+    own = decode_attention.cache_attention(query, key, value, read, dim ** -0.5)
+    shared = decode_attention.cache_attention(query, key, value, read, dim ** -0.5, leaders,
+                                              torch.tensor(prompt, dtype=torch.int32))
+    assert torch.equal(shared.view(torch.int16), own.view(torch.int16))
+
+
+def test_the_whole_blocks_below_the_shared_slots_come_from_the_leader(monkeypatch) -> None:
+    """Rows whose prompt slots differ from their leader's: each row reads its leader's slots in
+    the blocks wholly below `shared`, its own from the block `shared` falls in."""
+    monkeypatch.setattr(decode_attention, "BLOCK_SLOTS", 16)
+    rows, heads, kv_heads, dim, length, prompt = 4, 4, 2, 16, 120, 45  # 45: inside block 2
+    generator = torch.Generator().manual_seed(4)
+    query = torch.randn(rows, heads, 1, dim, generator=generator).to(torch.float16)
+    key, value = (torch.randn(rows, kv_heads, length, dim, generator=generator).to(torch.float16)
+                  for _ in range(2))
+    read = masks(rows, length)["step"]
+    leaders = torch.tensor([0, 0, 2, 2], dtype=torch.int32)
+    got = decode_attention.cache_attention(query, key, value, read, dim ** -0.5, leaders,
+                                           torch.tensor(prompt, dtype=torch.int32))
+    seen_key, seen_value = key.clone(), value.clone()
+    whole = prompt // 16 * 16
+    seen_key[:, :, :whole] = key[leaders.long(), :, :whole]
+    seen_value[:, :, :whole] = value[leaders.long(), :, :whole]
+    expected = reference(query, seen_key, seen_value, read, dim ** -0.5)
+    torch.testing.assert_close(got.double(), expected, atol=2e-3, rtol=2e-3)
+    assert not torch.allclose(got.double(), reference(query, key, value, read, dim ** -0.5),
+                              atol=2e-3, rtol=2e-3)
