@@ -1,7 +1,9 @@
 """`vlmrl.rollout.decode_attention.cache_attention` under Triton's interpreter on the CPU: each
 row reads from its first to its last read slot, in one share per (row, key/value head) or
-several merged, against float64 attention over the same values. In float16: the interpreter
-reads bfloat16 wrongly. bfloat16, float8 and speed on a GPU: tests/gpu/test_graph_decode_gpu.py."""
+several merged, against float64 attention over the same values; a group's prompt slots read from
+its first row's copy. In float16: the interpreter reads bfloat16 wrongly; one test compiles the
+kernel for an H100 on this CPU. bfloat16, float8 and speed on a GPU:
+tests/gpu/test_graph_decode_gpu.py."""
 
 from __future__ import annotations
 
@@ -138,3 +140,45 @@ def test_the_whole_blocks_below_the_shared_slots_come_from_the_leader(monkeypatc
     torch.testing.assert_close(got.double(), expected, atol=2e-3, rtol=2e-3)
     assert not torch.allclose(got.double(), reference(query, key, value, read, dim ** -0.5),
                               atol=2e-3, rtol=2e-3)
+
+
+COMPILE_FOR_SM90 = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from vlmrl.rollout import attention_kernels
+
+kernel = attention_kernels.partial_attention
+types = {"q_ptr": "*bf16", "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "mask_ptr": "*i1",
+         "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "out_ptr": "*bf16",
+         "scale": "fp32", "leader_ptr": "*i32", "shared_ptr": "*i32"}
+ptx = {}
+for shared in (False, True):
+    constexprs = dict(KV_HEADS=8, GROUP=2, G_PAD=16, DIM=128, BLOCK=64, SPLITS=1,
+                      LENGTH_PAD=2048, WHILE=False, SHARED=shared)
+    signature = {name: "constexpr" if name in constexprs else types.get(name, "i32")
+                 for name in kernel.arg_names}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 4, "num_stages": 3})
+    ptx[shared] = compiled.asm["ptx"]
+print(json.dumps({str(shared): text.count("ld.global") for shared, text in ptx.items()}))
+"""
+
+
+def test_the_kernel_compiles_for_an_h100_with_and_without_shared_reads() -> None:
+    """Ahead of time for sm_90, in a process of its own (the tests run Triton's interpreter,
+    which compiles nothing): the float8 cache's kernel as decode steps launch it, and with
+    SHARED its leader's loop adds loads."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], env=env, check=False,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    loads = json.loads(done.stdout.splitlines()[-1])
+    assert 0 < loads["False"] < loads["True"]
