@@ -336,7 +336,7 @@ def test_prompt_reads_decode_the_bits_of_each_rows_own_copy():
     own = decode_attention.cache_attention(query, key8, value8, read, 128 ** -0.5)
     led = decode_attention.cache_attention(query, key8, value8, read, 128 ** -0.5, leaders, shared)
     assert torch.equal(led[[0, 4]], own[[0, 4]]) and not torch.equal(led, own)
-    for cache in (key8, value8):
+    for cache in (key8.view(torch.uint8), value8.view(torch.uint8)):  # the leaders' bytes
         cache[:, :, :300] = cache[leaders.long(), :, :300]
     copies = decode_attention.cache_attention(query, key8, value8, read, 128 ** -0.5)
     again = decode_attention.cache_attention(query, key8, value8, read, 128 ** -0.5, leaders,
