@@ -215,6 +215,8 @@ RECIPE_VARIANTS = {
 for _name in ("gpu_profile_graph_fp8_rolled_compiled", "gpu_profile_graph_fp8_mb4_rolled_compiled"):
     for _suffix, _change in RECIPE_VARIANTS.items():
         CONFIGS[f"{_name}_{_suffix}"] = {**CONFIGS[_name], **_change}
+# The configurations' knobs that set a `graph_decode` default in the worker.
+DECODE_DEFAULTS = {"decode_pdl": "DECODE_PDL", "decode_prompt_reads": "SHARED_PROMPT_READS"}
 RECIPE_8B_PROFILE = "gpu_profile_graph_fp8_mb4_rolled_compiled_images"  # recipes/mathvista-qwen3-vl-8b.yaml's
 # The float8 profile as it stood before issue 41 (the NF4 kernel's tree decode and float32
 # block scales, old log-probs for every row): the same knobs run on the library exported from
@@ -685,14 +687,11 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
         from vlmrl.rollout import nf4_decode
 
         nf4_decode.TILES = nf4_decode.Tiles(**knobs["decode_tiles"])
-    if "decode_pdl" in knobs:
-        from vlmrl.rollout import graph_decode
+    from vlmrl.rollout import graph_decode
 
-        graph_decode.DECODE_PDL = knobs["decode_pdl"]
-    if "decode_prompt_reads" in knobs:
-        from vlmrl.rollout import graph_decode
-
-        graph_decode.SHARED_PROMPT_READS = knobs["decode_prompt_reads"]
+    for knob, default in DECODE_DEFAULTS.items():
+        if knob in knobs:
+            setattr(graph_decode, default, knobs[knob])
     trainer = make_trainer(model, processor, config, dataset, reward_funcs,
                            generation_rows=knobs.get("max_generation_rows"), callbacks=[Timer()],
                            graph_decoding=knobs.get("graph", "eager"),

@@ -98,7 +98,7 @@ def partial_attention(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, out_
     row_mask = mask_ptr + row * stride_mb
     own_from = start
     if SHARED:
-        leader = tl.load(leader_ptr + row).to(tl.int64)
+        leader = tl.load(leader_ptr + row)
         own_from = tl.minimum(tl.maximum(tl.load(shared_ptr) // BLOCK * BLOCK, start), stop)
         running_max, total, acc = attend_blocks(
             q, k_ptr + leader * stride_kb + kv_head * stride_kh,

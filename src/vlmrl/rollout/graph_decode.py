@@ -258,8 +258,6 @@ class GraphDecoder:
         shared = distinct_rows(input_ids, model_kwargs, vision_start) if self.share_prompts \
             else None
         inverse = None  # each row's index among the distinct prompts, where they repeat
-        self.leaders.copy_(torch.arange(len(self.leaders), device=self.leaders.device))
-        self.shared.fill_(0)
         if shared is None:
             logits = self._prefill(input_ids, attention_mask, model_kwargs, self.cache)
         else:
@@ -268,8 +266,11 @@ class GraphDecoder:
             logits = self._prefill(*select_rows(keep, input_ids, attention_mask, model_kwargs,
                                                 vision_start), small)[inverse]
             copy_into_static(small, self.cache, inverse, prompt_len)
-            self.leaders.copy_(torch.tensor(keep, device=inverse.device)[inverse])
-            self.shared.fill_(prompt_len)
+        if self.prompt_reads:  # each row's prompt's first row, and the slots they share
+            device = self.leaders.device
+            self.leaders.copy_(torch.arange(len(self.leaders), device=device) if inverse is None
+                               else torch.tensor(keep, device=device)[inverse.to(device)])
+            self.shared.fill_(0 if inverse is None else prompt_len)
         deltas = _rope_deltas(hf_model)
         if deltas is not None and inverse is not None:
             deltas = deltas.to(inverse.device)[inverse]
