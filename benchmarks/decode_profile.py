@@ -432,10 +432,6 @@ def main() -> int:
     parser.add_argument("--pdls", default=None,
                         help="the decode step's kernels with programmatic dependent launch "
                              "(graph_decode.DECODE_PDL): off, on or both (default: the shipped)")
-    parser.add_argument("--prompt-reads", default=None,
-                        help="each group's prompt slots read from its first row's copy "
-                             "(graph_decode.SHARED_PROMPT_READS): off, on or both (default: the "
-                             "shipped, unlabelled)")
     parser.add_argument("--call-phases", action="store_true",
                         help="also time three generate calls of --call-tokens and their parts "
                              "(prefill, first step, the rest), with the decoder kept and not")
@@ -462,7 +458,6 @@ def main() -> int:
     from vlmrl.rollout import graph_decode, nf4_decode, nf4_projections
 
     shipped_groups, shipped_pdl = nf4_projections.GROUPS, graph_decode.DECODE_PDL
-    shipped_reads = graph_decode.SHARED_PROMPT_READS
     if args.pdls is None:
         args.pdls = "on" if shipped_pdl else "off"
     if args.decode_tiles:
@@ -491,22 +486,18 @@ def main() -> int:
                 model, [int(r) for r in args.rows.split(",")], bandwidth, args.tiles)
         for rows in [int(r) for r in args.rows.split(",")]:
             batch = prompts(processor, train_set, rows)
-            for attention, kernel, compiled, groups, pdl, reads in [
-                    (a, k, c, g, p, r) for a in args.attentions.split(",")
+            for attention, kernel, compiled, groups, pdl in [
+                    (a, k, c, g, p) for a in args.attentions.split(",")
                     for k in args.nf4_kernels.split(",") for c in args.compiles.split(",")
                     for g in args.nf4_groups.split(",") for p in args.pdls.split(",")
-                    for r in (args.prompt_reads or "shipped").split(",")
                     if (dtype == "nf4" and k == "on") or (k == "off" and g == "on")]:
                 nf4_projections.GROUPS = shipped_groups if groups == "on" else ()
                 graph_decode.DECODE_PDL = pdl == "on"
-                graph_decode.SHARED_PROMPT_READS = shipped_reads if reads == "shipped" else \
-                    reads == "on"
                 ms, peak, replays = ms_per_step(model, batch, attention, args.new_tokens,
                                                 args.cache_len, kernel == "on", compiled == "on")
                 run = {"dtype": dtype, "rows": rows, "attention": attention,
                        "nf4_kernel": kernel if dtype == "nf4" else None, "compiled": compiled,
                        "nf4_groups": groups if kernel == "on" else None, "pdl": pdl,
-                       **({"prompt_reads": reads} if args.prompt_reads else {}),
                        "ms_per_step": round(ms, 3), "tokens_per_s": round(rows * 1000 / ms),
                        "peak_allocated_gib": round(peak, 3),
                        "weight_bytes": weights,
@@ -527,7 +518,6 @@ def main() -> int:
                 args.out.write_text(json.dumps(results, indent=1))
         nf4_projections.GROUPS = shipped_groups
         graph_decode.DECODE_PDL = shipped_pdl
-        graph_decode.SHARED_PROMPT_READS = shipped_reads
         del model
         torch.cuda.empty_cache()
     print(f"\ncopy bandwidth {bandwidth / 1e12:.2f} TB/s")

@@ -208,15 +208,12 @@ RECIPE_VARIANTS = {
     # the decode step's kernels launched by programmatic dependent launch
     # (`graph_decode.DECODE_PDL`)
     "pdl": {"decode_pdl": True},
-    # each group's prompt slots read from its first row's copy of the float8 cache
-    # (`graph_decode.SHARED_PROMPT_READS`)
-    "prompt_reads": {"decode_prompt_reads": True},
 }
 for _name in ("gpu_profile_graph_fp8_rolled_compiled", "gpu_profile_graph_fp8_mb4_rolled_compiled"):
     for _suffix, _change in RECIPE_VARIANTS.items():
         CONFIGS[f"{_name}_{_suffix}"] = {**CONFIGS[_name], **_change}
 # The configurations' knobs that set a `graph_decode` default in the worker.
-DECODE_DEFAULTS = {"decode_pdl": "DECODE_PDL", "decode_prompt_reads": "SHARED_PROMPT_READS"}
+DECODE_DEFAULTS = {"decode_pdl": "DECODE_PDL"}
 RECIPE_8B_PROFILE = "gpu_profile_graph_fp8_mb4_rolled_compiled_images"  # recipes/mathvista-qwen3-vl-8b.yaml's
 # The float8 profile as it stood before issue 41 (the NF4 kernel's tree decode and float32
 # block scales, old log-probs for every row): the same knobs run on the library exported from

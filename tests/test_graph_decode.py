@@ -317,31 +317,19 @@ def test_fp8_cache_keeps_the_prefill_in_float8_and_decodes(vl_model) -> None:
     assert stored(torch.tensor([1e4, -1e4, 0.5]), FP8).float().tolist() == [FP8_MAX, -FP8_MAX, 0.5]
 
 
-def repeated_prompts(processor, picked: list[tuple[int, int]]) -> dict:
-    """Rows of (question, image size) pairs as `picked` names them: equal pairs, equal prompts."""
-    questions, sizes = ["What is 2 + 2?", "Name the largest value in the chart now."], [64, 96]
-    texts = [processor.apply_chat_template(
-        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": questions[q]}]}],
-        add_generation_prompt=True, tokenize=False) for q, _ in picked]
-    images = [Image.new("RGB", (sizes[i], 64), (40 * i, 90, 200)) for _, i in picked]
-    processor.tokenizer.padding_side = "left"
-    return dict(processor(text=texts, images=images, return_tensors="pt", padding=True))
-
-
 def test_compiled_step_over_a_float8_cache_decodes_as_the_eager_step(vl_model) -> None:
     """The decode step's forward under torch.compile writes the float8 cache (the compiled
     `index_copy_` of float8 values) and reads it as the eager step does: the same tokens and the
-    same cache bytes; the compiled one with `prompt_reads` (its keyword through the traced
-    forward), over rows that repeat two prompts."""
+    same cache bytes."""
     model, processor = vl_model
-    inputs = repeated_prompts(processor, [(0, 0), (0, 0), (1, 1), (1, 1)])
+    inputs = vl_inputs(processor, ["What is 2 + 2?", "Name the largest value in the chart now."])
     config = GenerationConfig(max_new_tokens=20, do_sample=False, eos_token_id=-5, pad_token_id=0)
     ids, mask = inputs["input_ids"], inputs["attention_mask"]
     rest = {key: value for key, value in inputs.items() if key not in ("input_ids", "attention_mask")}
     plan = graph_decode.plan_for(config, ids.shape[0], ids.shape[1], ())
     decoders = [GraphDecoder(model, plan, ids.device, [-5], 0, (), use_graph=False,
-                             forward=forward, kv_cache_dtype="fp8", prompt_reads=reads)
-                for forward, reads in ((None, False), (torch.compile(model), True))]
+                             forward=forward, kv_cache_dtype="fp8")
+                for forward in (None, torch.compile(model))]
     torch._dynamo.reset()
     with torch.no_grad():
         eager, compiled = (decoder.generate(ids, mask, 20, dict(rest)) for decoder in decoders)
@@ -349,53 +337,6 @@ def test_compiled_step_over_a_float8_cache_decodes_as_the_eager_step(vl_model) -
     for ours, theirs in zip(decoders[1].cache.layers, decoders[0].cache.layers):
         assert torch.equal(ours.keys.view(torch.uint8), theirs.keys.view(torch.uint8))
         assert torch.equal(ours.values.view(torch.uint8), theirs.values.view(torch.uint8))
-
-
-@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "auto"])
-def test_prompt_reads_name_each_rows_first_row_of_its_prompt(vl_model, monkeypatch,
-                                                             kv_cache_dtype) -> None:
-    """With `prompt_reads` (graph_decode.SHARED_PROMPT_READS) over a float8 cache, each decode
-    step's attention gets, as PROMPT_ROWS, each row's prompt's first row and the prompt's slots
-    (the GPU kernel reads the whole blocks of those slots there), reset by each prefill; over a
-    cache of the model's dtype nothing. The tokens are those without it."""
-    from transformers import AttentionInterface
-
-    from vlmrl.rollout.decode_attention import GROUPED, PROMPT_ROWS
-
-    model, processor = vl_model
-    inputs = repeated_prompts(processor, [(0, 0), (0, 0), (1, 1), (0, 1)])
-    config = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-5, pad_token_id=0)
-    plain = GraphDecoding(model=model, original=model.generate, use_graph=False,
-                          kv_cache_dtype=kv_cache_dtype)
-    with torch.no_grad():
-        expected = plain._decode(config, dict(inputs))  # registers the attention's name
-    registered = AttentionInterface._global_mapping[GROUPED]
-    given = []
-
-    def recording(module, query, *args, **kwargs):
-        if query.shape[2] == 1:  # the buffers as this step reads them
-            rows = kwargs.get(PROMPT_ROWS)
-            given.append(rows and tuple(buffer.clone() for buffer in rows))
-        return registered(module, query, *args, **kwargs)
-
-    monkeypatch.setitem(AttentionInterface._global_mapping, GROUPED, recording)
-    decoding = GraphDecoding(model=model, original=model.generate, use_graph=False,
-                             kv_cache_dtype=kv_cache_dtype, prompt_reads=True)
-    with torch.no_grad():
-        got = decoding._decode(config, dict(inputs))
-        given_repeated = list(given)
-        distinct = repeated_prompts(processor, [(0, 0), (0, 1), (1, 0), (1, 1)])
-        decoding._decode(config, distinct)
-    assert torch.equal(got, expected)
-    assert len(decoding.decoders) == 1  # the second call's prefill reset the same decoder's
-    if kv_cache_dtype == "auto":
-        assert given == [None] * len(given) and given
-        return
-    leaders, shared = given_repeated[0]
-    assert leaders.tolist() == [0, 0, 2, 3]
-    assert int(shared) == inputs["input_ids"].shape[1]
-    leaders, shared = given[-1]
-    assert leaders.tolist() == [0, 1, 2, 3] and int(shared) == 0
 
 
 def test_fp8_cache_needs_the_grouped_attention_and_graph_decoding(vl_model) -> None:

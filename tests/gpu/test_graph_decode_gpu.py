@@ -312,38 +312,6 @@ def test_fp8_cache_graph_replays_equal_the_eager_loop_and_stay_near_bf16():
     assert error < 0.2  # a wrong kernel, mask or clamp is off by O(1)
 
 
-def test_prompt_reads_decode_the_bits_of_each_rows_own_copy():
-    """`prompt_reads` (graph_decode.SHARED_PROMPT_READS) on the shipped fast path over the float8
-    cache, 4 rows a prompt: the compiled graph's replays give the tokens and the logits of every
-    draw that the rows' own copies give, to the bit; and the kernel, given leaders whose prompt
-    slots differ from the rows', reads theirs (so the switch reaches the kernel)."""
-    from vlmrl.rollout import decode_attention
-    from vlmrl.rollout.decode_attention import FP8, stored
-
-    model, processor = load(four_bit=True)
-    batch = inputs(processor)
-    tokens, logits = decode_and_record(model, batch, {
-        "own": ({"kv_cache_dtype": "fp8"}, True),
-        "shared": ({"kv_cache_dtype": "fp8", "prompt_reads": True}, True)})
-    assert torch.equal(tokens["shared"], tokens["own"])
-    assert all(torch.equal(a, b) for a, b in zip(logits["shared"], logits["own"], strict=True))
-    torch.manual_seed(4)
-    query = torch.randn(8, 16, 1, 128, device="cuda", dtype=torch.bfloat16)
-    key8, value8 = (stored(torch.randn(8, 8, 512, 128, device="cuda"), FP8) for _ in range(2))
-    read = torch.ones(8, 400, dtype=torch.bool, device="cuda")
-    leaders = torch.tensor([0, 0, 0, 0, 4, 4, 4, 4], dtype=torch.int32, device="cuda")
-    shared = torch.tensor(300, dtype=torch.int32, device="cuda")
-    own = decode_attention.cache_attention(query, key8, value8, read, 128 ** -0.5)
-    led = decode_attention.cache_attention(query, key8, value8, read, 128 ** -0.5, leaders, shared)
-    assert torch.equal(led[[0, 4]], own[[0, 4]]) and not torch.equal(led, own)
-    for cache in (key8.view(torch.uint8), value8.view(torch.uint8)):  # the leaders' bytes
-        cache[:, :, :300] = cache[leaders.long(), :, :300]
-    copies = decode_attention.cache_attention(query, key8, value8, read, 128 ** -0.5)
-    again = decode_attention.cache_attention(query, key8, value8, read, 128 ** -0.5, leaders,
-                                             shared)
-    assert torch.equal(again, copies)
-
-
 def test_merged_copies_decode_like_the_adapter():
     from vlmrl.rollout.graph_decode import GraphDecoding
 

@@ -2,11 +2,7 @@
 that importing that module needs no Triton: this one is imported where the kernel runs. Under
 Triton's interpreter (TRITON_INTERPRET=1 when this module is imported, the CPU tests), whose
 `range` cannot take bounds computed in the kernel, the slot loop is a `while` over the same
-blocks. Where a row's first slots are its group's prompt, copied from one prefill into every
-row that repeats it (`vlmrl.rollout.shared_prompts`), the blocks wholly inside the prompt may be
-read from the copy of the group's first row (SHARED): the rows of a group run as neighbouring
-programs, so the other rows find those blocks in the L2 cache instead of reading their own copies
-from memory; the blocks and their order stay the same, and so do the outputs' bits."""
+blocks."""
 
 from __future__ import annotations
 
@@ -42,37 +38,14 @@ def attend_block(q, k_base, v_base, row_mask, first, stop, scale, stride_kl, str
 
 
 @triton.jit
-def attend_blocks(q, k_base, v_base, row_mask, start, stop, scale, stride_kl, stride_vl,
-                  running_max, total, acc, DIM: tl.constexpr, BLOCK: tl.constexpr,
-                  WHILE: tl.constexpr):
-    """`attend_block` over the blocks from `start` to `stop`, in order."""
-    if WHILE:
-        first = start
-        while first < stop:
-            running_max, total, acc = attend_block(
-                q, k_base, v_base, row_mask, first, stop, scale, stride_kl, stride_vl,
-                running_max, total, acc, DIM, BLOCK)
-            first += BLOCK
-    else:
-        for first in range(start, stop, BLOCK):
-            running_max, total, acc = attend_block(
-                q, k_base, v_base, row_mask, first, stop, scale, stride_kl, stride_vl,
-                running_max, total, acc, DIM, BLOCK)
-    return running_max, total, acc
-
-
-@triton.jit
 def partial_attention(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, length,
                       scale, stride_qb, stride_qh, stride_kb, stride_kh, stride_kl,
                       stride_vb, stride_vh, stride_vl, stride_mb, stride_ob, stride_oh,
-                      leader_ptr, shared_ptr,
                       KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
                       DIM: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
-                      LENGTH_PAD: tl.constexpr, WHILE: tl.constexpr,
-                      SHARED: tl.constexpr = False):
+                      LENGTH_PAD: tl.constexpr, WHILE: tl.constexpr):
     """Running max, sum and weighted values of one share of a row's read slots, for the
-    GROUP query heads of one (row, key/value head); with one share, their attention. SHARED:
-    the blocks below `shared_ptr`'s slot count read from row `leader_ptr[row]`."""
+    GROUP query heads of one (row, key/value head); with one share, their attention."""
     row_head = tl.program_id(0)
     split = tl.program_id(1)
     row = row_head // KV_HEADS
@@ -95,18 +68,18 @@ def partial_attention(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, out_
     acc = tl.zeros((G_PAD, DIM), tl.float32)
     k_base = k_ptr + row * stride_kb + kv_head * stride_kh
     v_base = v_ptr + row * stride_vb + kv_head * stride_vh
-    row_mask = mask_ptr + row * stride_mb
-    own_from = start
-    if SHARED:
-        leader = tl.load(leader_ptr + row)
-        own_from = tl.minimum(tl.maximum(tl.load(shared_ptr) // BLOCK * BLOCK, start), stop)
-        running_max, total, acc = attend_blocks(
-            q, k_ptr + leader * stride_kb + kv_head * stride_kh,
-            v_ptr + leader * stride_vb + kv_head * stride_vh, row_mask, start, own_from, scale,
-            stride_kl, stride_vl, running_max, total, acc, DIM, BLOCK, WHILE)
-    running_max, total, acc = attend_blocks(
-        q, k_base, v_base, row_mask, own_from, stop, scale, stride_kl, stride_vl,
-        running_max, total, acc, DIM, BLOCK, WHILE)
+    if WHILE:
+        first = start
+        while first < stop:
+            running_max, total, acc = attend_block(
+                q, k_base, v_base, mask_ptr + row * stride_mb, first, stop, scale,
+                stride_kl, stride_vl, running_max, total, acc, DIM, BLOCK)
+            first += BLOCK
+    else:
+        for first in range(start, stop, BLOCK):
+            running_max, total, acc = attend_block(
+                q, k_base, v_base, mask_ptr + row * stride_mb, first, stop, scale,
+                stride_kl, stride_vl, running_max, total, acc, DIM, BLOCK)
     if SPLITS == 1:
         out = acc / total[:, None]
         tl.store(out_ptr + row * stride_ob + (kv_head * GROUP + heads)[:, None] * stride_oh

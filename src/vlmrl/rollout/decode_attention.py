@@ -74,11 +74,10 @@ def static_cache(config, max_cache_len: int, kv_cache_dtype: str = "auto") -> St
 def grouped_decode_attention(original):
     """An attention function for one query token per row over the static cache: the query heads
     that share a key/value head are multiplied against it as one matrix, so the cache is read
-    once per step (a float8 cache on a GPU by `cache_attention`, with the keyword argument
-    PROMPT_ROWS, where the model's forward is given it, as that function's `leaders` and
-    `shared`). transformers' SDPA path with a mask first copies every key and value head
-    `num_key_value_groups` times (`repeat_kv`): the whole cache written and read again per layer
-    and step. Scores and softmax in float32. Anything else goes to `original`."""
+    once per step (a float8 cache on a GPU by `cache_attention`). transformers' SDPA path with a
+    mask first copies every key and value head `num_key_value_groups` times (`repeat_kv`): the
+    whole cache written and read again per layer and step. Scores and softmax in float32.
+    Anything else goes to `original`."""
 
     def attend(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         batch, heads, length, dim = query.shape
@@ -91,8 +90,7 @@ def grouped_decode_attention(original):
         scale = dim ** -0.5 if scaling is None else scaling
         if key.dtype == FP8:
             if query.is_cuda:
-                return cache_attention_op(query, key, value, attention_mask[:, 0, 0], scale,
-                                          *kwargs.get(PROMPT_ROWS, (None, None))), None
+                return cache_attention_op(query, key, value, attention_mask[:, 0, 0], scale), None
             key, value = key.to(query.dtype), value.to(query.dtype)
         kv_heads = key.shape[1]
         grouped = query.reshape(batch * kv_heads, heads // kv_heads, dim)
@@ -112,7 +110,6 @@ def grouped_decode_attention(original):
 
 
 GROUPED = "vlmrl_grouped_decode"  # the name `grouped_decode_attention` is registered under
-PROMPT_ROWS = "vlmrl_prompt_rows"  # forward keyword: (leaders, shared) of `cache_attention`
 
 
 @functools.cache
@@ -191,14 +188,10 @@ def _kernels():
 
 
 def cache_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     read: torch.Tensor, scale: float, leaders: torch.Tensor | None = None,
-                     shared: torch.Tensor | None = None) -> torch.Tensor:
+                     read: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention of query [rows, heads, 1, dim] over the cache's key and value
     [rows, kv_heads, slots, dim] where `read` [rows, length] (bool, length <= slots) is true;
-    returns [rows, 1, heads, dim] in the query's dtype. With `leaders` (int32 [rows]) and
-    `shared` (an int32 count of slots), each row's whole blocks below `shared` are read from row
-    `leaders[row]`, which must hold the same keys and values there (its prompt's copy: see
-    `vlmrl.rollout.attention_kernels`)."""
+    returns [rows, 1, heads, dim] in the query's dtype."""
     triton, kernels = _kernels()
     rows, heads, _, dim = query.shape
     kv_heads = key.shape[1]
@@ -216,10 +209,9 @@ def cache_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         query, key, value, read, maxima, totals, acc, out, length, float(scale),
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2), read.stride(0), out.stride(0),
-        out.stride(2), read if leaders is None else leaders, read if shared is None else shared,
-        KV_HEADS=kv_heads, GROUP=group, G_PAD=g_pad, DIM=dim, BLOCK=BLOCK_SLOTS,
+        out.stride(2), KV_HEADS=kv_heads, GROUP=group, G_PAD=g_pad, DIM=dim, BLOCK=BLOCK_SLOTS,
         SPLITS=SPLITS, LENGTH_PAD=triton.next_power_of_2(length), WHILE=kernels.INTERPRETED,
-        SHARED=leaders is not None, num_warps=4, num_stages=STAGES)
+        num_warps=4, num_stages=STAGES)
     if SPLITS > 1:
         kernels.merge_shares[(rows * kv_heads,)](
             maxima, totals, acc, out, out.stride(0), out.stride(2), KV_HEADS=kv_heads,
@@ -229,14 +221,13 @@ def cache_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 @torch.library.custom_op("vlmrl::cache_attention", mutates_args=())
 def cache_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        read: torch.Tensor, scale: float, leaders: torch.Tensor | None = None,
-                        shared: torch.Tensor | None = None) -> torch.Tensor:
+                        read: torch.Tensor, scale: float) -> torch.Tensor:
     """`cache_attention` as one operator, which torch.compile calls as it is and a CUDA graph
     captures."""
-    return cache_attention(query, key, value, read, scale, leaders, shared)
+    return cache_attention(query, key, value, read, scale)
 
 
 @cache_attention_op.register_fake
-def _(query, key, value, read, scale, leaders=None, shared=None):
+def _(query, key, value, read, scale):
     rows, heads, _, dim = query.shape
     return query.new_empty(rows, 1, heads, dim)

@@ -34,7 +34,6 @@ import torch
 
 from vlmrl.models.sampling import SamplingSettings, candidate_probs
 from vlmrl.rollout.decode_attention import (
-    PROMPT_ROWS,
     SDPA_BASED,
     attention_implementation,
     decode_attention,
@@ -50,10 +49,6 @@ CHECK_EVERY = 64  # decode steps between host checks for "every row has finished
 # launched while the kernel before it runs and waits for its writes on the GPU, so the gaps
 # between the step's several hundred small kernels shrink. A default a benchmark may set.
 DECODE_PDL = False
-# Each group's prompt slots read, by the float8 cache's attention kernel, from the copy of the
-# group's first row (`decode_attention.cache_attention`'s `leaders`): the same bits, fewer reads
-# from memory where the other rows find them in the L2 cache. A default a benchmark may set.
-SHARED_PROMPT_READS = False
 CACHE_ROUND = 256  # cache lengths are rounded up to this, so prompts of other lengths reuse one
 SPAN_ROUND = 256  # with spans, grouped attention reads the cache up to the written slot rounded up
 
@@ -161,11 +156,9 @@ class GraphDecoder:
                  pad: int, suppress: tuple[int, ...], use_graph: bool = True,
                  attention: str = "grouped", merged: bool = False, nf4=None,
                  forward=None, share_prompts: bool = True, spans: bool = False,
-                 kv_cache_dtype: str = "auto", pdl: bool = False,
-                 prompt_reads: bool = False) -> None:
+                 kv_cache_dtype: str = "auto", pdl: bool = False) -> None:
         self.model, self.plan, self.use_graph, self.attention = model, plan, use_graph, attention
         self.pdl = pdl  # the NF4 kernel's launches with programmatic dependent launch
-        self.prompt_reads = prompt_reads and kv_cache_dtype == "fp8"  # SHARED_PROMPT_READS
         self.forward = model if forward is None else forward  # the model, or it compiled
         self.share_prompts, self.spans = share_prompts, spans
         # eager attention adds its mask to the scores: 0 where a slot is read, the lowest float
@@ -184,8 +177,6 @@ class GraphDecoder:
         self.index = torch.zeros((), dtype=torch.long, device=device)  # cache slot being written
         self.slots = torch.arange(length, device=device)
         self.finished = torch.zeros(rows, dtype=torch.bool, device=device)
-        self.leaders = torch.arange(rows, dtype=torch.int32, device=device)  # prompt_reads
-        self.shared = torch.zeros((), dtype=torch.int32, device=device)
         self.eos = torch.tensor(eos or [-1], dtype=torch.long, device=device)
         self.pad = pad
         self.suppress = torch.tensor(suppress, dtype=torch.long, device=device) if suppress else None
@@ -202,10 +193,8 @@ class GraphDecoder:
                 ~mask, torch.finfo(self.dtype).min)
         if self.spans and self.forward is not self.model:
             torch._dynamo.maybe_mark_dynamic(mask, 3)  # one trace for every span
-        prompt_rows = {PROMPT_ROWS: (self.leaders, self.shared)} if self.prompt_reads else {}
         out = self.forward(input_ids=self.token, attention_mask=mask, position_ids=self.positions,
-                           past_key_values=self.cache, use_cache=True, logits_to_keep=1,
-                           **prompt_rows)
+                           past_key_values=self.cache, use_cache=True, logits_to_keep=1)
         chosen = sample_next(out.logits[:, -1].float(), self.plan.sampling, self.suppress)
         chosen = torch.where(self.finished, torch.full_like(chosen, self.pad), chosen)
         self.finished |= torch.isin(chosen, self.eos)
@@ -266,11 +255,6 @@ class GraphDecoder:
             logits = self._prefill(*select_rows(keep, input_ids, attention_mask, model_kwargs,
                                                 vision_start), small)[inverse]
             copy_into_static(small, self.cache, inverse, prompt_len)
-        if self.prompt_reads:  # each row's prompt's first row, and the slots they share
-            device = self.leaders.device
-            self.leaders.copy_(torch.arange(len(self.leaders), device=device) if inverse is None
-                               else torch.tensor(keep, device=device)[inverse.to(device)])
-            self.shared.fill_(0 if inverse is None else prompt_len)
         deltas = _rope_deltas(hf_model)
         if deltas is not None and inverse is not None:
             deltas = deltas.to(inverse.device)[inverse]
@@ -345,7 +329,6 @@ class GraphDecoding:
     # NF4 projections by `vlmrl.rollout.nf4_decode` in decode steps; VLMRL_NF4_DECODE=0: off
     nf4_kernel: bool = field(default_factory=lambda: os.environ.get("VLMRL_NF4_DECODE") != "0")
     pdl: bool = field(default_factory=lambda: DECODE_PDL)  # see DECODE_PDL
-    prompt_reads: bool = field(default_factory=lambda: SHARED_PROMPT_READS)  # see there
     decoders: dict | None = None
     calls: int = 0
     decoder_class: type = GraphDecoder  # a subclass times its phases (benchmarks/decode_profile.py)
@@ -412,8 +395,7 @@ class GraphDecoding:
             decoder = self.decoders[plan] = self.decoder_class(
                 self.model, plan, input_ids.device, eos, int(pad), suppress, use_graph,
                 self.attention, self.merged, self.nf4, self.compiled if compiled else None,
-                self.share_prompts, self.spans, self.kv_cache_dtype, pdl=self.pdl,
-                prompt_reads=self.prompt_reads)
+                self.share_prompts, self.spans, self.kv_cache_dtype, pdl=self.pdl)
         with torch.no_grad():
             out = decoder.generate(input_ids, attention_mask, int(config.max_new_tokens), kwargs)
         if not self.keep:  # the static cache and the graph's memory go back to the allocator
