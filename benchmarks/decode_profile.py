@@ -328,7 +328,6 @@ def kernel_rows(results: dict) -> list[str]:
         label = " (a launch per projection)" if run.get("nf4_groups") == "off" else ""
         label += {"on": " (PDL)", "off": " (no PDL)"}.get(run.get("pdl"), "")
         label += {"on": " (prompt reads)", "off": " (own reads)"}.get(run.get("prompt_reads"), "")
-        label += {"on": " (fused sums)", "off": " (two launches)"}.get(run.get("fused_sums"), "")
         rows.append(f"| {results['model'].removeprefix('embedded:')}{tiles_note(results)}"
                     f"{label} | {short_device(results['device'])} | "
                     f"{run['rows']} | "
@@ -433,9 +432,6 @@ def main() -> int:
     parser.add_argument("--pdls", default=None,
                         help="the decode step's kernels with programmatic dependent launch "
                              "(graph_decode.DECODE_PDL): off, on or both (default: the shipped)")
-    parser.add_argument("--fused-sums", default=None,
-                        help="the NF4 kernel adds its own K splits (Tiles.fused_sums): off, on "
-                             "or both (default: the tiles', unlabelled)")
     parser.add_argument("--call-phases", action="store_true",
                         help="also time three generate calls of --call-tokens and their parts "
                              "(prefill, first step, the rest), with the decoder kept and not")
@@ -468,7 +464,6 @@ def main() -> int:
         if len(args.decode_tiles) != 1:
             parser.error("--decode-tiles: one tile shape")
         nf4_decode.TILES = args.decode_tiles[0]
-    shipped_tiles = nf4_decode.TILES
     import os
 
     from vlmrl.models.embedded import ensure_embedded_model
@@ -491,22 +486,18 @@ def main() -> int:
                 model, [int(r) for r in args.rows.split(",")], bandwidth, args.tiles)
         for rows in [int(r) for r in args.rows.split(",")]:
             batch = prompts(processor, train_set, rows)
-            for attention, kernel, compiled, groups, pdl, fused in [
-                    (a, k, c, g, p, f) for a in args.attentions.split(",")
+            for attention, kernel, compiled, groups, pdl in [
+                    (a, k, c, g, p) for a in args.attentions.split(",")
                     for k in args.nf4_kernels.split(",") for c in args.compiles.split(",")
                     for g in args.nf4_groups.split(",") for p in args.pdls.split(",")
-                    for f in (args.fused_sums or "tiles").split(",")
                     if (dtype == "nf4" and k == "on") or (k == "off" and g == "on")]:
                 nf4_projections.GROUPS = shipped_groups if groups == "on" else ()
                 graph_decode.DECODE_PDL = pdl == "on"
-                nf4_decode.TILES = shipped_tiles if fused == "tiles" else dataclasses.replace(
-                    shipped_tiles, fused_sums=fused == "on")
                 ms, peak, replays = ms_per_step(model, batch, attention, args.new_tokens,
                                                 args.cache_len, kernel == "on", compiled == "on")
                 run = {"dtype": dtype, "rows": rows, "attention": attention,
                        "nf4_kernel": kernel if dtype == "nf4" else None, "compiled": compiled,
                        "nf4_groups": groups if kernel == "on" else None, "pdl": pdl,
-                       **({"fused_sums": fused} if args.fused_sums else {}),
                        "ms_per_step": round(ms, 3), "tokens_per_s": round(rows * 1000 / ms),
                        "peak_allocated_gib": round(peak, 3),
                        "weight_bytes": weights,
@@ -527,7 +518,6 @@ def main() -> int:
                 args.out.write_text(json.dumps(results, indent=1))
         nf4_projections.GROUPS = shipped_groups
         graph_decode.DECODE_PDL = shipped_pdl
-        nf4_decode.TILES = shipped_tiles
         del model
         torch.cuda.empty_cache()
     print(f"\ncopy bandwidth {bandwidth / 1e12:.2f} TB/s")

@@ -208,8 +208,6 @@ RECIPE_VARIANTS = {
     # the decode step's kernels launched by programmatic dependent launch
     # (`graph_decode.DECODE_PDL`)
     "pdl": {"decode_pdl": True},
-    # the NF4 kernel adds its own K splits, no second launch (`Tiles.fused_sums`)
-    "fused_sums": {"decode_tiles": {**WIDE_TILES, "partials": "bfloat16", "fused_sums": True}},
 }
 for _name in ("gpu_profile_graph_fp8_rolled_compiled", "gpu_profile_graph_fp8_mb4_rolled_compiled"):
     for _suffix, _change in RECIPE_VARIANTS.items():

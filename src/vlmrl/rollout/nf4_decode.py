@@ -97,9 +97,7 @@ class Tiles:
     kernel reads a lane's packed bytes as one contiguous quarter of the step (16-byte loads where
     K's own order gives single bytes four apart); the sums are the same. `partials`: the type
     the K splits' partial sums are stored in between the two launches ("bfloat16": half the
-    bytes, each partial rounded to 8 significant bits; the second launch adds them in float32).
-    `fused_sums`: no second launch where the wide kernel runs: the last program of each column
-    tile adds the splits (`nf4_fused_sums`; the same bits)."""
+    bytes, each partial rounded to 8 significant bits; the second launch adds them in float32)."""
 
     block_n: int = 64
     warps: int = 4
@@ -114,7 +112,6 @@ class Tiles:
     xa_precision: str = "ieee"
     lane_order: bool = False
     partials: str = "float32"
-    fused_sums: bool = False
 
     def __post_init__(self) -> None:
         if self.partials not in PARTIALS:
@@ -370,24 +367,17 @@ def nf4_rows_matmul(x16: torch.Tensor, row_up: torch.Tensor, weights: Sequence[P
     pdl = {"PDL": use_pdl, "launch_pdl": use_pdl}
     options = _step_options(tiles, in_features // splits, first.blocksize,
                             step_blocks(in_features, tiles, first.blocksize))
-    out = torch.empty(rows, out_features, dtype=torch.bfloat16, device=x16.device)
-    column_tiles = triton.cdiv(out_features, tiles.block_n)
-    wide = "KB" in options  # the wide kernel, which can also add its splits (fused_sums)
-    fused = [out, b[0], b[1], b[2], float(adapters[0][2]),
-             fused_counters(x16.device, column_tiles)] if wide else []
-    if wide:
-        options["FUSED_SPLITS"] = splits if tiles.fused_sums else 0
-    (wide_kernel if wide else kernel)[(column_tiles, splits)](
+    (wide_kernel if "KB" in options else kernel)[(triton.cdiv(out_features, tiles.block_n),
+                                                  splits)](
         flat, row_up, packed[0], first.absmax, absmax2[0], code2[0], offsets[0], a[0], parts, xa_parts,
         rows, out_features, in_features, rank, flat.stride(0), first.absmax.stride(0),
         packed[1], packed[2], absmax2[1], absmax2[2], code2[1], code2[2], offsets[1],
-        offsets[2], a[1], a[2], starts[0], starts[1], *fused,
+        offsets[2], a[1], a[2], starts[0], starts[1],
         K_SPLIT=in_features // splits, NESTED=nested, BLOCK2=first.block2,
         HAS_LORA=loras is not None, QBLOCK=first.blocksize, R=r_tile, BLOCK_M=block_m,
         BLOCK_N=tiles.block_n, num_warps=tiles.warps, num_stages=tiles.stages, **pdl,
         SEGMENTS=len(weights), XA_PRECISION=tiles.xa_precision, **options)
-    if wide and tiles.fused_sums:
-        return out.view(*x16.shape[:-1], out_features)
+    out = torch.empty(rows, out_features, dtype=torch.bfloat16, device=x16.device)
     sum_rows = min(block_m, tiles.sum_rows)
     sum_splits[(triton.cdiv(out_features, tiles.sum_block_n), triton.cdiv(rows, sum_rows))](
         parts, xa_parts, b[0], out, rows, out_features, rank, float(adapters[0][2]), b[1], b[2],
@@ -436,22 +426,6 @@ def nf4_matmul_op(x16: torch.Tensor, row_up: torch.Tensor, packed: list[torch.Te
 def _(x16, row_up, packed, absmax, absmax2, code2, offsets, block2, lora_a, lora_b, scaling,
       out_features, blocksize):
     return x16.new_empty(*x16.shape[:-1], sum(out_features), dtype=torch.bfloat16)
-
-
-def fused_counters(device: torch.device, column_tiles: int) -> torch.Tensor:
-    """The fused sums' counters on this device (`nf4_fused_sums`): zeros, made once (before a
-    CUDA graph's capture, by its warm-up step) and left at zero by every launch."""
-    from vlmrl.rollout import nf4_fused_sums
-
-    if column_tiles > nf4_fused_sums.MAX_TILES:
-        raise ValueError(f"{column_tiles} column tiles of the NF4 kernel: the fused sums count "
-                         f"at most {nf4_fused_sums.MAX_TILES}")
-    return _counters(device, nf4_fused_sums.COUNTERS)
-
-
-@functools.cache
-def _counters(device: torch.device, size: int) -> torch.Tensor:
-    return torch.zeros(size, dtype=torch.int32, device=device)
 
 
 @functools.cache

@@ -11,7 +11,6 @@ import triton
 import triton.language as tl
 
 from vlmrl.rollout.nf4_codes import NF4_CODES, nf4_lookup_asm
-from vlmrl.rollout.nf4_fused_sums import finish_tile, take_place
 
 LOOKUP = tl.constexpr(nf4_lookup_asm())
 C0, C1, C2, C3, C4, C5, C6, C7, C8, C9, C10, C11, C12, C13, C14, C15 = (
@@ -114,12 +113,12 @@ def projection_of(segment, SEGMENTS: tl.constexpr, w_ptr, w1_ptr, w2_ptr, absmax
 
 
 @triton.jit
-def program_tile(tile, start, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Column tile `tile`'s rows and columns (in the group, and in its projection from `start`),
-    which of them exist, and whether its columns are its projection's first tile."""
+def program_tile(start, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A program's rows and columns (in the group, and in its projection from `start`), which of
+    them exist, and whether its columns are its projection's first tile."""
     rows = tl.arange(0, BLOCK_M)
-    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    return tile * BLOCK_N == start, rows, cols, cols - start, rows < M, cols < N
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return tl.program_id(0) * BLOCK_N == start, rows, cols, cols - start, rows < M, cols < N
 
 
 @triton.jit
@@ -199,8 +198,8 @@ def nf4_lora_matmul(x_ptr, row_up_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr,
     w_ptr, absmax2_ptr, code2_ptr, offset, a_ptr = projection_of(
         segment, SEGMENTS, w_ptr, w1_ptr, w2_ptr, absmax2_ptr, absmax2_1_ptr, absmax2_2_ptr,
         code2_ptr, code2_1_ptr, code2_2_ptr, offset, offset1, offset2, a_ptr, a1_ptr, a2_ptr)
-    first_tile, rows, cols, local_cols, row_ok, col_ok = program_tile(
-        tl.program_id(0), start, M, N, BLOCK_M, BLOCK_N)
+    first_tile, rows, cols, local_cols, row_ok, col_ok = program_tile(start, M, N, BLOCK_M,
+                                                                      BLOCK_N)
     pairs = tl.arange(0, QBLOCK // 2)  # byte j holds weights 2j (high nibble) and 2j + 1
     within = tl.arange(0, QBLOCK)
     ranks = tl.arange(0, R)
@@ -300,14 +299,12 @@ def sum_splits(part_ptr, xa_part_ptr, b_ptr, out_ptr, M, N, rank, scaling, b1_pt
 def nf4_lora_matmul_wide(x_ptr, row_up_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr, offset,
                          a_ptr, part_ptr, xa_part_ptr, M, N, K, rank, stride_x, stride_codes,
                          w1_ptr, w2_ptr, absmax2_1_ptr, absmax2_2_ptr, code2_1_ptr, code2_2_ptr,
-                         offset1, offset2, a1_ptr, a2_ptr, start1, start2, out_ptr, b_ptr,
-                         b1_ptr, b2_ptr, scaling, counts_ptr,
+                         offset1, offset2, a1_ptr, a2_ptr, start1, start2,
                          K_SPLIT: tl.constexpr, NESTED: tl.constexpr, BLOCK2: tl.constexpr,
                          HAS_LORA: tl.constexpr, QBLOCK: tl.constexpr, R: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
                          SEGMENTS: tl.constexpr, KB: tl.constexpr, SPLIT_TILES: tl.constexpr,
-                         XA_PRECISION: tl.constexpr = "ieee", LANE_ORDER: tl.constexpr = False,
-                         FUSED_SPLITS: tl.constexpr = 0):
+                         XA_PRECISION: tl.constexpr = "ieee", LANE_ORDER: tl.constexpr = False):
     """`nf4_lora_matmul` with KB scale blocks a K step: each weight is its NF4 value times its
     block scale in fp16 (the scale brought near fp16's largest by a power of two per column,
     found once over the program's K_SPLIT before the loop (`split_column_shift`), rounded to fp16, then the product rounded: 11 significant bits, where
@@ -318,18 +315,16 @@ def nf4_lora_matmul_wide(x_ptr, row_up_ptr, w_ptr, codes_ptr, absmax2_ptr, code2
     row's powers of two multiply the sums once, after the loop. LANE_ORDER: x's rows come with
     each K step's columns in `lane_order` (`nf4_decode.fp16_rows`), the weights are read to
     match (`lane_weights`) and the adapter's A in the same order. The arguments and outputs are
-    `nf4_lora_matmul`'s; FUSED_SPLITS (the count of splits, 0 for none): the tiles' last
-    programs also write `sum_splits`'s output to `out_ptr` (`nf4_fused_sums`, with B, the scale
-    and the counters)."""
+    `nf4_lora_matmul`'s."""
     if PDL:
         after_the_kernel_before()
-    tile, split = take_place(counts_ptr, N, start1, start2, FUSED_SPLITS, BLOCK_N, SEGMENTS)
-    segment, start = segment_of(tile * BLOCK_N, start1, start2, SEGMENTS)
+    split = tl.program_id(1)
+    segment, start = segment_of(tl.program_id(0) * BLOCK_N, start1, start2, SEGMENTS)
     w_ptr, absmax2_ptr, code2_ptr, offset, a_ptr = projection_of(
         segment, SEGMENTS, w_ptr, w1_ptr, w2_ptr, absmax2_ptr, absmax2_1_ptr, absmax2_2_ptr,
         code2_ptr, code2_1_ptr, code2_2_ptr, offset, offset1, offset2, a_ptr, a1_ptr, a2_ptr)
-    first_tile, rows, cols, local_cols, row_ok, col_ok = program_tile(tile, start, M, N,
-                                                                      BLOCK_M, BLOCK_N)
+    first_tile, rows, cols, local_cols, row_ok, col_ok = program_tile(start, M, N, BLOCK_M,
+                                                                      BLOCK_N)
     STEP: tl.constexpr = KB * QBLOCK
     blocks = tl.arange(0, KB)
     pairs = tl.arange(0, QBLOCK // 2)
@@ -376,10 +371,6 @@ def nf4_lora_matmul_wide(x_ptr, row_up_ptr, w_ptr, codes_ptr, absmax2_ptr, code2
     acc = acc * power_of_two(column_shift)[:, None] * row_up[None, :]
     store_partials(part_ptr, xa_part_ptr, acc, xa * row_up[:, None], split, M, N, rows, cols,
                    ranks, segment, first_tile, row_ok, col_ok, HAS_LORA, SEGMENTS, R)
-    if FUSED_SPLITS > 0:
-        finish_tile(counts_ptr, part_ptr, xa_part_ptr, b_ptr, b1_ptr, b2_ptr, out_ptr, M, N,
-                    rank, scaling, tile, segment, start, start1, start2, first_tile, rows, cols,
-                    row_ok, col_ok, FUSED_SPLITS, HAS_LORA, SEGMENTS, R, BLOCK_N)
 
 
 @triton.jit
