@@ -328,6 +328,7 @@ def kernel_rows(results: dict) -> list[str]:
         label = " (a launch per projection)" if run.get("nf4_groups") == "off" else ""
         label += {"on": " (PDL)", "off": " (no PDL)"}.get(run.get("pdl"), "")
         label += {"on": " (prompt reads)", "off": " (own reads)"}.get(run.get("prompt_reads"), "")
+        label += {"on": " (fused sums)", "off": " (two launches)"}.get(run.get("fused_sums"), "")
         rows.append(f"| {results['model'].removeprefix('embedded:')}{tiles_note(results)}"
                     f"{label} | {short_device(results['device'])} | "
                     f"{run['rows']} | "

@@ -71,6 +71,7 @@ TABLES: tuple[list[str], ...] = (
      f"{RESULTS}/decode_profile_h200_parts_float32_2b.json",
      f"{RESULTS}/decode_profile_h200_parts_bfloat16_2b.json",
      f"{RESULTS}/decode_profile_h200_prompt_reads_2b.json",
+     f"{RESULTS}/decode_profile_h200_fused_sums_2b.json",
      f"{RESULTS}/decode_profile_attention_2b.json",
      f"{RESULTS}/decode_profile_groups_2b.json",
      f"{RESULTS}/decode_profile_ahead_2b.json",
