@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import json
 import sys
 import tempfile
@@ -72,8 +73,9 @@ def config(model, new_tokens: int, cache_len: int, compiled: bool = False):
 
 
 def ms_per_step(model, batch, attention: str, new_tokens: int, cache_len: int,
-                nf4_kernel: bool, compiled: bool) -> tuple[float, float]:
-    """Milliseconds per decode step, and the peak GiB allocated while decoding."""
+                nf4_kernel: bool, compiled: bool, gaps: bool = False) -> tuple[float, float]:
+    """Milliseconds per decode step, the peak GiB allocated while decoding, and the replays'
+    times (with `gaps`, their `replay_gaps` too)."""
     from vlmrl.rollout.graph_decode import GraphDecoding
 
     decoding = GraphDecoding(model=model, original=model.generate, attention=attention,
@@ -87,6 +89,8 @@ def ms_per_step(model, batch, attention: str, new_tokens: int, cache_len: int,
     seconds = time.perf_counter() - started
     peak = torch.cuda.max_memory_allocated() / 2**30
     replays = {count: replay_ms(decoding, count) for count in (8, 64)}
+    if gaps:
+        replays["gaps"] = replay_gaps(decoding)
     del decoding
     return seconds * 1000 / new_tokens, peak, replays
 
@@ -108,6 +112,53 @@ def replay_ms(decoding, count: int) -> dict[str, float]:
     torch.cuda.synchronize()
     return {"host_ms": round(host * 1000 / count, 4),
             "gpu_ms": round(start.elapsed_time(end) / count, 4)}
+
+
+def replay_gaps(decoding, count: int = 8) -> dict:
+    """The GPU's idle time between the kernels of `count` replays of the decode step's graph,
+    launched back to back (torch.profiler's kernel start and end times): per replay, in all and
+    by transition (the kernel family before -> after, `kernel_family`). Whether the step's time
+    outside its kernels lies inside the graph, kernel to kernel, or between replays."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    (decoder,) = decoding.decoders.values()
+    (graph,) = decoder.graphs.values()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(count):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernels = [(event.name, event.time_range.start, event.time_range.end)
+               for event in prof.events() if event.device_type == DeviceType.CUDA]
+    return gap_transitions(kernels, count)
+
+
+def kernel_family(name: str) -> str:
+    """A kernel's family in `replay_gaps`: the step's own kernels by role, others by name."""
+    for prefix, family in (("nf4_lora_matmul", "NF4"), ("sum_splits", "sum of the splits"),
+                           ("partial_attention", "attention"), ("nvjet", "LM head"),
+                           ("triton_", "inductor")):
+        if name.startswith(prefix):
+            return family
+    return name.split("(")[0].split("<")[0][-48:]
+
+
+def gap_transitions(kernels: list[tuple[str, float, float]], replays: int) -> dict:
+    """`replay_gaps` of kernels (name, start and end in microseconds) from `replays` replays."""
+    ordered = sorted(kernels, key=lambda kernel: kernel[1])
+    by_transition: dict[str, list[float]] = {}
+    for before, after in itertools.pairwise(ordered):
+        key = f"{kernel_family(before[0])} -> {kernel_family(after[0])}"
+        by_transition.setdefault(key, []).append(max(after[1] - before[2], 0.0))
+    total = sum(sum(gaps) for gaps in by_transition.values())
+    return {"replays": replays, "kernels_per_replay": len(ordered) / replays,
+            "gap_us_per_replay": round(total / replays, 1),
+            "transitions": sorted(({"transition": key, "us_per_replay": round(sum(gaps) / replays, 1),
+                                    "per_replay": len(gaps) / replays,
+                                    "mean_us": round(sum(gaps) / len(gaps), 3)}
+                                   for key, gaps in by_transition.items()),
+                                  key=lambda row: -row["us_per_replay"])}
 
 
 def call_phases(model, batch, attention: str, new_tokens: int, cache_len: int, keep: bool,
@@ -433,6 +484,9 @@ def main() -> int:
     parser.add_argument("--pdls", default=None,
                         help="the decode step's kernels with programmatic dependent launch "
                              "(graph_decode.DECODE_PDL): off, on or both (default: the shipped)")
+    parser.add_argument("--gaps", action="store_true",
+                        help="also trace 8 back-to-back replays of the step's graph: the GPU's "
+                             "idle time between its kernels, by transition (replay_ms['gaps'])")
     parser.add_argument("--call-phases", action="store_true",
                         help="also time three generate calls of --call-tokens and their parts "
                              "(prefill, first step, the rest), with the decoder kept and not")
@@ -495,7 +549,8 @@ def main() -> int:
                 nf4_projections.GROUPS = shipped_groups if groups == "on" else ()
                 graph_decode.DECODE_PDL = pdl == "on"
                 ms, peak, replays = ms_per_step(model, batch, attention, args.new_tokens,
-                                                args.cache_len, kernel == "on", compiled == "on")
+                                                args.cache_len, kernel == "on", compiled == "on",
+                                                args.gaps)
                 run = {"dtype": dtype, "rows": rows, "attention": attention,
                        "nf4_kernel": kernel if dtype == "nf4" else None, "compiled": compiled,
                        "nf4_groups": groups if kernel == "on" else None, "pdl": pdl,

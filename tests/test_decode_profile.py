@@ -97,3 +97,23 @@ def test_call_phases_time_each_calls_prefill_and_first_step(profile) -> None:
     assert [sorted(record) for record in records] == [["call_s", "first_step_s", "prefill_s"]] * 2
     assert all(record["call_s"] >= record["prefill_s"] + record["first_step_s"]
                for record in records)
+
+
+def test_replay_gaps_add_the_idle_time_between_kernels_by_transition(profile) -> None:
+    """Two replays of three kernels, given out of order: the idle time between each kernel's end
+    and the next one's start, per replay, by the families of the kernels around it; kernels
+    that overlap add none."""
+    kernels = [("nf4_lora_matmul_wide", 0.0, 10.0), ("sum_splits", 10.5, 12.0),
+               ("triton_per_fused_add", 12.5, 14.0), ("nf4_lora_matmul_wide", 20.0, 30.0),
+               ("sum_splits", 29.0, 32.0), ("triton_per_fused_add", 33.5, 35.0)]
+    gaps = profile.gap_transitions(list(reversed(kernels)), 2)
+    assert gaps["kernels_per_replay"] == 3
+    assert gaps["gap_us_per_replay"] == pytest.approx((0.5 + 0.5 + 6.0 + 0.0 + 1.5) / 2, abs=0.05)
+    rows = {row["transition"]: row for row in gaps["transitions"]}
+    assert rows["inductor -> NF4"] == {"transition": "inductor -> NF4", "us_per_replay": 3.0,
+                                       "per_replay": 0.5, "mean_us": 6.0}
+    assert rows["NF4 -> sum of the splits"]["mean_us"] == pytest.approx(0.25)
+    assert rows["sum of the splits -> inductor"]["us_per_replay"] == pytest.approx(1.0)
+    assert gaps["transitions"][0]["transition"] == "inductor -> NF4"
+    assert profile.kernel_family("void at::native::vectorized_elementwise_kernel<4>(int)") == \
+        "void at::native::vectorized_elementwise_kernel"
