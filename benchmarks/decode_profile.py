@@ -457,6 +457,41 @@ def replay_table(files: list[Path]) -> str:
     return "\n".join(lines)
 
 
+def gap_rows(results: dict) -> list[str]:
+    """One row per run that traced its replays (`--gaps`): the GPU's idle time between the
+    kernels of a replay, and the transitions that hold most of it."""
+    rows = []
+    for run in results["runs"]:
+        gaps = run.get("replay_ms", {}).get("gaps")
+        if gaps is None:
+            continue
+        replay_us = run["replay_ms"]["64"]["gpu_ms"] * 1000
+        largest = "; ".join(f"{row['transition']}: {row['us_per_replay']:.0f} "
+                            f"({row['per_replay']:g} x {row['mean_us']:.2f})"
+                            for row in gaps["transitions"][:4])
+        rows.append(f"| {results['model'].removeprefix('embedded:')} | "
+                    f"{short_device(results['device'])} | {replay_us / 1000:.2f} | "
+                    f"{gaps['kernels_per_replay']:g} | {gaps['gap_us_per_replay']:.0f} "
+                    f"({100 * gaps['gap_us_per_replay'] / replay_us:.0f}%) | {largest} |")
+    return rows
+
+
+def gap_table(files: list[Path]) -> str:
+    lines = [("Written by `benchmarks/decode_profile.py --from-json ... --table gaps`: the decode "
+              "step's graph (NF4 kernel, grouped attention, 32 rows) replayed 8 times back to "
+              "back, traced by torch.profiler: the GPU's idle time between one kernel's end and "
+              "the next one's start, per replay (share: of the replay's time on the GPU, from "
+              "64 replays timed by CUDA events), and the transitions (kernel before -> after) "
+              "that hold the most of it: microseconds per replay (times per replay x mean "
+              "microseconds)."), "",
+             ("| model | device | replay on the GPU, ms | kernels per replay | idle between "
+              "kernels, us per replay (share) | largest transitions | results file |"),
+             "| --- | --- | ---: | ---: | ---: | --- | --- |"]
+    for path in files:
+        lines += [f"{row} `{path.name}` |" for row in render_results(path, gap_rows)]
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="16,32")
@@ -501,11 +536,12 @@ def main() -> int:
     parser.add_argument("--from-json", type=Path, nargs="+", metavar="RESULTS",
                         help="measure nothing: write --table of these results into --doc")
     parser.add_argument("--doc", type=Path, default=gspo_step.ROOT / "docs" / "benchmarks.md")
-    parser.add_argument("--table", choices=("kernels", "replays"), default="kernels",
-                        help="with --from-json: the kernel table, or the replays and calls")
+    parser.add_argument("--table", choices=("kernels", "replays", "gaps"), default="kernels",
+                        help="with --from-json: the kernel table, the replays and calls, or the "
+                             "idle time between a replay's kernels")
     args = parser.parse_args()
     if args.from_json:
-        table = replay_table if args.table == "replays" else kernel_table
+        table = {"replays": replay_table, "gaps": gap_table}.get(args.table, kernel_table)
         write_doc_block(args.doc, table(args.from_json), Path(__file__).name, f":{args.table}")
         return 0
     global MODEL, KV_CACHE_DTYPE

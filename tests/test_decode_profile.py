@@ -117,3 +117,15 @@ def test_replay_gaps_add_the_idle_time_between_kernels_by_transition(profile) ->
     assert gaps["transitions"][0]["transition"] == "inductor -> NF4"
     assert profile.kernel_family("void at::native::vectorized_elementwise_kernel<4>(int)") == \
         "void at::native::vectorized_elementwise_kernel"
+
+
+def test_the_gap_table_shows_a_replays_idle_time_and_its_largest_transitions(profile) -> None:
+    kernels = [("nf4_lora_matmul_wide", 0.0, 900.0), ("sum_splits", 901.0, 950.0),
+               ("triton_poi_fused_add", 960.0, 1000.0)]
+    results = {"model": "embedded:qwen3-vl-2b-shape", "device": "NVIDIA H200 (140 GiB)",
+               "runs": [{"replay_ms": {"64": {"gpu_ms": 1.1}, "gaps": profile.gap_transitions(
+                   kernels, 1)}}, {"replay_ms": {"64": {"gpu_ms": 1.0}}}]}
+    (row,) = profile.gap_rows(results)
+    assert row.startswith("| qwen3-vl-2b-shape | H200 | 1.10 | 3 | 11 (1%) | ")
+    assert row.index("sum of the splits -> inductor: 10 (1 x 10.00)") < \
+        row.index("NF4 -> sum of the splits: 1 (1 x 1.00)")
