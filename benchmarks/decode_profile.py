@@ -403,8 +403,14 @@ def kernel_table(files: list[Path]) -> str:
              "| --- | --- | ---: | --- | ---: | ---: | ---: |"
              + " ---: |" * (len(KERNEL_GROUPS) + len(EXTRA_COLUMNS))
              + " --- |"]
+    return table_of(lines, files, kernel_rows)
+
+
+def table_of(lines: list[str], files: list[Path], rows) -> str:
+    """A table's caption and header (`lines`), then `rows` of each results file, named in the
+    last column."""
     for path in files:
-        lines += [f"{row} `{path.name}` |" for row in render_results(path, kernel_rows)]
+        lines = [*lines, *(f"{row} `{path.name}` |" for row in render_results(path, rows))]
     return "\n".join(lines)
 
 
@@ -452,9 +458,7 @@ def replay_table(files: list[Path]) -> str:
               "decoder | calls | call s | prefill s | first step s | later steps, ms each | "
               "results file |"),
              "| --- | --- | ---: | ---: | ---: | --- |" + " ---: |" * 5 + " --- |"]
-    for path in files:
-        lines += [f"{row} `{path.name}` |" for row in render_results(path, replay_rows)]
-    return "\n".join(lines)
+    return table_of(lines, files, replay_rows)
 
 
 def gap_rows(results: dict) -> list[str]:
@@ -476,20 +480,20 @@ def gap_rows(results: dict) -> list[str]:
     return rows
 
 
+GAPS_CAPTION = (
+    "Written by `benchmarks/decode_profile.py --from-json ... --table gaps`: the decode step's "
+    "graph (NF4 kernel, grouped attention, 32 rows) replayed 8 times back to back, traced by "
+    "torch.profiler: the GPU's idle time between one kernel's end and the next one's start, per "
+    "replay (share: of the replay's time on the GPU, from 64 replays timed by CUDA events), and "
+    "the transitions (kernel before -> after) that hold the most of it: microseconds per replay "
+    "(times per replay x mean microseconds).")
+GAPS_HEADER = ("| model | device | replay on the GPU, ms | kernels per replay | idle between "
+               "kernels, us per replay (share) | largest transitions | results file |\n"
+               "| --- | --- | ---: | ---: | ---: | --- | --- |")
+
+
 def gap_table(files: list[Path]) -> str:
-    lines = [("Written by `benchmarks/decode_profile.py --from-json ... --table gaps`: the decode "
-              "step's graph (NF4 kernel, grouped attention, 32 rows) replayed 8 times back to "
-              "back, traced by torch.profiler: the GPU's idle time between one kernel's end and "
-              "the next one's start, per replay (share: of the replay's time on the GPU, from "
-              "64 replays timed by CUDA events), and the transitions (kernel before -> after) "
-              "that hold the most of it: microseconds per replay (times per replay x mean "
-              "microseconds)."), "",
-             ("| model | device | replay on the GPU, ms | kernels per replay | idle between "
-              "kernels, us per replay (share) | largest transitions | results file |"),
-             "| --- | --- | ---: | ---: | ---: | --- | --- |"]
-    for path in files:
-        lines += [f"{row} `{path.name}` |" for row in render_results(path, gap_rows)]
-    return "\n".join(lines)
+    return table_of([GAPS_CAPTION, "", GAPS_HEADER], files, gap_rows)
 
 
 def main() -> int:
