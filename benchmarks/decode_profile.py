@@ -73,7 +73,7 @@ def config(model, new_tokens: int, cache_len: int, compiled: bool = False):
 
 
 def ms_per_step(model, batch, attention: str, new_tokens: int, cache_len: int,
-                nf4_kernel: bool, compiled: bool, gaps: bool = False) -> tuple[float, float]:
+                nf4_kernel: bool, compiled: bool, gaps: bool = False) -> tuple[float, float, dict]:
     """Milliseconds per decode step, the peak GiB allocated while decoding, and the replays'
     times (with `gaps`, their `replay_gaps` too)."""
     from vlmrl.rollout.graph_decode import GraphDecoding
@@ -135,13 +135,15 @@ def replay_gaps(decoding, count: int = 8) -> dict:
 
 
 def kernel_family(name: str) -> str:
-    """A kernel's family in `replay_gaps`: the step's own kernels by role, others by name."""
-    for prefix, family in (("nf4_lora_matmul", "NF4"), ("sum_splits", "sum of the splits"),
-                           ("partial_attention", "attention"), ("nvjet", "LM head"),
-                           ("triton_", "inductor")):
-        if name.startswith(prefix):
-            return family
+    """A kernel's family in `replay_gaps`: the step's own kernels by their KERNEL_GROUPS (short
+    names where those are long), inductor's by their prefix, others by name."""
+    for group, prefixes in (*KERNEL_GROUPS, ("inductor", ("triton_",))):
+        if name.startswith(prefixes):
+            return SHORT_FAMILIES.get(group, group)
     return name.split("(")[0].split("<")[0][-48:]
+
+
+SHORT_FAMILIES = {"NF4 projections": "NF4", "attention over the cache": "attention"}
 
 
 def gap_transitions(kernels: list[tuple[str, float, float]], replays: int) -> dict:
