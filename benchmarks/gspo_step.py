@@ -54,6 +54,10 @@ the phase timers say how long forward and backward take, not which kernels take 
 `--profile-host`, the first timed generation's input preparation runs under cProfile, the
 generation itself left out (`host_profile`: its functions by cumulative seconds): what the
 phase tables' host columns hold. That run's timings include the profiler's cost.
+`--profile-training` also records, per profiled micro-batch, its wall seconds and the GPU's
+busy seconds (`training_busy`): whether the training phases wait on the host. With
+`--profile-training-host`, one more optimizer step after those runs its micro-batches under
+cProfile (`training_host_profile`, the generation left out): which host work that is.
 
 Each (configuration, length) runs in its own process (Unsloth patches torch and transformers on
 import), results are merged into `--out` as they arrive (`runs`, raw; `results`, configuration ->
@@ -513,9 +517,12 @@ def profile_training(trainer, step: int, top: int = 25) -> list[dict]:
     def training_step(*args, **kwargs):
         if trainer.state.global_step != step:
             return original(*args, **kwargs)
+        _sync()
+        started = time.perf_counter()
         with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
             result = original(*args, **kwargs)
             _sync()
+        busy.append(micro_batch_busy(prof, time.perf_counter() - started) if cuda else {})
         for event in prof.key_averages():
             spent = event.device_time_total if cuda else event.self_cpu_time_total
             if spent > 0:
@@ -527,8 +534,92 @@ def profile_training(trainer, step: int, top: int = 25) -> list[dict]:
                        "calls_per_step": int(count)} for key, (spent, count) in ranked]
         return result
 
+    busy: list[dict] = []
     trainer.training_step = training_step
-    return kernels
+    return kernels, busy
+
+
+def micro_batch_busy(prof, wall_seconds: float) -> dict:
+    """How much of one profiled micro-batch's wall time (`wall_s`, the device synchronised at
+    both ends) the GPU spent running kernels (`gpu_busy_s`, the union of the kernels' intervals,
+    so overlapping streams count once): below the wall time, the GPU waited on the host."""
+    from torch.autograd import DeviceType
+
+    spans = sorted((event.time_range.start, event.time_range.end) for event in prof.events()
+                   if event.device_type == DeviceType.CUDA)
+    return {"wall_s": round(wall_seconds, 4), "kernels": len(spans),
+            "gpu_busy_s": round(union_length(spans) / 1e6, 4)}
+
+
+def union_length(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of (start, end) intervals, sorted by start."""
+    total, reach = 0.0, float("-inf")
+    for start, end in spans:
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+class TrainingHostProfile:
+    """cProfile over the micro-batches (`training_step` calls) of optimizer step `step`, with
+    its generation left out (`paused`, as HostProfile's): which host work the training
+    micro-batches wait on where `micro_batch_busy` says the GPU idles. `result()`: the step's
+    micro-batches' wall seconds without the generation, and the `top` functions by own seconds
+    and by cumulative seconds."""
+
+    def __init__(self, trainer, step: int, top: int = 40) -> None:
+        import cProfile
+
+        self.profiler, self.wall_s, self.active = None, 0.0, False
+        self.calls, self.top = 0, top
+        original = trainer.training_step
+
+        def training_step(*args, **kwargs):
+            if trainer.state.global_step != step:
+                return original(*args, **kwargs)
+            _sync()
+            started = time.perf_counter()
+            self.profiler = self.profiler or cProfile.Profile()
+            self.profiler.enable()
+            self.active = True
+            try:
+                return original(*args, **kwargs)
+            finally:
+                _sync()
+                self.profiler.disable()
+                self.active = False
+                self.wall_s += time.perf_counter() - started
+                self.calls += 1
+
+        trainer.training_step = training_step
+
+    @contextlib.contextmanager
+    def paused(self):
+        profiling = self.profiler is not None and self.active
+        if profiling:
+            self.profiler.disable()
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            if profiling:
+                self.wall_s -= time.perf_counter() - started
+                self.profiler.enable()
+
+    def result(self) -> dict:
+        if self.profiler is None:
+            return {}
+        import pstats
+
+        stats = pstats.Stats(self.profiler).stats
+        rows = [{"function": f"{Path(file).name}:{line}({name})", "calls": calls,
+                 "cumulative_s": round(cumulative, 4), "own_s": round(own, 4)}
+                for (file, line, name), (_, calls, own, cumulative, _) in stats.items()]
+        by_own = sorted(rows, key=lambda row: -row["own_s"])[:self.top]
+        by_cumulative = sorted(rows, key=lambda row: -row["cumulative_s"])[:self.top]
+        return {"micro_batches": self.calls, "wall_s": round(self.wall_s, 3),
+                "by_own": by_own, "by_cumulative": by_cumulative}
 
 
 class HostProfile:
@@ -604,7 +695,7 @@ class _KVDropDetector(logging.Handler):
 def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Path,
            model_name: str, seed: int, partial: Path | None = None,
            others_bytes: int = 0, profile: bool = False,
-           profile_host: bool = False) -> dict[str, Any]:
+           profile_host: bool = False, profile_training_host: bool = False) -> dict[str, Any]:
     knobs = CONFIGS[config_name]
     if knobs.get("vllm"):
         from vlmrl.training import vllm_installed
@@ -636,7 +727,7 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
                                         "seed": seed})
     grpo = dict(params.train.grpo)
     batch = {key: knobs[key] for key in REFERENCE_BATCH}
-    grpo.update(max_steps=warmup + steps + int(profile), **batch, num_generations=NUM_GENERATIONS, max_completion_length=length,
+    grpo.update(max_steps=warmup + steps + int(profile) + int(profile_training_host), **batch, num_generations=NUM_GENERATIONS, max_completion_length=length,
                 gradient_checkpointing=True, top_p=0.8,  # as every row was measured
                 log_completions=False, logging_steps=1,
                 report_to="none", seed=seed, **(VLLM_SETTINGS if knobs.get("vllm") else {}))
@@ -697,8 +788,11 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
                                                           "keep_image_features")
                               if key in knobs})
     phase_seconds = time_phases(trainer)
-    training_kernels = profile_training(trainer, warmup + steps) if profile else None
+    training_kernels, training_busy = (profile_training(trainer, warmup + steps) if profile
+                                       else (None, None))
     host = HostProfile(trainer, warmup) if profile_host else None
+    training_host = (TrainingHostProfile(trainer, warmup + steps + int(profile))
+                     if profile_training_host else None)
     peaks = MemoryPeaks()
     wrapped = hasattr(trainer, "_generate_single_turn")
     if wrapped:
@@ -708,7 +802,10 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
             _sync()
             peaks.close("training")
             started = time.perf_counter()
-            with host.paused() if host else contextlib.nullcontext():
+            with contextlib.ExitStack() as pauses:
+                for profiler in (host, training_host):
+                    if profiler is not None:
+                        pauses.enter_context(profiler.paused())
                 completion_ids, logprobs = original(*args, **kwargs)
                 _sync()
             peaks.close("generation")
@@ -778,9 +875,11 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
         **({"images_encoded": trainer.images_encoded}  # train.keep_image_features: its counts
            if getattr(trainer, "images_encoded", None) else {}),
         "per_step": per_step_fields(trainer.state.log_history),
-        **({"profiled_step": warmup + steps, "training_kernels": training_kernels}
-           if profile else {}),
+        **({"profiled_step": warmup + steps, "training_kernels": training_kernels,
+            "training_busy": training_busy} if profile else {}),
         **({"host_profile": host.functions} if host else {}),
+        **({"training_host_profile": {"step": warmup + steps + int(profile),
+                                      **training_host.result()}} if training_host else {}),
         "settings": {**knobs, "num_generations": NUM_GENERATIONS, "lora": LORA,
                      "cache_implementation": config.cache_implementation,
                      "generation_kwargs": {k: v for k, v in config.generation_kwargs.items()
@@ -1225,7 +1324,11 @@ def main() -> int:
     parser.add_argument("--profile-training", action="store_true",
                         help="one more optimizer step after the timed ones, its micro-batches "
                              "under torch.profiler: its kernels by device time in each run's "
-                             "training_kernels (not in the timings)")
+                             "training_kernels (not in the timings), and per micro-batch the "
+                             "wall seconds against the GPU's busy seconds (training_busy)")
+    parser.add_argument("--profile-training-host", action="store_true",
+                        help="one more optimizer step after those, its micro-batches under "
+                             "cProfile, its generation left out (training_host_profile)")
     parser.add_argument("--profile-host", action="store_true",
                         help="cProfile the host work of the first timed generation's input "
                              "preparation, the generation left out (host_profile; that run's "
@@ -1247,7 +1350,8 @@ def main() -> int:
             result = worker(config, length, args.warmup, args.steps, args.train_set, args.model,
                             args.seed, partial=args.result.with_suffix(".partial"),
                             others_bytes=args.others_bytes, profile=args.profile_training,
-                            profile_host=args.profile_host)
+                            profile_host=args.profile_host,
+                            profile_training_host=args.profile_training_host)
         except Exception as error:  # noqa: BLE001  (recorded: the table says why a run failed)
             traceback.print_exc()
             result = {"config": config, "completion_length": length,
@@ -1311,7 +1415,8 @@ def main() -> int:
                        "--train-set", str(train_set), "--result", str(result_file),
                        "--others-bytes", str(device_used_bytes() or 0),
                        *(["--profile-training"] if args.profile_training else []),
-                       *(["--profile-host"] if args.profile_host else [])]
+                       *(["--profile-host"] if args.profile_host else []),
+                       *(["--profile-training-host"] if args.profile_training_host else [])]
             print(f"== {key}", flush=True)
             run_started = time.perf_counter()
             try:

@@ -136,14 +136,54 @@ def test_profile_training_records_the_operators_of_one_optimizer_step(bench) -> 
     weights = torch.randn(64, 64)
     trainer = SimpleNamespace(state=SimpleNamespace(global_step=1))
     trainer.training_step = lambda batch: (batch @ weights).relu().sum()
-    kernels = bench.profile_training(trainer, step=2)
+    kernels, busy = bench.profile_training(trainer, step=2)
     trainer.training_step(torch.randn(8, 64))
-    assert kernels == []  # another step: not profiled
+    assert kernels == [] and busy == []  # another step: not profiled
     trainer.state.global_step = 2
     for _ in range(3):  # the step's micro-batches, added up
         trainer.training_step(torch.randn(8, 64))
+    assert busy == [{}] * 3  # one entry a micro-batch; no GPU here, so no busy time
     by_name = {k["kernel"]: k for k in kernels}
     assert by_name["aten::mm"]["calls_per_step"] == 3
     assert all(k["ms_per_step"] > 0 for k in kernels)
     assert [k["ms_per_step"] for k in kernels] == sorted((k["ms_per_step"] for k in kernels),
                                                         reverse=True)
+
+
+def test_union_length_counts_overlapping_kernels_once(bench) -> None:
+    assert bench.union_length([]) == 0.0
+    assert bench.union_length([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)]) == 4.0
+    assert bench.union_length([(0.0, 10.0), (1.0, 2.0), (3.0, 4.0)]) == 10.0  # nested
+    assert bench.union_length([(0.0, 1.0), (1.0, 2.0)]) == 2.0  # end to end
+
+
+def test_training_host_profile_covers_one_step_without_its_generation(bench) -> None:
+    from types import SimpleNamespace
+
+    def busy_python(count: int) -> int:
+        return sum(i * i for i in range(count))
+
+    def generate() -> int:
+        return busy_python(200_000)
+
+    trainer = SimpleNamespace(state=SimpleNamespace(global_step=1))
+    profiler = None
+
+    def training_step(count: int) -> int:
+        with profiler.paused():
+            generate()
+        return busy_python(count)
+
+    trainer.training_step = training_step
+    profiler = bench.TrainingHostProfile(trainer, step=2, top=5)
+    trainer.training_step(10)
+    assert profiler.result() == {}  # another step: not profiled
+    trainer.state.global_step = 2
+    for _ in range(2):
+        trainer.training_step(50_000)
+    result = profiler.result()
+    assert result["micro_batches"] == 2 and result["wall_s"] > 0
+    functions = [row["function"] for row in result["by_cumulative"]]
+    assert any("busy_python" in name for name in functions)
+    assert not any("generate" in name for name in functions)  # paused: left out
+    assert len(result["by_own"]) <= 5
