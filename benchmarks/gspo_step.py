@@ -212,6 +212,9 @@ RECIPE_VARIANTS = {
     # the decode step's kernels launched by programmatic dependent launch
     # (`graph_decode.DECODE_PDL`)
     "pdl": {"decode_pdl": True},
+    # reentrant gradient checkpointing (train.grpo.gradient_checkpointing_kwargs): a layer's
+    # first forward without autograd, no saved-tensor hooks on the host
+    "reentrant": {"gradient_checkpointing_kwargs": {"use_reentrant": True}},
 }
 for _name in ("gpu_profile_graph_fp8_rolled_compiled", "gpu_profile_graph_fp8_mb4_rolled_compiled"):
     for _suffix, _change in RECIPE_VARIANTS.items():
@@ -729,6 +732,8 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
     batch = {key: knobs[key] for key in REFERENCE_BATCH}
     grpo.update(max_steps=warmup + steps + int(profile) + int(profile_training_host), **batch, num_generations=NUM_GENERATIONS, max_completion_length=length,
                 gradient_checkpointing=True, top_p=0.8,  # as every row was measured
+                **({"gradient_checkpointing_kwargs": knobs["gradient_checkpointing_kwargs"]}
+                   if "gradient_checkpointing_kwargs" in knobs else {}),
                 log_completions=False, logging_steps=1,
                 report_to="none", seed=seed, **(VLLM_SETTINGS if knobs.get("vllm") else {}))
     reward_funcs, reward_weights = build_rewards(params.rewards.weights, params.rewards.options)

@@ -109,6 +109,33 @@ def test_compiled_layers_give_eagers_logits_and_gradients_from_one_trace(tiny_po
     assert all("forward" not in vars(layer) for layer in layers)
 
 
+def test_reentrant_checkpointing_gives_eagers_gradients_with_a_no_grad_trace(tiny_policy) -> None:
+    """With `use_reentrant: true` a checkpointed layer's first forward runs without autograd
+    (a trace of its own, no saved-tensor hooks) and its backward recomputes it with autograd
+    (the other trace): the adapter's gradients are eager's."""
+    model, batch = tiny_policy
+    layers = text_decoder_layers(model)
+    eager_logits, eager_grads = loss_and_grads(model, batch)
+    backend = CountingBackend()
+    compiled = CompiledLayers(layers, backend=backend)
+    model.gradient_checkpointing_enable({"use_reentrant": True})
+    compiled.on()
+    try:
+        logits, grads = loss_and_grads(model, batch)
+    finally:
+        compiled.off()
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+    real = batch["attention_mask"].bool()
+    torch.testing.assert_close(logits[real], eager_logits[real], atol=1e-5, rtol=1e-5)
+    assert grads.keys() == eager_grads.keys() and grads
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, eager_grads[name], atol=1e-5, rtol=1e-5, msg=name)
+    first_layer = next(name for name in grads if ".layers.0." in name)
+    assert grads[first_layer].abs().sum() > 0  # the inputs' grads reach the first layer
+    assert backend.runs == 2 * len(layers)
+    assert backend.traces == 2  # without autograd, and with it
+
+
 def test_eager_runs_the_class_forward_and_restores_the_compiled_one(tiny_policy) -> None:
     model, batch = tiny_policy
     layers = text_decoder_layers(model)

@@ -240,3 +240,33 @@ def test_compiled_runs_freeze_the_heap_after_their_first_step(train_set, tmp_pat
     frozen = [callback for callback in trainer.callback_handler.callbacks
               if isinstance(callback, FrozenHeapAfterFirstStep)]
     assert len(frozen) == int(compile_layers)
+
+
+@pytest.mark.parametrize("options", [{"use_reentrant": True}, {"use_reentrant": False}])
+def test_the_runs_checkpointing_options_hold_after_each_generation(train_set, tmp_path: Path,
+                                                                     monkeypatch, options) -> None:
+    """TRL turns checkpointing back on after generating with transformers' defaults, and its
+    scoring pass after that with the run's options: every checkpointed layer call of the
+    training micro-batches gets the run's options."""
+    from transformers import modeling_utils
+
+    calls: list[bool] = []
+    checkpoint = modeling_utils.checkpoint
+
+    def recording_checkpoint(function, *args, **kwargs):
+        calls.append(kwargs.get("use_reentrant"))
+        return checkpoint(function, *args, **kwargs)
+
+    monkeypatch.setattr(modeling_utils, "checkpoint", recording_checkpoint)
+    grpo = {"max_steps": 2, "per_device_train_batch_size": 4, "num_generations": 4,
+            "max_completion_length": 4, "seed": 3, "report_to": "none",
+            "gradient_checkpointing": True, "gradient_checkpointing_kwargs": dict(options)}
+    model, processor, _ = load_policy(PARAMS.model, PARAMS.train.lora, 3)
+    config = build_grpo_config(grpo, output_dir=tmp_path / "run", save_steps=100,
+                               reward_weights=[1.0], model_settings=PARAMS.model)
+    trainer = make_trainer(model.train(), processor, config, train_set, [answer_length],
+                           generation_rows=None, callbacks=[])
+    trainer.train()
+    layers = model.get_base_model().config.text_config.num_hidden_layers
+    assert len(calls) >= 2 * layers  # two steps, each after its own generation
+    assert set(calls) == {options["use_reentrant"]}
