@@ -198,8 +198,7 @@ class OldLogProbsWhereNeeded:
     steps are aligned: the ratio is then exactly 1, where TRL's two passes differed by rounding).
     So the generation-time pass is skipped, and once the batch is shuffled and split into
     micro-batches (TRL's `_buffered_inputs`, a checked private name, whose dicts get the key),
-    those used after the first update are scored, still before any update, one pass for each
-    optimizer step's micro-batches. Served where TRL's
+    those used after the first update are scored, still before any update. Served where TRL's
     own trainer is extended (`grpo_class`), KL-free (`beta` 0), with each generation trained on
     once and starting at an optimizer step, and without vLLM's importance sampling; otherwise TRL
     scores every row as it does."""
@@ -215,6 +214,11 @@ class OldLogProbsWhereNeeded:
         return (self.beta == 0.0 and self.num_iterations == 1 and generation > accumulation
                 and generation % accumulation == 0
                 and not (self.use_vllm and self.vllm_importance_sampling_correction))
+
+    def off_policy(self, index: int) -> bool:
+        """Whether micro-batch `index` of a generation is trained after an update of the policy
+        that generated it (where `old_logps_where_needed`)."""
+        return index >= self.args.gradient_accumulation_steps
 
     def _prepare_inputs(self, generation_batch: Any) -> dict[str, Any]:
         generate_every = self.args.steps_per_generation * self.num_iterations
@@ -232,22 +236,10 @@ class OldLogProbsWhereNeeded:
                     f"(OldLogProbsWhereNeeded); tested with trl {TESTED_VERSIONS['trl']}")
         finally:
             self.skip_old_logps = False
-        for step_batches in self.off_policy_steps():
-            rows = [batch["completion_ids"].shape[0] for batch in step_batches]
-            logps = self.old_logps(concatenated(step_batches, OLD_LOGPS_INPUTS))
-            for batch, part in zip(step_batches, logps.split(rows), strict=True):
-                batch["old_per_token_logps"] = part
+        for index, batch in enumerate(self._buffered_inputs):
+            if self.off_policy(index):
+                batch["old_per_token_logps"] = self.old_logps(batch)
         return inputs
-
-    def off_policy_steps(self) -> list[list[dict[str, Any]]]:
-        """The micro-batches of the generation trained after an update of the policy that
-        generated it (where `old_logps_where_needed`: those after the first optimizer step's),
-        grouped by the optimizer step that trains them: each group is scored in one pass (one pass's launches on the host for the
-        step's rows, where the training phases wait on the host)."""
-        accumulation = self.args.gradient_accumulation_steps
-        batches = self._buffered_inputs
-        return [batches[start:start + accumulation]
-                for start in range(accumulation, len(batches), accumulation)]
 
     def _get_per_token_logps_and_entropies(self, model: Any, *args: Any, **kwargs: Any) -> tuple:
         if self.skip_old_logps and model is self.model and not torch.is_grad_enabled():
@@ -256,7 +248,7 @@ class OldLogProbsWhereNeeded:
         return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
 
     def old_logps(self, batch: dict[str, Any]) -> torch.Tensor:
-        """The rows' per-token log-probabilities under the current policy, as TRL's loss
+        """The micro-batch's per-token log-probabilities under the current policy, as TRL's loss
         computes them (the same inputs), without gradients or checkpointing."""
         from trl.models.utils import disable_gradient_checkpointing
 
@@ -277,26 +269,6 @@ class OldLogProbsWhereNeeded:
 MULTIMODAL_INPUTS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask",
                      "spatial_shapes", "num_tiles", "image_sizes", "token_type_ids",
                      "mm_token_type_ids", "image_position_ids")
-OLD_LOGPS_INPUTS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask",
-                    *MULTIMODAL_INPUTS)
-
-
-def concatenated(batches: list[dict[str, Any]], keys: tuple[str, ...]) -> dict[str, Any]:
-    """`keys` of micro-batches of one generation batch as one batch, their rows in order: tensors
-    (ids padded to the generation batch's widths; an image field's rows, merged as TRL merges a
-    micro-batch's) and lists joined along the first dimension, anything else (a 0-d tensor, None)
-    taken from the first."""
-    joined: dict[str, Any] = {}
-    for key in keys:
-        values = [batch.get(key) for batch in batches]
-        first = values[0]
-        if isinstance(first, list):
-            joined[key] = [item for value in values for item in value]
-        elif isinstance(first, torch.Tensor) and first.ndim > 0:
-            joined[key] = torch.cat(values)
-        else:
-            joined[key] = first
-    return joined
 
 
 class DataParallelRun:
