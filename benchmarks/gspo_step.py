@@ -1060,6 +1060,8 @@ def roofline_table(results: dict[str, Any]) -> str:
             f"{ratio(run, REFERENCE)} | {ratio(run, TODAY)} |")
     lines += phase_table(runs)
     lines += training_kernel_table(runs)
+    lines += training_busy_table(runs)
+    lines += training_host_table(runs)
     failed = sorted((key, run["error"]) for key, run in results["runs"].items()
                     if run.get("error"))
     if failed:
@@ -1147,6 +1149,49 @@ def training_kernel_table(runs: list[dict[str, Any]]) -> list[str]:
             name = kernel["kernel"].replace("|", "/")
             lines.append(f"| {model_name(run)} | `{run['config']}` | `{name}` | "
                          f"{kernel['calls_per_step']:.0f} | {kernel['ms_per_step']:.1f} |")
+    return lines
+
+
+def training_busy_table(runs: list[dict[str, Any]]) -> list[str]:
+    """Each profiled micro-batch's wall seconds against the GPU's busy seconds
+    (`training_busy`); runs without it are left out."""
+    profiled = [r for r in runs if r.get("training_busy")]
+    if not profiled:
+        return []
+    lines = ["", ("The profiled training step's micro-batches (`--profile-training`, "
+                  "`training_busy`): wall seconds, the device synchronised at both ends and the "
+                  "profiler on, against the GPU's busy seconds (the union of its kernels' "
+                  "intervals); the rest of the wall time the GPU waited on the host:"), "",
+             "| model | configuration | micro-batch | wall s | GPU busy s | busy share | kernels |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for run in profiled:
+        for index, busy in enumerate(run["training_busy"], 1):
+            lines.append(f"| {model_name(run)} | `{run['config']}` | {index} | "
+                         f"{busy['wall_s']:.3f} | {busy['gpu_busy_s']:.3f} | "
+                         f"{busy['gpu_busy_s'] / busy['wall_s']:.0%} | {busy['kernels']} |")
+    return lines
+
+
+TRAINING_HOST_SHOWN = 12
+
+
+def training_host_table(runs: list[dict[str, Any]]) -> list[str]:
+    """The functions of most own seconds in each run's cProfiled training step
+    (`--profile-training-host`); runs without it are left out."""
+    profiled = [r for r in runs if r.get("training_host_profile")]
+    if not profiled:
+        return []
+    lines = ["", (f"The {TRAINING_HOST_SHOWN} functions of most own seconds on the host in "
+                  "the cProfiled optimizer step (`--profile-training-host`, "
+                  "`training_host_profile`: its micro-batches and its input work, the "
+                  "generation left out; the profiler's cost included):"), "",
+             "| model | configuration | function | calls | own s | cumulative s |",
+             "| --- | --- | --- | ---: | ---: | ---: |"]
+    for run in profiled:
+        for row in run["training_host_profile"]["by_own"][:TRAINING_HOST_SHOWN]:
+            name = row["function"].replace("|", "/")
+            lines.append(f"| {model_name(run)} | `{run['config']}` | `{name}` | {row['calls']} | "
+                         f"{row['own_s']:.3f} | {row['cumulative_s']:.3f} |")
     return lines
 
 

@@ -96,6 +96,29 @@ def test_training_kernel_table_shows_each_profiled_runs_largest_kernels(bench) -
     assert bench.training_kernel_table([{"config": "x", "completion_length": 1}]) == []
 
 
+def test_training_busy_table_shows_each_micro_batchs_busy_share(bench) -> None:
+    run = {"config": "gpu_profile_graph", "completion_length": 1024,
+           "training_busy": [{"wall_s": 0.8, "gpu_busy_s": 0.2, "kernels": 900},
+                             {"wall_s": 0.5, "gpu_busy_s": 0.4, "kernels": 950}]}
+    lines = bench.training_busy_table([run, {"config": "x", "completion_length": 1}])
+    rows = [line for line in lines if line.startswith("| qwen3")]
+    assert rows == ["| qwen3-vl-2b-shape | `gpu_profile_graph` | 1 | 0.800 | 0.200 | 25% | 900 |",
+                    "| qwen3-vl-2b-shape | `gpu_profile_graph` | 2 | 0.500 | 0.400 | 80% | 950 |"]
+    assert bench.training_busy_table([{"config": "x", "completion_length": 1}]) == []
+
+
+def test_training_host_table_shows_the_functions_of_most_own_time(bench) -> None:
+    functions = [{"function": f"f.py:{i}(f{i})", "calls": i, "own_s": 1.0 / i,
+                  "cumulative_s": 2.0 / i} for i in range(1, 20)]
+    run = {"config": "gpu_profile_graph", "completion_length": 1024,
+           "training_host_profile": {"step": 4, "micro_batches": 2, "wall_s": 3.0,
+                                     "by_own": functions, "by_cumulative": functions}}
+    rows = [line for line in bench.training_host_table([run]) if line.startswith("| qwen3")]
+    assert len(rows) == bench.TRAINING_HOST_SHOWN
+    assert rows[1] == "| qwen3-vl-2b-shape | `gpu_profile_graph` | `f.py:2(f2)` | 2 | 0.500 | 1.000 |"
+    assert bench.training_host_table([{"config": "x", "completion_length": 1}]) == []
+
+
 def test_time_phases_records_each_call_with_its_step(bench) -> None:
     from types import SimpleNamespace
 
