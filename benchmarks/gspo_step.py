@@ -504,11 +504,12 @@ def phase_means(calls: dict[str, list[tuple[int, float]]], warmup: int, timed_st
             for phase, found in calls.items()} if timed_steps else {}
 
 
-def profile_training(trainer, step: int, top: int = 25) -> list[dict]:
+def profile_training(trainer, step: int, top: int = 25) -> tuple[list[dict], list[dict]]:
     """Wraps the trainer's `training_step` so that the micro-batches of optimizer step `step` run
-    under torch.profiler; returns the list it fills with that step's `top` kernels by total
-    device time (CPU operators by their own time where there is no GPU): where a training
-    step's time goes, which the phase timers cannot say."""
+    under torch.profiler; returns the lists it fills: that step's `top` kernels by total device
+    time (CPU operators by their own time where there is no GPU), and each micro-batch's
+    `micro_batch_busy` (empty without a GPU): where a training step's time goes, which the phase
+    timers cannot say."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
