@@ -516,12 +516,9 @@ def profile_training(trainer, step: int, top: int = 25) -> tuple[list[dict], lis
     cuda = torch.cuda.is_available()
     totals: dict[str, list[float]] = {}
     kernels: list[dict] = []
-    original = trainer.training_step
+    busy: list[dict] = []
 
-    def training_step(*args, **kwargs):
-        if trainer.state.global_step != step:
-            return original(*args, **kwargs)
-        _sync()
+    def profiled(original, *args, **kwargs):
         started = time.perf_counter()
         with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
             result = original(*args, **kwargs)
@@ -538,9 +535,23 @@ def profile_training(trainer, step: int, top: int = 25) -> tuple[list[dict], lis
                        "calls_per_step": int(count)} for key, (spent, count) in ranked]
         return result
 
-    busy: list[dict] = []
-    trainer.training_step = training_step
+    run_step_micro_batches(trainer, step, profiled)
     return kernels, busy
+
+
+def run_step_micro_batches(trainer, step: int, run) -> None:
+    """Wraps `trainer.training_step`: the micro-batches of optimizer step `step` go through
+    `run(original, *args, **kwargs)`, the device synchronised first; the others run as they
+    are."""
+    original = trainer.training_step
+
+    def training_step(*args, **kwargs):
+        if trainer.state.global_step != step:
+            return original(*args, **kwargs)
+        _sync()
+        return run(original, *args, **kwargs)
+
+    trainer.training_step = training_step
 
 
 def micro_batch_busy(prof, wall_seconds: float) -> dict:
@@ -573,30 +584,25 @@ class TrainingHostProfile:
     and by cumulative seconds."""
 
     def __init__(self, trainer, step: int, top: int = 40) -> None:
-        import cProfile
-
         self.profiler, self.wall_s, self.active = None, 0.0, False
         self.calls, self.top = 0, top
-        original = trainer.training_step
+        run_step_micro_batches(trainer, step, self.profiled)
 
-        def training_step(*args, **kwargs):
-            if trainer.state.global_step != step:
-                return original(*args, **kwargs)
+    def profiled(self, original, *args, **kwargs):
+        import cProfile
+
+        started = time.perf_counter()
+        self.profiler = self.profiler or cProfile.Profile()
+        self.profiler.enable()
+        self.active = True
+        try:
+            return original(*args, **kwargs)
+        finally:
             _sync()
-            started = time.perf_counter()
-            self.profiler = self.profiler or cProfile.Profile()
-            self.profiler.enable()
-            self.active = True
-            try:
-                return original(*args, **kwargs)
-            finally:
-                _sync()
-                self.profiler.disable()
-                self.active = False
-                self.wall_s += time.perf_counter() - started
-                self.calls += 1
-
-        trainer.training_step = training_step
+            self.profiler.disable()
+            self.active = False
+            self.wall_s += time.perf_counter() - started
+            self.calls += 1
 
     @contextlib.contextmanager
     def paused(self):
