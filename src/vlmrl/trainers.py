@@ -4,7 +4,8 @@ assigned onto TRL's objects from outside):
 - the non-finite guard (vlmrl.nonfinite) and, where TRL's Triton log-prob kernel cannot run,
   the plain-torch one (vlmrl.logprob_fallback);
 - GRPO only: generation in chunks of rows and compiled decoding (vlmrl.chunked_generation), the
-  text decoder layers compiled outside generation (vlmrl.compiled_layers), old
+  text decoder layers compiled outside generation (vlmrl.compiled_layers), a generation
+  batch's pixel values kept in the vision tower's dtype (vlmrl.models.pixel_values), old
   log-probabilities only for the micro-batches trained off-policy, the rows each
   process trained on, every rank's RNG state written by rank 0, an optimizer state resumed on
   CPU processes, a finished run restored from its checkpoint, and TRL's sample completions table
@@ -40,6 +41,7 @@ from vlmrl.data_parallel import load_optimizer_state_on_cpu, write_gathered_file
 from vlmrl.logprob_fallback import TorchChunkedLogProb, kernel_cannot_run
 from vlmrl.models.backend import avoid_cudnn_attention
 from vlmrl.models.image_features import kept_image_features, vision_tower_path
+from vlmrl.models.pixel_values import pixels_in, tower_dtype
 from vlmrl.nonfinite import NonFiniteGuard
 from vlmrl.private_names import (
     GRPO_NAMES,
@@ -186,6 +188,16 @@ class KeptImagesInTraining:
                 self.images_encoded = {"encoded": tower.encoded, "asked": tower.asked}
                 print(f"image features: the vision tower encoded {tower.encoded} of the "
                       f"{tower.asked} images its calls brought (train.keep_image_features)")
+
+
+class PixelValuesInTowerDtype:
+    """A generation batch's pixel values kept in the dtype the policy casts them to before its
+    vision tower (vlmrl.models.pixel_values): the same logits, in half the memory on a bfloat16
+    policy, through the micro-batches that train on them."""
+
+    def _generate_and_score_completions(self, inputs):
+        return pixels_in(super()._generate_and_score_completions(inputs),
+                         tower_dtype(self.model))
 
 
 class OldLogProbsWhereNeeded:
@@ -376,6 +388,7 @@ def grpo_class() -> type:
     trls_own = base.__module__.startswith("trl.")
     return _subclass(base, GRPO_NAMES + (OLD_LOGPS_NAMES if trls_own else ()),
                      (ChunkedGeneration, CompiledTrainingLayers, KeptImagesInTraining,
+                      PixelValuesInTowerDtype,
                       *((OldLogProbsWhereNeeded,) if trls_own else ()),
                       DataParallelRun, RestorableRun, CompletionsTableToFile),
                      (TrainerLogToStdout,))
