@@ -80,6 +80,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import logging
 import math
@@ -215,12 +216,18 @@ RECIPE_VARIANTS = {
     # reentrant gradient checkpointing (train.grpo.gradient_checkpointing_kwargs): a layer's
     # first forward without autograd, no saved-tensor hooks on the host
     "reentrant": {"gradient_checkpointing_kwargs": {"use_reentrant": True}},
+    # the compiled layers' NF4 projections through vlmrl.models.nf4_linear
+    # (`compiled_layers.NF4_LINEARS`), with reentrant checkpointing and without
+    "nf4_linears": {"nf4_linears": True},
+    "reentrant_nf4_linears": {"gradient_checkpointing_kwargs": {"use_reentrant": True},
+                              "nf4_linears": True},
 }
 for _name in ("gpu_profile_graph_fp8_rolled_compiled", "gpu_profile_graph_fp8_mb4_rolled_compiled"):
     for _suffix, _change in RECIPE_VARIANTS.items():
         CONFIGS[f"{_name}_{_suffix}"] = {**CONFIGS[_name], **_change}
-# The configurations' knobs that set a `graph_decode` default in the worker.
-DECODE_DEFAULTS = {"decode_pdl": "DECODE_PDL"}
+# The configurations' knobs that set a library module's default in the worker.
+MODULE_DEFAULTS = {"decode_pdl": ("vlmrl.rollout.graph_decode", "DECODE_PDL"),
+                   "nf4_linears": ("vlmrl.compiled_layers", "NF4_LINEARS")}
 RECIPE_8B_PROFILE = "gpu_profile_graph_fp8_mb4_rolled_compiled_images"  # recipes/mathvista-qwen3-vl-8b.yaml's
 # The float8 profile as it stood before issue 41 (the NF4 kernel's tree decode and float32
 # block scales, old log-probs for every row): the same knobs run on the library exported from
@@ -787,11 +794,9 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
         from vlmrl.rollout import nf4_decode
 
         nf4_decode.TILES = nf4_decode.Tiles(**knobs["decode_tiles"])
-    from vlmrl.rollout import graph_decode
-
-    for knob, default in DECODE_DEFAULTS.items():
+    for knob, (module, default) in MODULE_DEFAULTS.items():
         if knob in knobs:
-            setattr(graph_decode, default, knobs[knob])
+            setattr(importlib.import_module(module), default, knobs[knob])
     trainer = make_trainer(model, processor, config, dataset, reward_funcs,
                            generation_rows=knobs.get("max_generation_rows"), callbacks=[Timer()],
                            graph_decoding=knobs.get("graph", "eager"),

@@ -87,3 +87,17 @@ def test_pdl_runs_the_recipe_with_pdl_decode_steps(gspo_step, name: str) -> None
     assert {key: value for key, value in pdl.items() if key != "decode_pdl"} == \
         gspo_step.CONFIGS[name]
     assert pdl["decode_pdl"] is True
+
+
+def test_module_defaults_name_the_librarys_switches(gspo_step) -> None:
+    """Each knob the worker turns into a module default names a module and a default that
+    exist (a renamed switch fails here, not silently on the device)."""
+    import importlib
+
+    for module, default in gspo_step.MODULE_DEFAULTS.values():
+        assert isinstance(getattr(importlib.import_module(module), default), bool)
+    for suffix in ("nf4_linears", "reentrant_nf4_linears"):
+        knobs = gspo_step.CONFIGS[f"gpu_profile_graph_fp8_rolled_compiled_{suffix}"]
+        assert knobs["nf4_linears"] is True and set(knobs) <= {
+            *gspo_step.CONFIGS["gpu_profile_graph_fp8_rolled_compiled"], "nf4_linears",
+            "gradient_checkpointing_kwargs"}

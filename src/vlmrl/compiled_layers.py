@@ -16,6 +16,7 @@ dynamic from the first call, since each generation batch brings its own prompt l
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 from collections.abc import Iterable, Iterator
 
@@ -23,6 +24,7 @@ import torch
 from transformers import TrainerCallback
 
 from vlmrl.errors import ParamsError
+from vlmrl.models.nf4_linear import is_nf4_linear, nf4_linear
 
 
 def text_decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -37,14 +39,27 @@ def text_decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers)
 
 
+# Whether the compiled layers' bitsandbytes NF4 projections multiply through
+# `vlmrl.models.nf4_linear` (torch operations the layer's graph fuses) instead of bitsandbytes'
+# operator: off until the device has timed it (tests/gpu/README.md, "Next on the device").
+NF4_LINEARS = False
+
+
 class CompiledLayers:
     """Each of `layers` runs its forward through `torch.compile` (with `backend`) between `on()`
-    and `off()`, except inside `eager()`."""
+    and `off()`, except inside `eager()`; with `nf4_linears`, so do their bitsandbytes NF4
+    projections through `nf4_linear` (each its own `forward` on the instance, as the layers)."""
 
-    def __init__(self, layers: Iterable[torch.nn.Module], *, backend: str = "inductor") -> None:
+    def __init__(self, layers: Iterable[torch.nn.Module], *, backend: str = "inductor",
+                 nf4_linears: bool | None = None) -> None:
         self.layers = tuple(layers)
         self.compiled = tuple(torch.compile(type(layer).forward.__get__(layer), dynamic=True,
                                             backend=backend) for layer in self.layers)
+        serve = NF4_LINEARS if nf4_linears is None else nf4_linears
+        self.linears = tuple(module for layer in self.layers for module in layer.modules()
+                             if serve and is_nf4_linear(module))
+        self.linear_forwards = tuple(functools.partial(nf4_linear, module)
+                                     for module in self.linears)
 
     def on(self) -> None:
         for layer, forward in zip(self.layers, self.compiled, strict=True):
@@ -54,11 +69,12 @@ class CompiledLayers:
                                   "already has a forward of its own on the instance (another "
                                   "trainer's compiled layers, or a hook): set "
                                   "train.compile_layers: false for this model")
-        for layer, forward in zip(self.layers, self.compiled, strict=True):
+        for layer, forward in zip(self.layers + self.linears,
+                                  self.compiled + self.linear_forwards, strict=True):
             layer.forward = forward
 
     def off(self) -> None:
-        for layer in self.layers:
+        for layer in self.layers + self.linears:
             vars(layer).pop("forward", None)
 
     @property

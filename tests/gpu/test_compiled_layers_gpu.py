@@ -3,7 +3,8 @@ adapter and gradient checkpointing, as train_gspo trains it but computing in flo
 text decoder layers compiled by inductor, the loss and every adapter gradient equal eager's
 within float32 rounding (in bf16 the rounding of 28 layers' backward moves single gradients by
 several percent either way, too much to tell a wrong layer from noise), and a batch of another
-length runs without error."""
+length runs without error; the same with the NF4 projections multiplied through
+`vlmrl.models.nf4_linear`, and that product against bitsandbytes' Linear4bit itself in bf16."""
 
 from __future__ import annotations
 
@@ -35,7 +36,10 @@ def loss_and_grads(model, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Te
                            for name, param in model.named_parameters() if param.requires_grad}
 
 
-def test_compiled_layers_train_within_float32_rounding_of_eager_ones(monkeypatch):
+@pytest.mark.parametrize("nf4_linears", [False, True], ids=["bitsandbytes", "nf4-linears"])
+def test_compiled_layers_train_within_float32_rounding_of_eager_ones(monkeypatch, nf4_linears):
+    """With `nf4_linears` the NF4 projections multiply through `vlmrl.models.nf4_linear` inside
+    the compiled layers, against bitsandbytes' own eager ones."""
     from vlmrl.compiled_layers import CompiledLayers, text_decoder_layers
 
     model, processor = load(four_bit=True, dtype=torch.float32)
@@ -44,7 +48,8 @@ def test_compiled_layers_train_within_float32_rounding_of_eager_ones(monkeypatch
     model.enable_input_require_grads()
     batch = completed(inputs(processor), 96)
     eager_loss, eager_grads = loss_and_grads(model, batch)
-    compiled = CompiledLayers(text_decoder_layers(model))
+    compiled = CompiledLayers(text_decoder_layers(model), nf4_linears=nf4_linears)
+    assert len(compiled.linears) == (7 * len(compiled.layers) if nf4_linears else 0)
     compiled.on()
     monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)  # never eager unseen
     torch._dynamo.utils.counters.clear()
@@ -64,3 +69,32 @@ def test_compiled_layers_train_within_float32_rounding_of_eager_ones(monkeypatch
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return torch.nn.functional.cosine_similarity(a, b, dim=0).item()
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_nf4_linear_is_bitsandbytes_product_in_bf16(nested: bool) -> None:
+    """Against bitsandbytes' Linear4bit at a training forward's row count (its Python
+    fallback): the same bits without nested scales; with them, bitsandbytes adds the offset in
+    a launch of its own, where a fused kernel may round the scale's multiply-add once."""
+    import bitsandbytes as bnb
+
+    from vlmrl.models.nf4_linear import nf4_linear
+
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(1024, 768, bias=True, dtype=torch.bfloat16)
+    layer = bnb.nn.Linear4bit(1024, 768, bias=True, compute_dtype=torch.bfloat16,
+                              compress_statistics=nested, quant_type="nf4")
+    layer.load_state_dict(dense.state_dict())
+    layer = layer.cuda()
+    x = torch.randn(4, 700, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    ours_x = x.detach().clone().requires_grad_(True)
+    theirs, ours = layer(x), nf4_linear(layer, ours_x)
+    grad = torch.randn_like(theirs)
+    theirs.backward(grad)
+    ours.backward(grad)
+    tolerance = {"rtol": 0, "atol": 0} if not nested else {"rtol": 1e-2, "atol": 1e-2}
+    torch.testing.assert_close(ours, theirs, **tolerance)
+    torch.testing.assert_close(ours_x.grad, x.grad, **tolerance)
+    compiled = torch.compile(lambda inputs: nf4_linear(layer, inputs), fullgraph=True)
+    torch.testing.assert_close(compiled(ours_x.detach()), theirs.detach(),
+                               rtol=1e-2, atol=1e-2)
