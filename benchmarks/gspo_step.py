@@ -216,7 +216,7 @@ RECIPE_VARIANTS = {
     # reentrant gradient checkpointing (train.grpo.gradient_checkpointing_kwargs): a layer's
     # first forward without autograd, no saved-tensor hooks on the host
     "reentrant": {"gradient_checkpointing_kwargs": {"use_reentrant": True}},
-    # the compiled layers' NF4 projections through vlmrl.models.nf4_linear
+    # the compiled layers' NF4 projections through vlmrl.nf4_linear
     # (`compiled_layers.NF4_LINEARS`), with reentrant checkpointing and without
     "nf4_linears": {"nf4_linears": True},
     "reentrant_nf4_linears": {"gradient_checkpointing_kwargs": {"use_reentrant": True},

@@ -27,7 +27,7 @@ FLOORS: dict[str, tuple[str, ...]] = {
                "vlmrl.launch", "vlmrl.data_parallel", "vlmrl.gguf_release", "vlmrl.export_checks",
                "vlmrl.portable", "vlmrl.metric_files"),
     "models": ("vlmrl.models", "vlmrl.rollout", "vlmrl.training_attention", "vlmrl.compiled_layers", "vlmrl.nonfinite",
-               "vlmrl.trainers", "vlmrl.trainer_config"),
+               "vlmrl.trainers", "vlmrl.trainer_config", "vlmrl.nf4_linear", "vlmrl.pixel_values"),
     "stages": ("vlmrl.evaluation", "vlmrl.training", "vlmrl.verify", "vlmrl.export",
                "vlmrl.sft"),
     "apps": ("vlmrl.cli", "vlmrl.ui", "vlmrl.publish", "vlmrl.orchestration", "vlmrl.recipes",

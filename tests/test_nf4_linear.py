@@ -1,4 +1,4 @@
-"""`vlmrl.models.nf4_linear` on a stand-in for bitsandbytes' Linear4bit (its packed codes and
+"""`vlmrl.nf4_linear` on a stand-in for bitsandbytes' Linear4bit (its packed codes and
 quant state, made up; bitsandbytes itself is GPU-only here and compared on the device by
 tests/gpu/test_nf4_linear_gpu.py): the dense weight is the codes times their block scales, the
 product and its input gradient are a dense Linear's, it traces into one graph, keeps no dense
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from vlmrl.compiled_layers import CompiledLayers
-from vlmrl.models.nf4_linear import is_nf4_linear, nf4_linear, nf4_weight
+from vlmrl.nf4_linear import is_nf4_linear, nf4_linear, nf4_weight
 from vlmrl.rollout.nf4_codes import NF4_CODES
 
 

@@ -1,4 +1,4 @@
-"""`vlmrl.models.pixel_values` on the tiny Qwen3-VL: the model casts pixel values to its vision
+"""`vlmrl.pixel_values` on the tiny Qwen3-VL: the model casts pixel values to its vision
 tower's dtype first, so a bfloat16 policy gives the same logits from pixel values kept in
 bfloat16 as from the processor's float32; the GRPO subclass keeps a generation batch's that way,
 and leaves other models' and other fields alone."""
@@ -14,8 +14,8 @@ from tiny_batches import padded_vl_batch
 from transformers import AutoModelForImageTextToText
 
 from vlmrl.models.embedded import ensure_embedded_model
-from vlmrl.models.pixel_values import pixels_in, tower_dtype
 from vlmrl.models.processor import load_processor
+from vlmrl.pixel_values import pixels_in, tower_dtype
 from vlmrl.trainers import PixelValuesInTowerDtype
 
 

@@ -24,7 +24,7 @@ import torch
 from transformers import TrainerCallback
 
 from vlmrl.errors import ParamsError
-from vlmrl.models.nf4_linear import is_nf4_linear, nf4_linear
+from vlmrl.nf4_linear import is_nf4_linear, nf4_linear
 
 
 def text_decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -40,7 +40,7 @@ def text_decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 # Whether the compiled layers' bitsandbytes NF4 projections multiply through
-# `vlmrl.models.nf4_linear` (torch operations the layer's graph fuses) instead of bitsandbytes'
+# `vlmrl.nf4_linear` (torch operations the layer's graph fuses) instead of bitsandbytes'
 # operator: off until the device has timed it (tests/gpu/README.md, "Next on the device").
 NF4_LINEARS = False
 

@@ -5,7 +5,7 @@ assigned onto TRL's objects from outside):
   the plain-torch one (vlmrl.logprob_fallback);
 - GRPO only: generation in chunks of rows and compiled decoding (vlmrl.chunked_generation), the
   text decoder layers compiled outside generation (vlmrl.compiled_layers), a generation
-  batch's pixel values kept in the vision tower's dtype (vlmrl.models.pixel_values), old
+  batch's pixel values kept in the vision tower's dtype (vlmrl.pixel_values), old
   log-probabilities only for the micro-batches trained off-policy, the rows each
   process trained on, every rank's RNG state written by rank 0, an optimizer state resumed on
   CPU processes, a finished run restored from its checkpoint, and TRL's sample completions table
@@ -41,8 +41,8 @@ from vlmrl.data_parallel import load_optimizer_state_on_cpu, write_gathered_file
 from vlmrl.logprob_fallback import TorchChunkedLogProb, kernel_cannot_run
 from vlmrl.models.backend import avoid_cudnn_attention
 from vlmrl.models.image_features import kept_image_features, vision_tower_path
-from vlmrl.models.pixel_values import pixels_in, tower_dtype
 from vlmrl.nonfinite import NonFiniteGuard
+from vlmrl.pixel_values import pixels_in, tower_dtype
 from vlmrl.private_names import (
     GRPO_NAMES,
     OLD_LOGPS_NAMES,
@@ -192,7 +192,7 @@ class KeptImagesInTraining:
 
 class PixelValuesInTowerDtype:
     """A generation batch's pixel values kept in the dtype the policy casts them to before its
-    vision tower (vlmrl.models.pixel_values): the same logits, in half the memory on a bfloat16
+    vision tower (vlmrl.pixel_values): the same logits, in half the memory on a bfloat16
     policy, through the micro-batches that train on them."""
 
     def _generate_and_score_completions(self, inputs):

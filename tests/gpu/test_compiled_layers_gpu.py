@@ -4,7 +4,7 @@ text decoder layers compiled by inductor, the loss and every adapter gradient eq
 within float32 rounding (in bf16 the rounding of 28 layers' backward moves single gradients by
 several percent either way, too much to tell a wrong layer from noise), and a batch of another
 length runs without error; the same with the NF4 projections multiplied through
-`vlmrl.models.nf4_linear`, and that product against bitsandbytes' Linear4bit itself in bf16."""
+`vlmrl.nf4_linear`, and that product against bitsandbytes' Linear4bit itself in bf16."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def loss_and_grads(model, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Te
 
 @pytest.mark.parametrize("nf4_linears", [False, True], ids=["bitsandbytes", "nf4-linears"])
 def test_compiled_layers_train_within_float32_rounding_of_eager_ones(monkeypatch, nf4_linears):
-    """With `nf4_linears` the NF4 projections multiply through `vlmrl.models.nf4_linear` inside
+    """With `nf4_linears` the NF4 projections multiply through `vlmrl.nf4_linear` inside
     the compiled layers, against bitsandbytes' own eager ones."""
     from vlmrl.compiled_layers import CompiledLayers, text_decoder_layers
 
@@ -78,7 +78,7 @@ def test_nf4_linear_is_bitsandbytes_product_in_bf16(nested: bool) -> None:
     a launch of its own, where a fused kernel may round the scale's multiply-add once."""
     import bitsandbytes as bnb
 
-    from vlmrl.models.nf4_linear import nf4_linear
+    from vlmrl.nf4_linear import nf4_linear
 
     torch.manual_seed(0)
     dense = torch.nn.Linear(1024, 768, bias=True, dtype=torch.bfloat16)
