@@ -143,3 +143,15 @@ def test_compiled_layers_serve_the_nf4_projections_only_when_asked(served: bool)
     finally:
         compiled.off()
     assert all("forward" not in vars(m) for m in layer.modules())
+
+
+def test_a_projection_with_a_forward_of_its_own_is_refused_by_the_param() -> None:
+    from vlmrl.errors import ParamsError
+
+    layer = ToyLayer()
+    layer.q_proj.forward = lambda x: x  # another wrapper's, set on the instance
+    compiled = CompiledLayers([layer], backend="eager", nf4_linears=True)
+    with pytest.raises(ParamsError, match=r"^params\.yaml train\.compile_layers: FakeLinear4bit "
+                                          r"already has a forward of its own"):
+        compiled.on()
+    assert "forward" not in vars(layer)

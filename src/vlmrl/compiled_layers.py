@@ -62,16 +62,17 @@ class CompiledLayers:
                                      for module in self.linears)
 
     def on(self) -> None:
-        for layer, forward in zip(self.layers, self.compiled, strict=True):
-            own = vars(layer).get("forward")
+        modules = tuple(zip(self.layers + self.linears, self.compiled + self.linear_forwards,
+                            strict=True))
+        for module, forward in modules:
+            own = vars(module).get("forward")
             if own is not None and own is not forward:
-                raise ParamsError(f"params.yaml train.compile_layers: {type(layer).__name__} "
+                raise ParamsError(f"params.yaml train.compile_layers: {type(module).__name__} "
                                   "already has a forward of its own on the instance (another "
                                   "trainer's compiled layers, or a hook): set "
                                   "train.compile_layers: false for this model")
-        for layer, forward in zip(self.layers + self.linears,
-                                  self.compiled + self.linear_forwards, strict=True):
-            layer.forward = forward
+        for module, forward in modules:
+            module.forward = forward
 
     def off(self) -> None:
         for layer in self.layers + self.linears:
