@@ -8,28 +8,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
 from PIL import Image
-from transformers import AutoModelForImageTextToText
+from tiny_batches import tiny_lora_policy
 
 from vlmrl.errors import ParamsError
-from vlmrl.models.embedded import ensure_embedded_model
 from vlmrl.models.image_features import (
     KeptImageFeatures,
     kept_image_features,
     plain_call,
     vision_tower_path,
 )
-from vlmrl.models.processor import load_processor
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    path = ensure_embedded_model("embedded:tiny-qwen3-vl", seed=0)
-    model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=torch.float32)
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
-                                             target_modules=["q_proj", "v_proj"]))
-    return model.train(), load_processor(str(path))
+    model, processor = tiny_lora_policy(torch.float32)
+    return model.train(), processor
 
 
 def image(index: int) -> Image.Image:

@@ -9,23 +9,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
-from tiny_batches import padded_vl_batch
-from transformers import AutoModelForImageTextToText
+from tiny_batches import padded_vl_batch, tiny_lora_policy
 
-from vlmrl.models.embedded import ensure_embedded_model
-from vlmrl.models.processor import load_processor
 from vlmrl.pixel_values import pixels_in, tower_dtype
 from vlmrl.trainers import PixelValuesInTowerDtype
 
 
 @pytest.fixture(scope="module")
 def tiny_bf16():
-    path = ensure_embedded_model("embedded:tiny-qwen3-vl", seed=0)
-    model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=torch.bfloat16)
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
-                                             target_modules=["q_proj", "v_proj"]))
-    return model.eval(), load_processor(str(path))
+    model, processor = tiny_lora_policy(torch.bfloat16)
+    return model.eval(), processor
 
 
 def test_bfloat16_pixel_values_give_the_float32_ones_logits(tiny_bf16) -> None:

@@ -1,5 +1,6 @@
 """A GRPO-shaped batch for the tiny Qwen3-VL: two left-padded prompts with images of different
-sizes, then completions whose second is right-padded."""
+sizes, then completions whose second is right-padded; and the tiny Qwen3-VL with a LoRA
+adapter, as the tests that train or score it load it."""
 
 from __future__ import annotations
 
@@ -32,3 +33,19 @@ def with_completions(batch: dict[str, torch.Tensor], completion: torch.Tensor,
         if key in batch:
             longer[key] = torch.cat([batch[key], torch.zeros_like(completion)], 1)
     return longer
+
+
+def tiny_lora_policy(dtype: torch.dtype, seed: int = 0):
+    """The tiny Qwen3-VL in `dtype` with a random LoRA adapter on q_proj and v_proj, and its
+    processor."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForImageTextToText
+
+    from vlmrl.models.embedded import ensure_embedded_model
+    from vlmrl.models.processor import load_processor
+
+    path = ensure_embedded_model("embedded:tiny-qwen3-vl", seed=seed)
+    model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=dtype)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                             target_modules=["q_proj", "v_proj"]))
+    return model, load_processor(str(path))
