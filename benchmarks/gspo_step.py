@@ -627,12 +627,7 @@ class TrainingHostProfile:
     def result(self) -> dict:
         if self.profiler is None:
             return {}
-        import pstats
-
-        stats = pstats.Stats(self.profiler).stats
-        rows = [{"function": f"{Path(file).name}:{line}({name})", "calls": calls,
-                 "cumulative_s": round(cumulative, 4), "own_s": round(own, 4)}
-                for (file, line, name), (_, calls, own, cumulative, _) in stats.items()]
+        rows = profiled_functions(self.profiler)
         by_own = sorted(rows, key=lambda row: -row["own_s"])[:self.top]
         by_cumulative = sorted(rows, key=lambda row: -row["cumulative_s"])[:self.top]
         return {"micro_batches": self.calls, "wall_s": round(self.wall_s, 3),
@@ -679,13 +674,19 @@ class HostProfile:
                 profiler.enable()
 
     def ranked(self, top: int) -> list[dict]:
-        import pstats
+        return sorted(profiled_functions(self.profiler),
+                      key=lambda row: -row["cumulative_s"])[:top]
 
-        stats = pstats.Stats(self.profiler).stats
-        rows = sorted(stats.items(), key=lambda item: -item[1][3])[:top]
-        return [{"function": f"{Path(file).name}:{line}({name})", "calls": calls,
-                 "cumulative_s": round(cumulative, 4), "own_s": round(own, 4)}
-                for (file, line, name), (_, calls, own, cumulative, _) in rows]
+
+def profiled_functions(profiler) -> list[dict]:
+    """Every function a cProfile profiler saw: file:line(name), calls, cumulative and own
+    seconds."""
+    import pstats
+
+    return [{"function": f"{Path(file).name}:{line}({name})", "calls": calls,
+             "cumulative_s": round(cumulative, 4), "own_s": round(own, 4)}
+            for (file, line, name), (_, calls, own, cumulative, _)
+            in pstats.Stats(profiler).stats.items()]
 
 
 def allocator_counts() -> dict[str, int]:
@@ -744,7 +745,8 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
                                         "seed": seed})
     grpo = dict(params.train.grpo)
     batch = {key: knobs[key] for key in REFERENCE_BATCH}
-    grpo.update(max_steps=warmup + steps + int(profile) + int(profile_training_host), **batch, num_generations=NUM_GENERATIONS, max_completion_length=length,
+    host_step = warmup + steps + int(profile)  # after the timed and the profiled steps
+    grpo.update(max_steps=host_step + int(profile_training_host), **batch, num_generations=NUM_GENERATIONS, max_completion_length=length,
                 gradient_checkpointing=True, top_p=0.8,  # as every row was measured
                 **({"gradient_checkpointing_kwargs": knobs["gradient_checkpointing_kwargs"]}
                    if "gradient_checkpointing_kwargs" in knobs else {}),
@@ -808,8 +810,7 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
     training_kernels, training_busy = (profile_training(trainer, warmup + steps) if profile
                                        else (None, None))
     host = HostProfile(trainer, warmup) if profile_host else None
-    training_host = (TrainingHostProfile(trainer, warmup + steps + int(profile))
-                     if profile_training_host else None)
+    training_host = TrainingHostProfile(trainer, host_step) if profile_training_host else None
     peaks = MemoryPeaks()
     wrapped = hasattr(trainer, "_generate_single_turn")
     if wrapped:
@@ -895,8 +896,8 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
         **({"profiled_step": warmup + steps, "training_kernels": training_kernels,
             "training_busy": training_busy} if profile else {}),
         **({"host_profile": host.functions} if host else {}),
-        **({"training_host_profile": {"step": warmup + steps + int(profile),
-                                      **training_host.result()}} if training_host else {}),
+        **({"training_host_profile": {"step": host_step, **training_host.result()}}
+           if training_host else {}),
         "settings": {**knobs, "num_generations": NUM_GENERATIONS, "lora": LORA,
                      "cache_implementation": config.cache_implementation,
                      "generation_kwargs": {k: v for k, v in config.generation_kwargs.items()

@@ -57,7 +57,7 @@ class CompiledLayers:
                                             backend=backend) for layer in self.layers)
         serve = NF4_LINEARS if nf4_linears is None else nf4_linears
         self.linears = tuple(module for layer in self.layers for module in layer.modules()
-                             if serve and is_nf4_linear(module))
+                             if is_nf4_linear(module)) if serve else ()
         self.linear_forwards = tuple(functools.partial(nf4_linear, module)
                                      for module in self.linears)
 
