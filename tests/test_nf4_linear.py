@@ -155,3 +155,26 @@ def test_a_projection_with_a_forward_of_its_own_is_refused_by_the_param() -> Non
                                           r"already has a forward of its own"):
         compiled.on()
     assert "forward" not in vars(layer)
+
+
+def test_layers_serving_nf4_projections_share_one_trace() -> None:
+    """Each projection's forward is one function bound to its module, so dynamo's guards hold
+    for every layer; a per-module callable (a partial) made each layer recompile the class's
+    forward until dynamo's recompile limit left the rest eager, NF4 products included."""
+    from torch._dynamo.utils import counters
+
+    layers = [ToyLayer() for _ in range(12)]
+    compiled = CompiledLayers(layers, backend="aot_eager", nf4_linears=True)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled.on()
+    try:
+        for length in (3, 5):
+            hidden = torch.randn(length, 64, requires_grad=True)
+            for layer in layers:
+                hidden = layer(hidden)
+            hidden.sum().backward()
+    finally:
+        compiled.off()
+        torch._dynamo.reset()
+    assert counters["stats"]["unique_graphs"] == 1

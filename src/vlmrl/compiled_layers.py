@@ -16,8 +16,8 @@ dynamic from the first call, since each generation batch brings its own prompt l
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
+import types
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -58,7 +58,7 @@ class CompiledLayers:
         serve = NF4_LINEARS if nf4_linears is None else nf4_linears
         self.linears = tuple(module for layer in self.layers for module in layer.modules()
                              if is_nf4_linear(module)) if serve else ()
-        self.linear_forwards = tuple(functools.partial(nf4_linear, module)
+        self.linear_forwards = tuple(types.MethodType(nf4_linear, module)
                                      for module in self.linears)
 
     def on(self) -> None:
