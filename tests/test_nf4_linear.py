@@ -159,8 +159,8 @@ def test_a_projection_with_a_forward_of_its_own_is_refused_by_the_param() -> Non
 
 def test_layers_serving_nf4_projections_share_one_trace() -> None:
     """Each projection's forward is one function bound to its module, so dynamo's guards hold
-    for every layer; a per-module callable (a partial) made each layer recompile the class's
-    forward until dynamo's recompile limit left the rest eager, NF4 products included."""
+    for every layer: a callable made per module is guarded by identity, and each layer would
+    recompile the class's forward until dynamo's recompile limit left the rest eager."""
     from torch._dynamo.utils import counters
 
     layers = [ToyLayer() for _ in range(12)]

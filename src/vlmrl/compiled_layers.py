@@ -58,6 +58,8 @@ class CompiledLayers:
         serve = NF4_LINEARS if nf4_linears is None else nf4_linears
         self.linears = tuple(module for layer in self.layers for module in layer.modules()
                              if is_nf4_linear(module)) if serve else ()
+        # one function bound to each module: dynamo guards a callable made per module by
+        # identity, which would fail in every layer and recompile the layers' shared trace
         self.linear_forwards = tuple(types.MethodType(nf4_linear, module)
                                      for module in self.linears)
 
