@@ -217,7 +217,7 @@ RECIPE_VARIANTS = {
     # first forward without autograd, no saved-tensor hooks on the host
     "reentrant": {"gradient_checkpointing_kwargs": {"use_reentrant": True}},
     # the compiled layers' NF4 projections through vlmrl.nf4_linear
-    # (`compiled_layers.NF4_LINEARS`), with reentrant checkpointing and without
+    # (`train.nf4_linears`), with reentrant checkpointing and without
     "nf4_linears": {"nf4_linears": True},
     "reentrant_nf4_linears": {"gradient_checkpointing_kwargs": {"use_reentrant": True},
                               "nf4_linears": True},
@@ -226,8 +226,7 @@ for _name in ("gpu_profile_graph_fp8_rolled_compiled", "gpu_profile_graph_fp8_mb
     for _suffix, _change in RECIPE_VARIANTS.items():
         CONFIGS[f"{_name}_{_suffix}"] = {**CONFIGS[_name], **_change}
 # The configurations' knobs that set a library module's default in the worker.
-MODULE_DEFAULTS = {"decode_pdl": ("vlmrl.rollout.graph_decode", "DECODE_PDL"),
-                   "nf4_linears": ("vlmrl.compiled_layers", "NF4_LINEARS")}
+MODULE_DEFAULTS = {"decode_pdl": ("vlmrl.rollout.graph_decode", "DECODE_PDL")}
 RECIPE_8B_PROFILE = "gpu_profile_graph_fp8_mb4_rolled_compiled_images"  # recipes/mathvista-qwen3-vl-8b.yaml's
 # The float8 profile as it stood before issue 41 (the NF4 kernel's tree decode and float32
 # block scales, old log-probs for every row): the same knobs run on the library exported from
@@ -804,7 +803,7 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
                            graph_decoding=knobs.get("graph", "eager"),
                            kv_cache_dtype=knobs.get("kv_cache_dtype", "auto"),
                            **{key: knobs[key] for key in ("training_attention", "compile_layers",
-                                                          "keep_image_features")
+                                                          "nf4_linears", "keep_image_features")
                               if key in knobs})
     phase_seconds = time_phases(trainer)
     training_kernels, training_busy = (profile_training(trainer, warmup + steps) if profile

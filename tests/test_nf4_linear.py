@@ -178,3 +178,18 @@ def test_layers_serving_nf4_projections_share_one_trace() -> None:
         compiled.off()
         torch._dynamo.reset()
     assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_the_param_needs_compiled_layers_and_nf4_projections() -> None:
+    from vlmrl.errors import ParamsError
+    from vlmrl.training import make_trainer
+
+    with pytest.raises(ParamsError, match=r"^params\.yaml train\.nf4_linears: true needs "
+                                          r"train\.compile_layers: true"):
+        make_trainer(None, None, None, None, [], generation_rows=None, callbacks=[],
+                     nf4_linears=True)
+    dense = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    with pytest.raises(ParamsError, match=r"^params\.yaml train\.nf4_linears: true, but the text "
+                                          r"decoder layers have no bitsandbytes NF4 projections"):
+        CompiledLayers([dense], backend="eager", nf4_linears=True)
+    assert CompiledLayers([dense], backend="eager").linears == ()

@@ -332,6 +332,7 @@ def test_readme_gpu_profile_is_the_benchmarked_one_and_valid(gspo_step) -> None:
     assert overrides["train.compile_layers"] is profile["compile_layers"]
     assert (overrides.get("train.keep_image_features", False)
             is profile.get("keep_image_features", False))
+    assert overrides.get("train.nf4_linears", False) is profile.get("nf4_linears", False)
     assert overrides["train.grpo.cache_implementation"] == "static"
     # the profile's memory figures were measured with it; the tiny default turns it off
     assert overrides["train.grpo.gradient_checkpointing"] is True

@@ -29,6 +29,7 @@ MEMORY_ONLY = {  # the same updates, computed in more or fewer pieces or with re
     "train.graph_decoding": "the same decode step replayed as one CUDA graph (GPU only)",
     "train.training_attention": "the same attention, over rows rolled and causal without a mask",
     "train.compile_layers": "the same layers, compiled",
+    "train.nf4_linears": "the same NF4 products, inside the compiled layers",
     "train.grpo.gradient_checkpointing": "recomputes activations instead of keeping them",
     "train.grpo.gradient_checkpointing_kwargs": "how the recomputation runs",
     "train.grpo.torch_empty_cache_steps": "frees the CUDA cache between steps",

@@ -39,25 +39,23 @@ def text_decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers)
 
 
-# Whether the compiled layers' bitsandbytes NF4 projections multiply through
-# `vlmrl.nf4_linear` (torch operations the layer's graph fuses) instead of bitsandbytes'
-# operator: off until the device has timed it (tests/gpu/README.md, "Next on the device").
-NF4_LINEARS = False
-
-
 class CompiledLayers:
     """Each of `layers` runs its forward through `torch.compile` (with `backend`) between `on()`
-    and `off()`, except inside `eager()`; with `nf4_linears`, so do their bitsandbytes NF4
-    projections through `nf4_linear` (each its own `forward` on the instance, as the layers)."""
+    and `off()`, except inside `eager()`; with `nf4_linears` (`train.nf4_linears`), so do their
+    bitsandbytes NF4 projections through `nf4_linear` (each its own `forward` on the instance,
+    as the layers)."""
 
     def __init__(self, layers: Iterable[torch.nn.Module], *, backend: str = "inductor",
-                 nf4_linears: bool | None = None) -> None:
+                 nf4_linears: bool = False) -> None:
         self.layers = tuple(layers)
         self.compiled = tuple(torch.compile(type(layer).forward.__get__(layer), dynamic=True,
                                             backend=backend) for layer in self.layers)
-        serve = NF4_LINEARS if nf4_linears is None else nf4_linears
         self.linears = tuple(module for layer in self.layers for module in layer.modules()
-                             if is_nf4_linear(module)) if serve else ()
+                             if is_nf4_linear(module)) if nf4_linears else ()
+        if nf4_linears and not self.linears:
+            raise ParamsError("params.yaml train.nf4_linears: true, but the text decoder layers "
+                              "have no bitsandbytes NF4 projections (model.load_in_4bit: false?); "
+                              "set train.nf4_linears: false for this model")
         # one function bound to each module: dynamo guards a callable made per module by
         # identity, which would fail in every layer and recompile the layers' shared trace
         self.linear_forwards = tuple(types.MethodType(nf4_linear, module)

@@ -142,9 +142,11 @@ class CompiledTrainingLayers:
     forward and backward and in the log-probability passes (vlmrl.compiled_layers), and eager in
     generation, whose decode step is compiled, where it is, as a whole."""
 
-    def __init__(self, *args: Any, compile_layers: bool = False, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, compile_layers: bool = False, nf4_linears: bool = False,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.compiled_layers = (CompiledLayers(text_decoder_layers(self.model))
+        self.compiled_layers = (CompiledLayers(text_decoder_layers(self.model),
+                                               nf4_linears=nf4_linears)
                                 if compile_layers else None)
 
     def train(self, *args: Any, **kwargs: Any):
@@ -401,19 +403,20 @@ def sft_class() -> type:
 
 def grpo_trainer(*, max_nonfinite_steps: int, generation_rows: int | None = None,
                  compile_generation: bool = False, compile_layers: bool = False,
-                 keep_image_features: bool = False, completions_table: Path | None = None,
-                 **kwargs: Any):
+                 nf4_linears: bool = False, keep_image_features: bool = False,
+                 completions_table: Path | None = None, **kwargs: Any):
     """`trl.GRPOTrainer(**kwargs)` with the non-finite guard (`train.max_nonfinite_steps`),
     generation in chunks of `generation_rows` (`train.max_generation_rows`), compiled decoding
     where `compile_generation`, the text decoder layers compiled outside generation where
-    `compile_layers` (`train.compile_layers`), each image through the vision tower once a
+    `compile_layers` (`train.compile_layers`; their NF4 projections through vlmrl.nf4_linear
+    where `nf4_linears`), each image through the vision tower once a
     generation where `keep_image_features` (`train.keep_image_features`), and the sample
     completions table in `completions_table`."""
     avoid_cudnn_attention()
     return grpo_class()(max_nonfinite_steps=max_nonfinite_steps,
                         limit_key="train.max_nonfinite_steps", generation_rows=generation_rows,
                         compile_generation=compile_generation, compile_layers=compile_layers,
-                        keep_image_features=keep_image_features,
+                        nf4_linears=nf4_linears, keep_image_features=keep_image_features,
                         completions_table=completions_table, **kwargs)
 
 

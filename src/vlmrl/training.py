@@ -194,8 +194,9 @@ class TrainResult:
 def make_trainer(model, processor, config, dataset, reward_funcs, *,
                  generation_rows: int | None, callbacks: list, graph_decoding: str = "eager",
                  kv_cache_dtype: str = "auto", training_attention: str = "sdpa",
-                 compile_layers: bool = False, keep_image_features: bool = False,
-                 max_nonfinite_steps: int = 3, completions_table: Path | None = None):
+                 compile_layers: bool = False, nf4_linears: bool = False,
+                 keep_image_features: bool = False, max_nonfinite_steps: int = 3,
+                 completions_table: Path | None = None):
     """TRL's GRPOTrainer with the project's generation switches: the processor's suppressed
     tokens, compiled decoding when `generation_kwargs.disable_compile` is false (TRL itself
     always disables it), generation in chunks of `generation_rows`, on a GPU with
@@ -203,7 +204,8 @@ def make_trainer(model, processor, config, dataset, reward_funcs, *,
     of `kv_cache_dtype` (`vlmrl.rollout.decode_attention`), the training forward's attention over
     rolled rows where `training_attention` is "rolled" (`vlmrl.training_attention`), the text
     decoder layers compiled outside generation where `compile_layers`
-    (`vlmrl.compiled_layers`), each image through the vision tower once a generation where
+    (`vlmrl.compiled_layers`; their NF4 projections through `vlmrl.nf4_linear` where
+    `nf4_linears`), each image through the vision tower once a generation where
     `keep_image_features` (`vlmrl.models.image_features`), on a CPU
     top-k sampling among k tokens
     (`vlmrl.rollout.generation`; both need the policy loaded with `rollout_class`), and steps
@@ -214,6 +216,9 @@ def make_trainer(model, processor, config, dataset, reward_funcs, *,
     if kv_cache_dtype != "auto" and graph_decoding == "eager":
         raise ParamsError(f"params.yaml train.kv_cache_dtype: {kv_cache_dtype} needs "
                           "train.graph_decoding graph or merged (the cache it sets), not eager")
+    if nf4_linears and not compile_layers:
+        raise ParamsError("params.yaml train.nf4_linears: true needs train.compile_layers: true "
+                          "(the NF4 projections join the compiled layers' graphs)")
     generation_kwargs = dict(config.generation_kwargs or {})
     compile_generation = generation_kwargs.pop("disable_compile", True) is False
     config.generation_kwargs = {**suppressed_generation_kwargs(processor), **generation_kwargs}
@@ -221,7 +226,7 @@ def make_trainer(model, processor, config, dataset, reward_funcs, *,
                            train_dataset=dataset, processing_class=processor, callbacks=callbacks,
                            max_nonfinite_steps=max_nonfinite_steps, generation_rows=generation_rows,
                            compile_generation=compile_generation, compile_layers=compile_layers,
-                           keep_image_features=keep_image_features,
+                           nf4_linears=nf4_linears, keep_image_features=keep_image_features,
                            completions_table=completions_table)
     sample_top_k_on_cpu(trainer.model, top_k_settings(
         True, config.temperature, config.top_k, config.top_p, config.min_p,
@@ -321,6 +326,7 @@ def train(*, train_set: Path, params: Params, adapter_out: Path, checkpoints: Pa
                            kv_cache_dtype=train_params.kv_cache_dtype,
                            training_attention=train_params.training_attention,
                            compile_layers=train_params.compile_layers,
+                           nf4_linears=train_params.nf4_linears,
                            keep_image_features=train_params.keep_image_features,
                            max_nonfinite_steps=train_params.max_nonfinite_steps,
                            completions_table=live.samples if live is not None else None)

@@ -66,6 +66,9 @@ CONFIGS["transformers-4bit-graph-fp8-rolled-compiled"] = {
 # (vlmrl.models.image_features); named apart, so that `-k fp8-rolled-compiled` runs the recipes'
 CONFIGS["transformers-4bit-graph-fp8-kept-images"] = {
     **CONFIGS["transformers-4bit-graph-fp8-rolled-compiled"], "train.keep_image_features": True}
+# the same with the compiled layers' NF4 projections in their graphs (vlmrl.nf4_linear)
+CONFIGS["transformers-4bit-graph-fp8-nf4-linears"] = {
+    **CONFIGS["transformers-4bit-graph-fp8-rolled-compiled"], "train.nf4_linears": True}
 DOWNSTREAM_CONFIGS = [name for name in CONFIGS if "-graph" not in name]
 # The cold start is the shipped one (params.yaml sft.args: 40 steps, cosine decay from 2e-3) at
 # batch 8. Measured on an H100 (transformers bf16) with `tests/gpu/run_on_device.sh probe --sft
