@@ -297,7 +297,7 @@ class TrainParams(Section):
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"  # graph decoding's cache: vlmrl.rollout.decode_attention
     training_attention: Literal["sdpa", "rolled"] = "sdpa"  # vlmrl.training_attention
     compile_layers: Boolean = False  # text decoder layers compiled outside generation: vlmrl.compiled_layers
-    nf4_linears: Boolean = False  # their NF4 projections through vlmrl.nf4_linear
+    nf4_linears: Boolean = False  # the compiled layers' NF4 projections through vlmrl.nf4_linear
     keep_image_features: Boolean = False  # each image through the vision tower once a generation: vlmrl.models.image_features
     max_nonfinite_steps: PositiveInteger = 3  # skipped non-finite steps in a row that stop it
     lora: LoraParams
