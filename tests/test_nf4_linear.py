@@ -1,10 +1,10 @@
 """`vlmrl.nf4_linear` on a stand-in for bitsandbytes' Linear4bit (its packed codes and
 quant state, made up; bitsandbytes itself is GPU-only here and compared on the device by
-tests/gpu/test_nf4_linear_gpu.py): the dense weight is the codes times their block scales, the
-product and its input gradient are a dense Linear's, it traces into one graph, keeps no dense
-weight for the backward, and the compiled layers serve the NF4 projections only when asked and
-never an adapter's wrapper."""
-
+tests/gpu/test_compiled_layers_gpu.py): the dense weight is the codes times their block scales,
+the product and its input gradient are a dense Linear's, it traces into one graph, keeps no dense
+weight for the backward; the compiled layers serve the NF4 projections only when asked and never
+an adapter's wrapper, in one trace for every layer, and `train.nf4_linears` is refused where it
+cannot act."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from vlmrl.compiled_layers import CompiledLayers
+from vlmrl.errors import ParamsError
 from vlmrl.nf4_linear import is_nf4_linear, nf4_linear, nf4_weight
 from vlmrl.rollout.nf4_codes import NF4_CODES
 
@@ -146,8 +147,6 @@ def test_compiled_layers_serve_the_nf4_projections_only_when_asked(served: bool)
 
 
 def test_a_projection_with_a_forward_of_its_own_is_refused_by_the_param() -> None:
-    from vlmrl.errors import ParamsError
-
     layer = ToyLayer()
     layer.q_proj.forward = lambda x: x  # another wrapper's, set on the instance
     compiled = CompiledLayers([layer], backend="eager", nf4_linears=True)
@@ -181,7 +180,6 @@ def test_layers_serving_nf4_projections_share_one_trace() -> None:
 
 
 def test_the_param_needs_compiled_layers_and_nf4_projections() -> None:
-    from vlmrl.errors import ParamsError
     from vlmrl.training import make_trainer
 
     with pytest.raises(ParamsError, match=r"^params\.yaml train\.nf4_linears: true needs "
