@@ -221,17 +221,12 @@ RECIPE_VARIANTS = {
     "nf4_linears": {"nf4_linears": True},
     "reentrant_nf4_linears": {"gradient_checkpointing_kwargs": {"use_reentrant": True},
                               "nf4_linears": True},
-    # the NF4 decode kernel's K splits added by its second launch, as before compiled decode
-    # steps added them as tensor operations fused into the kernels after
-    # (`nf4_projections.GRAPH_SUMS`)
-    "launch_sums": {"decode_graph_sums": False},
 }
 for _name in ("gpu_profile_graph_fp8_rolled_compiled", "gpu_profile_graph_fp8_mb4_rolled_compiled"):
     for _suffix, _change in RECIPE_VARIANTS.items():
         CONFIGS[f"{_name}_{_suffix}"] = {**CONFIGS[_name], **_change}
 # The configurations' knobs that set a library module's default in the worker.
-MODULE_DEFAULTS = {"decode_pdl": ("vlmrl.rollout.graph_decode", "DECODE_PDL"),
-                   "decode_graph_sums": ("vlmrl.rollout.nf4_projections", "GRAPH_SUMS")}
+MODULE_DEFAULTS = {"decode_pdl": ("vlmrl.rollout.graph_decode", "DECODE_PDL")}
 RECIPE_8B_PROFILE = "gpu_profile_graph_fp8_mb4_rolled_compiled_images"  # recipes/mathvista-qwen3-vl-8b.yaml's
 # The float8 profile as it stood before issue 41 (the NF4 kernel's tree decode and float32
 # block scales, old log-probs for every row): the same knobs run on the library exported from

@@ -89,18 +89,6 @@ def test_pdl_runs_the_recipe_with_pdl_decode_steps(gspo_step, name: str) -> None
     assert pdl["decode_pdl"] is True
 
 
-@pytest.mark.parametrize("name", ["gpu_profile_graph_fp8_rolled_compiled",
-                                  "gpu_profile_graph_fp8_mb4_rolled_compiled"])
-def test_launch_sums_runs_the_recipe_with_the_nf4_kernels_second_launch(gspo_step,
-                                                                          name: str) -> None:
-    sums = gspo_step.CONFIGS[f"{name}_launch_sums"]
-    assert {key: value for key, value in sums.items() if key != "decode_graph_sums"} == \
-        gspo_step.CONFIGS[name]
-    assert sums["decode_graph_sums"] is False
-    assert gspo_step.MODULE_DEFAULTS["decode_graph_sums"] == ("vlmrl.rollout.nf4_projections",
-                                                              "GRAPH_SUMS")
-
-
 def test_module_defaults_name_the_librarys_switches(gspo_step) -> None:
     """Each knob the worker turns into a module default names a module and a default that
     exist (a renamed switch fails here, not silently on the device)."""

@@ -369,8 +369,7 @@ class Attention(torch.nn.Module):
 
 def grouped_model(monkeypatch, **attention):
     """q, k, v under PEFT LoRA layers; the kernel replaced by a fake that records the widths of
-    each call and returns each column's index (its first launch alone, as compiled steps call
-    it: K splits that add up to the index, on a pretend GPU of 4 SMs)."""
+    each call and returns each column's index."""
     from peft import LoraConfig, get_peft_model
 
     from vlmrl.rollout import nf4_decode
@@ -390,18 +389,7 @@ def grouped_model(monkeypatch, **attention):
         width = sum(w.out_features for w in weights)
         return (torch.arange(width) + 0 * x[..., :1]).to(torch.bfloat16)
 
-    def fake_partials(x, row_up, weights, loras=None, tiles=None):
-        calls.append(tuple(w.out_features for w in weights))
-        width = sum(w.out_features for w in weights)
-        splits = nf4_decode.k_splits(width, x.shape[-1], nf4_decode.TILES, 4)
-        parts = torch.ones(splits, x.numel() // x.shape[-1], width)
-        parts[0] = torch.arange(width) - (splits - 1)
-        return parts.to(nf4_decode.PARTIALS[nf4_decode.TILES.partials]), torch.zeros(
-            splits, parts.shape[1], len(weights) * nf4_decode.rank_tile(loras))
-
     monkeypatch.setattr(nf4_decode, "nf4_rows_matmul", fake_kernel)
-    monkeypatch.setattr(nf4_decode, "nf4_rows_partials", fake_partials)
-    monkeypatch.setattr(nf4_decode, "_sm_count", lambda device: 4)
     return model, NF4Decode(model, layers), calls
 
 
@@ -491,35 +479,3 @@ def test_groupable_asks_for_adjacent_codes_alike_adapters_and_whole_tiles():
     assert not groupable(weights, None, Tiles(block_n=64, sum_block_n=128))  # or a sum tile
     four = side_by_side(packed_group([64, 64, 64, 64], generator))
     assert not groupable(four, None, tiles)
-
-
-@pytest.mark.parametrize(("widths", "lora", "partials"), [
-    ((128, 64, 64), True, "bfloat16"), ((192, 192), True, "float32"), ((128,), False, "bfloat16")])
-@pytest.mark.filterwarnings("error::RuntimeWarning")
-def test_the_sums_as_tensor_operations_give_the_second_launchs_output(
-        interpreted_kernel, widths, lora, partials):
-    """What a compiled decode step computes (the first launch, then `sum_partials`, which
-    inductor fuses into the kernels after it) against both launches, over several K splits with
-    adapters: the same float32 sums, one bf16 rounding apart at most (the interpreter rounds the
-    second launch's bf16 by truncation, torch to the nearest; the GPU tests compare the compiled
-    step with the eager one on the device)."""
-    from vlmrl.rollout.nf4_ops import sum_partials
-
-    generator = torch.Generator().manual_seed(sum(widths))
-    tiles = Tiles(block_n=64, programs_per_sm=4, partials=partials)
-    weights = interpreted_kernel.side_by_side(
-        [random_nf4(width, 256, True, generator)[0] for width in widths])
-    x = torch.randn(5, 256, generator=generator).to(torch.bfloat16)
-    loras = [(torch.randn(16, 256, generator=generator) * 0.05,
-              torch.randn(width, 16, generator=generator) * 0.05, 0.5)
-             for width in widths] if lora else None
-    x16, row_up = interpreted_kernel.fp16_rows(x, tiles)
-    parts, xa_parts = interpreted_kernel.nf4_rows_partials(x16, row_up, weights, loras, tiles)
-    assert parts.shape[0] > 1  # the splits are what is being added
-    got = torch.cat(sum_partials(parts, xa_parts, [b for _, b, _ in loras or []], 0.5,
-                                 list(widths)), dim=-1)
-    expected = interpreted_kernel.nf4_rows_matmul(x16, row_up, weights, loras, tiles)
-    assert got.dtype == expected.dtype == torch.bfloat16
-    assert got.shape == expected.shape
-    ulp = 2.0 ** (torch.floor(torch.log2(expected.float().abs().clamp(min=2 ** -100))) - 7)
-    assert ((got.float() - expected.float()).abs() <= ulp).all()

@@ -28,9 +28,8 @@ undone in the kernel) are copied once in K-tile-major order, next to bitsandbyte
 program reads its columns' scales in one coalesced load. The adapter is read where it lives
 (`lora_A.weight`, `lora_B.weight`), so a CUDA graph captured over it sees every optimizer step; it
 is added in float32 before the one rounding (PEFT rounds it first). The operator
-`vlmrl::nf4_matmul` wraps it for torch.compile, and `vlmrl::nf4_partials` its first launch
-alone (`vlmrl.rollout.nf4_ops`); the kernels themselves are in `vlmrl.rollout.nf4_kernels`,
-imported where they run. Up to three projections of one input (q, k,
+`vlmrl::nf4_matmul` wraps it for torch.compile; the kernels themselves are in
+`vlmrl.rollout.nf4_kernels`, imported where they run. Up to three projections of one input (q, k,
 v; gate, up) go side by side through one launch of each kernel (`nf4_group_matmul`), each program
 picking its projection's weight, scales and adapter by its columns: one projection of a decode
 step is too small to fill the GPU, and each launch has fixed costs; which layers are grouped is
@@ -324,6 +323,9 @@ def nf4_rows_matmul(x16: torch.Tensor, row_up: torch.Tensor, weights: Sequence[P
                     loras: Sequence[tuple] | None = None,
                     tiles: Tiles | None = None) -> torch.Tensor:
     """`nf4_group_matmul` of x given as `fp16_rows` gives it for the same tiles."""
+    if x16.dtype != torch.float16 or row_up.dtype != torch.float32:
+        raise TypeError(f"the NF4 kernel takes x as fp16_rows gives it (fp16 rows, float32 "
+                        f"powers of two), not {x16.dtype} and {row_up.dtype}")
     tiles = tiles or TILES
     if len(weights) > 1 and not groupable(weights, loras, tiles):
         warnings.warn(f"NF4 projections of widths {[w.out_features for w in weights]} can't "
@@ -331,58 +333,12 @@ def nf4_rows_matmul(x16: torch.Tensor, row_up: torch.Tensor, weights: Sequence[P
         return torch.cat([nf4_rows_matmul(x16, row_up, [w], None if loras is None else [lora],
                                           tiles)
                           for w, lora in zip(weights, loras or [None] * len(weights))], dim=-1)
-    parts, xa_parts = nf4_rows_partials(x16, row_up, weights, loras, tiles)
-    triton, _, sum_splits, _ = _kernel()
-    splits, rows, out_features = parts.shape
-    adapters = loras or [(None, x16, 1.0)] * len(weights)
-    b = [lora[1] for lora in adapters] + [adapters[0][1]] * (MAX_GROUP - len(weights))
-    starts = group_starts(weights)
-    block_m = max(16, triton.next_power_of_2(rows))
-    use_pdl = tiles.pdl and _hopper(x16.device)
-    out = torch.empty(rows, out_features, dtype=torch.bfloat16, device=x16.device)
-    sum_rows = min(block_m, tiles.sum_rows)
-    sum_splits[(triton.cdiv(out_features, tiles.sum_block_n), triton.cdiv(rows, sum_rows))](
-        parts, xa_parts, b[0], out, rows, out_features, adapter_rank(loras),
-        float(adapters[0][2]), b[1], b[2], starts[0], starts[1], SPLITS=splits,
-        HAS_LORA=loras is not None, R=xa_parts.shape[-1] // len(weights), BLOCK_M=sum_rows,
-        BLOCK_N=tiles.sum_block_n, SEGMENTS=len(weights), PDL=use_pdl, launch_pdl=use_pdl)
-    return out.view(*x16.shape[:-1], out_features)
-
-
-def group_starts(weights: Sequence[PackedNF4]) -> list[int]:
-    """Where the group's second and third projections start (the width past the last where the
-    group has fewer), as the kernels take them."""
-    out_features = sum(w.out_features for w in weights)
-    starts = column_starts([w.out_features for w in weights])
-    return starts + [out_features] * (MAX_GROUP - 1 - len(starts))
-
-
-def adapter_rank(loras: Sequence[tuple] | None) -> int:
-    return loras[0][0].shape[0] if loras is not None else 1
-
-
-def rank_tile(loras: Sequence[tuple] | None) -> int:
-    """The columns of x A^T each projection of a group takes in the first launch's output: the
-    adapter's rank rounded up to a power of two, at least 16 (tl.dot's)."""
-    rank = adapter_rank(loras)
-    return max(16, 1 << (rank - 1).bit_length())
-
-
-def nf4_rows_partials(x16: torch.Tensor, row_up: torch.Tensor, weights: Sequence[PackedNF4],
-                      loras: Sequence[tuple] | None = None, tiles: Tiles | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first launch of `nf4_rows_matmul` for one projection or a `groupable` group: the K
-    splits' partial sums of x W^T ([splits, rows, out], `Tiles.partials`' type) and of the
-    adapter's x A^T ([splits, rows, projections x `rank_tile`], float32, zero past the rank)."""
-    if x16.dtype != torch.float16 or row_up.dtype != torch.float32:
-        raise TypeError(f"the NF4 kernel takes x as fp16_rows gives it (fp16 rows, float32 "
-                        f"powers of two), not {x16.dtype} and {row_up.dtype}")
-    tiles = tiles or TILES
-    triton, kernel, _, wide_kernel = _kernel()
+    triton, kernel, sum_splits, wide_kernel = _kernel()
     first = weights[0]
     in_features = first.in_features
     out_features = sum(w.out_features for w in weights)
-    starts = group_starts(weights)
+    starts = column_starts([w.out_features for w in weights])
+    starts += [out_features] * (MAX_GROUP - 1 - len(starts))
     flat = x16.reshape(-1, in_features)
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
@@ -392,7 +348,8 @@ def nf4_rows_partials(x16: torch.Tensor, row_up: torch.Tensor, weights: Sequence
     parts = torch.empty(splits, rows, out_features, dtype=PARTIALS[tiles.partials],
                         device=x16.device)
     adapters = loras or [(flat, flat, 1.0)] * len(weights)
-    r_tile = rank_tile(loras)
+    rank = adapters[0][0].shape[0] if loras is not None else 1
+    r_tile = max(16, triton.next_power_of_2(rank))
     xa_parts = torch.empty(splits, rows, len(weights) * r_tile, dtype=torch.float32,
                            device=x16.device)
     block_m = max(16, triton.next_power_of_2(rows))
@@ -405,7 +362,7 @@ def nf4_rows_partials(x16: torch.Tensor, row_up: torch.Tensor, weights: Sequence
     absmax2 = each([w.absmax2 if nested else w.absmax for w in weights])
     code2 = each([w.code2 if nested else w.absmax for w in weights])
     offsets = each([float(w.offset) for w in weights])
-    a = each([lora[0] for lora in adapters])
+    a, b = each([lora[0] for lora in adapters]), each([lora[1] for lora in adapters])
     use_pdl = tiles.pdl and _hopper(x16.device)
     pdl = {"PDL": use_pdl, "launch_pdl": use_pdl}
     options = _step_options(tiles, in_features // splits, first.blocksize,
@@ -413,15 +370,20 @@ def nf4_rows_partials(x16: torch.Tensor, row_up: torch.Tensor, weights: Sequence
     (wide_kernel if "KB" in options else kernel)[(triton.cdiv(out_features, tiles.block_n),
                                                   splits)](
         flat, row_up, packed[0], first.absmax, absmax2[0], code2[0], offsets[0], a[0], parts, xa_parts,
-        rows, out_features, in_features, adapter_rank(loras), flat.stride(0),
-        first.absmax.stride(0),
+        rows, out_features, in_features, rank, flat.stride(0), first.absmax.stride(0),
         packed[1], packed[2], absmax2[1], absmax2[2], code2[1], code2[2], offsets[1],
         offsets[2], a[1], a[2], starts[0], starts[1],
         K_SPLIT=in_features // splits, NESTED=nested, BLOCK2=first.block2,
         HAS_LORA=loras is not None, QBLOCK=first.blocksize, R=r_tile, BLOCK_M=block_m,
         BLOCK_N=tiles.block_n, num_warps=tiles.warps, num_stages=tiles.stages, **pdl,
         SEGMENTS=len(weights), XA_PRECISION=tiles.xa_precision, **options)
-    return parts, xa_parts
+    out = torch.empty(rows, out_features, dtype=torch.bfloat16, device=x16.device)
+    sum_rows = min(block_m, tiles.sum_rows)
+    sum_splits[(triton.cdiv(out_features, tiles.sum_block_n), triton.cdiv(rows, sum_rows))](
+        parts, xa_parts, b[0], out, rows, out_features, rank, float(adapters[0][2]), b[1], b[2],
+        starts[0], starts[1], SPLITS=splits, HAS_LORA=loras is not None, R=r_tile,
+        BLOCK_M=sum_rows, BLOCK_N=tiles.sum_block_n, SEGMENTS=len(weights), **pdl)
+    return out.view(*x16.shape[:-1], out_features)
 
 
 def _step_options(tiles: Tiles, k_split: int, blocksize: int, blocks: int) -> dict:
@@ -439,6 +401,31 @@ def _step_options(tiles: Tiles, k_split: int, blocksize: int, blocks: int) -> di
     if k_split > step and tiles.max_registers is not None:
         options["maxnreg"] = tiles.max_registers
     return options
+
+
+@torch.library.custom_op("vlmrl::nf4_matmul", mutates_args=())
+def nf4_matmul_op(x16: torch.Tensor, row_up: torch.Tensor, packed: list[torch.Tensor],
+                  absmax: list[torch.Tensor],
+                  absmax2: list[torch.Tensor], code2: list[torch.Tensor], offsets: list[float],
+                  block2: int, lora_a: list[torch.Tensor], lora_b: list[torch.Tensor],
+                  scaling: float, out_features: list[int], blocksize: int) -> torch.Tensor:
+    """`nf4_rows_matmul` of one projection or a group, with the module's TILES, as one operator,
+    which torch.compile calls as it is (it does not trace into the Triton launches) and a CUDA
+    graph captures (with the TILES of the capture). Per projection: its packed weight, block
+    scale codes, nested scales (`absmax2`, `code2`: empty without), offset, adapter (`lora_a`,
+    `lora_b`: empty without; one `scaling`) and output width."""
+    weights = [PackedNF4(weight, codes, width, x16.shape[-1], blocksize,
+                         absmax2[i] if absmax2 else None, code2[i] if code2 else None,
+                         offsets[i], block2)
+               for i, (weight, codes, width) in enumerate(zip(packed, absmax, out_features))]
+    loras = [(a, b, scaling) for a, b in zip(lora_a, lora_b)] or None
+    return nf4_rows_matmul(x16, row_up, weights, loras)
+
+
+@nf4_matmul_op.register_fake
+def _(x16, row_up, packed, absmax, absmax2, code2, offsets, block2, lora_a, lora_b, scaling,
+      out_features, blocksize):
+    return x16.new_empty(*x16.shape[:-1], sum(out_features), dtype=torch.bfloat16)
 
 
 @functools.cache

@@ -1,5 +1,5 @@
 """The model's NF4 projections in the decode step: each Linear4bit the kernel serves (with its
-LoRA layer) swapped for a module that calls `vlmrl.rollout.nf4_ops`, and the projections a layer
+LoRA layer) swapped for a module that calls `vlmrl::nf4_matmul`, and the projections a layer
 calls on one input in turn (q, k, v; gate, up) computed in one launch, since a decode step's
 projections are too small to fill the GPU one by one. Swapped in for the decode step only;
 training and scoring run bitsandbytes' and PEFT's own layers."""
@@ -14,12 +14,6 @@ import torch
 
 from vlmrl.rollout import nf4_decode
 from vlmrl.rollout.nf4_decode import MAX_ROWS, PackedNF4, adapter_kind, starts_fit
-from vlmrl.rollout.nf4_ops import sum_partials
-
-# Under torch.compile, the K splits' sum as tensor operations that join the kernels after the
-# projection, not the kernel's second launch (vlmrl.rollout.nf4_ops). A default a benchmark may
-# set, to time the two ways in one call.
-GRAPH_SUMS = True
 
 # The projections of one input a decoder layer calls in turn, by name, each set taken as an
 # `NF4Group` where a module has them all (Qwen3's attention and MLP; a benchmark may set it)
@@ -80,33 +74,24 @@ class NF4DecodeLinear(torch.nn.Module):
             return self.layer(x, *args, **kwargs)
         if self.group is not None:
             return self.group.output(self.index, x)
-        return call_nf4_op([self], x, [lora])[0]
+        return call_nf4_op([self], x, [lora])
 
 
 def call_nf4_op(members: Sequence[NF4DecodeLinear], x: torch.Tensor,
-                loras: Sequence[tuple]) -> list[torch.Tensor]:
-    """Each projection's output, all with an adapter of one scale or none: under torch.compile
-    through `vlmrl::nf4_partials` and `sum_partials` (the sums fused into the kernels after),
-    else through `vlmrl::nf4_matmul` (vlmrl.rollout.nf4_ops)."""
+                loras: Sequence[tuple]) -> torch.Tensor:
+    """`vlmrl::nf4_matmul` of these projections (all with an adapter of one scale, or none)."""
     weights = [member.packed for member in members]
     nested = weights[0].absmax2 is not None
     adapted = len(loras[0]) > 0
-    widths = [w.out_features for w in weights]
-    x16, row_up = nf4_decode.fp16_rows(x, blocksize=weights[0].blocksize)
-    arguments = ([w.packed for w in weights], [w.absmax for w in weights],
-                 [w.absmax2 for w in weights] if nested else [],
-                 [w.code2 for w in weights] if nested else [], [float(w.offset) for w in weights],
-                 weights[0].block2, [lora[0] for lora in loras] if adapted else [])
-    lora_b = [lora[1] for lora in loras] if adapted else []
-    scaling = float(loras[0][2]) if adapted else 1.0
-    if GRAPH_SUMS and torch.compiler.is_compiling():  # a group here is `groupable` (NF4Group)
-        parts, xa_parts = torch.ops.vlmrl.nf4_partials(x16, row_up, *arguments, widths,
-                                                       weights[0].blocksize)
-        return [out.view(*x.shape[:-1], width) for out, width in
-                zip(sum_partials(parts, xa_parts, lora_b, scaling, widths), widths)]
-    out = torch.ops.vlmrl.nf4_matmul(x16, row_up, *arguments, lora_b, scaling, widths,
-                                     weights[0].blocksize)
-    return list(torch.split(out, widths, dim=-1))
+    return torch.ops.vlmrl.nf4_matmul(
+        *nf4_decode.fp16_rows(x, blocksize=weights[0].blocksize), [w.packed for w in weights],
+        [w.absmax for w in weights],
+        [w.absmax2 for w in weights] if nested else [],
+        [w.code2 for w in weights] if nested else [], [float(w.offset) for w in weights],
+        weights[0].block2, [lora[0] for lora in loras] if adapted else [],
+        [lora[1] for lora in loras] if adapted else [],
+        float(loras[0][2]) if adapted else 1.0, [w.out_features for w in weights],
+        weights[0].blocksize)
 
 
 class NF4Group:
@@ -131,8 +116,8 @@ class NF4Group:
             loras = [member.adapter() for member in self.members]
             kinds = {adapter_kind(lora) for lora in loras}
             if len(kinds) > 1 or None in kinds:
-                return call_nf4_op([self.members[index]], x, [loras[index]])[0]
-            outputs = call_nf4_op(self.members, x, loras)
+                return call_nf4_op([self.members[index]], x, [loras[index]])
+            outputs = torch.split(call_nf4_op(self.members, x, loras), self.widths, dim=-1)
             pending = (x, outputs, ())
         served = pending[2] if index in pending[2] else (*pending[2], index)
         self.pending = None if len(served) == len(self.members) else (x, pending[1], served)
