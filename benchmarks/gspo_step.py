@@ -227,6 +227,7 @@ for _name in ("gpu_profile_graph_fp8_rolled_compiled", "gpu_profile_graph_fp8_mb
         CONFIGS[f"{_name}_{_suffix}"] = {**CONFIGS[_name], **_change}
 # The configurations' knobs that set a library module's default in the worker.
 MODULE_DEFAULTS = {"decode_pdl": ("vlmrl.rollout.graph_decode", "DECODE_PDL")}
+RECIPE_2B_PROFILE = "gpu_profile_graph_fp8_rolled_compiled_images"  # recipes/mathvista-qwen3-vl-2b.yaml's
 RECIPE_8B_PROFILE = "gpu_profile_graph_fp8_mb4_rolled_compiled_images"  # recipes/mathvista-qwen3-vl-8b.yaml's
 # The float8 profile as it stood before issue 41 (the NF4 kernel's tree decode and float32
 # block scales, old log-probs for every row): the same knobs run on the library exported from

@@ -273,13 +273,19 @@ def readme_gpu_overrides() -> dict[str, object]:
     dotted keys (`train.grpo.steps_per_generation`), the form `dvc exp run -S` takes."""
     import re
 
-    import yaml
     from conftest import ROOT
 
     readme = (ROOT / "README.md").read_text()
     section = readme[readme.index("## Real model and MathVista on a GPU"):]
     command = section[section.index("```bash"):section.index("```", section.index("```bash") + 3)]
-    name = re.search(r"^vlmrl recipe (\S+)", command, re.MULTILINE).group(1)
+    return recipe_overrides(re.search(r"^vlmrl recipe (\S+)", command, re.MULTILINE).group(1))
+
+
+def recipe_overrides(name: str) -> dict[str, object]:
+    """recipes/NAME.yaml's params as dotted keys."""
+    import yaml
+    from conftest import ROOT
+
     recipe = yaml.safe_load((ROOT / "recipes" / f"{name}.yaml").read_text())
 
     def dotted(node: dict, prefix: str = "") -> dict[str, object]:
@@ -307,17 +313,8 @@ def gspo_step():
     return gspo_step
 
 
-def test_readme_gpu_profile_is_the_benchmarked_one_and_valid(gspo_step) -> None:
-    """The recipe the README's GPU command applies must be the configuration
-    benchmarks/gspo_step.py measured as the 8B recipe's profile (RECIPE_8B_PROFILE), and must
-    pass the stage's own params checks."""
-    import yaml
-    from conftest import ROOT
-
-    from vlmrl.training import generation_rows
-
-    profile = gspo_step.CONFIGS[gspo_step.RECIPE_8B_PROFILE]
-    overrides = readme_gpu_overrides()
+def assert_recipe_is_profile(overrides: dict[str, object], profile: dict[str, object]) -> None:
+    """The recipe's training knobs are the benchmark configuration's."""
     assert overrides["model.backend"] == profile["backend"]
     assert overrides["model.load_in_4bit"] is profile["load_in_4bit"]
     for key in ("per_device_train_batch_size", "gradient_accumulation_steps",
@@ -333,6 +330,28 @@ def test_readme_gpu_profile_is_the_benchmarked_one_and_valid(gspo_step) -> None:
     assert (overrides.get("train.keep_image_features", False)
             is profile.get("keep_image_features", False))
     assert overrides.get("train.nf4_linears", False) is profile.get("nf4_linears", False)
+
+
+@pytest.mark.parametrize(("recipe", "profile"), [
+    ("mathvista-qwen3-vl-2b", "RECIPE_2B_PROFILE"), ("mathvista-qwen3-vl-8b", "RECIPE_8B_PROFILE")])
+def test_each_gpu_recipe_is_its_benchmarked_profile(gspo_step, recipe: str, profile: str) -> None:
+    """A GPU recipe's training knobs are the configuration benchmarks/gspo_step.py measured as
+    its profile (docs/benchmarks.md), so a knob turned in one is turned in the other."""
+    assert_recipe_is_profile(recipe_overrides(recipe),
+                             gspo_step.CONFIGS[getattr(gspo_step, profile)])
+
+
+def test_readme_gpu_profile_is_the_benchmarked_one_and_valid(gspo_step) -> None:
+    """The recipe the README's GPU command applies must be the configuration
+    benchmarks/gspo_step.py measured as the 8B recipe's profile (RECIPE_8B_PROFILE), and must
+    pass the stage's own params checks."""
+    import yaml
+    from conftest import ROOT
+
+    from vlmrl.training import generation_rows
+
+    overrides = readme_gpu_overrides()
+    assert_recipe_is_profile(overrides, gspo_step.CONFIGS[gspo_step.RECIPE_8B_PROFILE])
     assert overrides["train.grpo.cache_implementation"] == "static"
     # the profile's memory figures were measured with it; the tiny default turns it off
     assert overrides["train.grpo.gradient_checkpointing"] is True
