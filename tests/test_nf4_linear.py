@@ -5,6 +5,7 @@ the product and its input gradient are a dense Linear's, it traces into one grap
 weight for the backward; the compiled layers serve the NF4 projections only when asked and never
 an adapter's wrapper, in one trace for every layer, and `train.nf4_linears` is refused where it
 cannot act."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
