@@ -522,9 +522,6 @@ def main() -> int:
                         help="profile the kernels of the graph's decode steps at the most rows")
     parser.add_argument("--top", type=int, default=14,
                         help="with --kernels: how many kernels to keep, by total time")
-    parser.add_argument("--pdls", default=None,
-                        help="the decode step's kernels with programmatic dependent launch "
-                             "(graph_decode.DECODE_PDL): off, on or both (default: the shipped)")
     parser.add_argument("--gaps", action="store_true",
                         help="also trace 8 back-to-back replays of the step's graph: the GPU's "
                              "idle time between its kernels, by transition (replay_ms['gaps'])")
@@ -552,11 +549,9 @@ def main() -> int:
         return 0
     global MODEL, KV_CACHE_DTYPE
     MODEL, KV_CACHE_DTYPE = args.model, args.kv_cache_dtype
-    from vlmrl.rollout import graph_decode, nf4_decode, nf4_projections
+    from vlmrl.rollout import nf4_decode, nf4_projections
 
-    shipped_groups, shipped_pdl = nf4_projections.GROUPS, graph_decode.DECODE_PDL
-    if args.pdls is None:
-        args.pdls = "on" if shipped_pdl else "off"
+    shipped_groups = nf4_projections.GROUPS
     if args.decode_tiles:
         if len(args.decode_tiles) != 1:
             parser.error("--decode-tiles: one tile shape")
@@ -583,19 +578,18 @@ def main() -> int:
                 model, [int(r) for r in args.rows.split(",")], bandwidth, args.tiles)
         for rows in [int(r) for r in args.rows.split(",")]:
             batch = prompts(processor, train_set, rows)
-            for attention, kernel, compiled, groups, pdl in [
-                    (a, k, c, g, p) for a in args.attentions.split(",")
+            for attention, kernel, compiled, groups in [
+                    (a, k, c, g) for a in args.attentions.split(",")
                     for k in args.nf4_kernels.split(",") for c in args.compiles.split(",")
-                    for g in args.nf4_groups.split(",") for p in args.pdls.split(",")
+                    for g in args.nf4_groups.split(",")
                     if (dtype == "nf4" and k == "on") or (k == "off" and g == "on")]:
                 nf4_projections.GROUPS = shipped_groups if groups == "on" else ()
-                graph_decode.DECODE_PDL = pdl == "on"
                 ms, peak, replays = ms_per_step(model, batch, attention, args.new_tokens,
                                                 args.cache_len, kernel == "on", compiled == "on",
                                                 args.gaps)
                 run = {"dtype": dtype, "rows": rows, "attention": attention,
                        "nf4_kernel": kernel if dtype == "nf4" else None, "compiled": compiled,
-                       "nf4_groups": groups if kernel == "on" else None, "pdl": pdl,
+                       "nf4_groups": groups if kernel == "on" else None,
                        "ms_per_step": round(ms, 3), "tokens_per_s": round(rows * 1000 / ms),
                        "peak_allocated_gib": round(peak, 3),
                        "weight_bytes": weights,
@@ -615,7 +609,6 @@ def main() -> int:
                 print(json.dumps(run), flush=True)
                 args.out.write_text(json.dumps(results, indent=1))
         nf4_projections.GROUPS = shipped_groups
-        graph_decode.DECODE_PDL = shipped_pdl
         del model
         torch.cuda.empty_cache()
     print(f"\ncopy bandwidth {bandwidth / 1e12:.2f} TB/s")

@@ -80,7 +80,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import json
 import logging
 import math
@@ -210,9 +209,6 @@ RECIPE_VARIANTS = {
     # each image through the vision tower once a generation (train.keep_image_features,
     # vlmrl.models.image_features)
     "images": {"keep_image_features": True},
-    # the decode step's kernels launched by programmatic dependent launch
-    # (`graph_decode.DECODE_PDL`)
-    "pdl": {"decode_pdl": True},
     # reentrant gradient checkpointing (train.grpo.gradient_checkpointing_kwargs): a layer's
     # first forward without autograd, no saved-tensor hooks on the host
     "reentrant": {"gradient_checkpointing_kwargs": {"use_reentrant": True}},
@@ -225,8 +221,6 @@ RECIPE_VARIANTS = {
 for _name in ("gpu_profile_graph_fp8_rolled_compiled", "gpu_profile_graph_fp8_mb4_rolled_compiled"):
     for _suffix, _change in RECIPE_VARIANTS.items():
         CONFIGS[f"{_name}_{_suffix}"] = {**CONFIGS[_name], **_change}
-# The configurations' knobs that set a library module's default in the worker.
-MODULE_DEFAULTS = {"decode_pdl": ("vlmrl.rollout.graph_decode", "DECODE_PDL")}
 RECIPE_2B_PROFILE = "gpu_profile_graph_fp8_rolled_compiled_images"  # recipes/mathvista-qwen3-vl-2b.yaml's
 RECIPE_8B_PROFILE = "gpu_profile_graph_fp8_mb4_rolled_compiled_images"  # recipes/mathvista-qwen3-vl-8b.yaml's
 # The float8 profile as it stood before issue 41 (the NF4 kernel's tree decode and float32
@@ -796,9 +790,6 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
         from vlmrl.rollout import nf4_decode
 
         nf4_decode.TILES = nf4_decode.Tiles(**knobs["decode_tiles"])
-    for knob, (module, default) in MODULE_DEFAULTS.items():
-        if knob in knobs:
-            setattr(importlib.import_module(module), default, knobs[knob])
     trainer = make_trainer(model, processor, config, dataset, reward_funcs,
                            generation_rows=knobs.get("max_generation_rows"), callbacks=[Timer()],
                            graph_decoding=knobs.get("graph", "eager"),

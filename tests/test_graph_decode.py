@@ -5,6 +5,8 @@ distribution; what it does not serve must fall back to transformers."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from PIL import Image
@@ -402,3 +404,32 @@ def test_grouped_attention_is_the_language_models_registered_implementation(vl_m
     text_layers = model.config.text_config.num_hidden_layers
     assert decode_steps == [True] * (text_layers * (len(during) - 1))
     assert attention_implementation(model) == "sdpa"
+
+
+class RecordingNF4:
+    """Stands in for an NF4Decode: counts its activations (the CPU model has no NF4 layers to
+    swap)."""
+
+    def __init__(self) -> None:
+        self.activations = 0
+
+    def __bool__(self) -> bool:
+        return True
+
+    @contextlib.contextmanager
+    def active(self):
+        self.activations += 1
+        yield
+
+
+def test_every_decode_step_activates_the_nf4_projections(vl_model) -> None:
+    model, _ = vl_model
+    decoding = GraphDecoding(model=model, original=model.generate, use_graph=False,
+                             attention="model")
+    decoding.nf4 = recording = RecordingNF4()
+    config = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-5, pad_token_id=0)
+    with torch.no_grad():
+        out = decoding._decode(config, {"input_ids": torch.tensor([[1, 2, 3]]),
+                                        "attention_mask": torch.ones(1, 3, dtype=torch.long)})
+    assert out.shape == (1, 7)
+    assert recording.activations == 3  # the decode steps after the prefill's first token

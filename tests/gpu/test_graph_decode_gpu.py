@@ -169,25 +169,6 @@ def test_nf4_graph_replays_equal_the_eager_loop():
     assert torch.equal(got, expected)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "measured on an H200 (tests/gpu/README.md, 2026-11-28 night): one row's greedy tokens part "
-    "from the plain launches' after about 45 steps; graph_decode.DECODE_PDL stays off"))
-def test_pdl_decode_steps_give_the_tokens_and_logits_of_plain_launches():
-    """The shipped fast path with the decode step's kernels launched by programmatic dependent
-    launch (inductor's and the NF4 kernel's, `GraphDecoding.pdl`): each kernel waits for the
-    writes of the one before, so the draws are the plain launches' to the bit: the greedy tokens
-    of every replayed step, and the logits of the steps run from Python (the prefill's, the
-    first decode step's before capture)."""
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("programmatic dependent launch: Hopper and later")
-    model, processor = load(four_bit=True)
-    tokens, logits = decode_and_record(model, inputs(processor), {
-        "plain": ({"pdl": False}, True), "pdl": ({"pdl": True}, True)})
-    assert torch.equal(tokens["pdl"], tokens["plain"])
-    assert len(logits["pdl"]) == len(logits["plain"]) >= 2
-    assert all(torch.equal(a, b) for a, b in zip(logits["pdl"], logits["plain"]))
-
-
 def filled_mask(rows: int, span: int, filled: int) -> torch.Tensor:
     """A decode step's mask: each row's left padding (7 slots more per row) out, then the slots
     written so far, the rest of the span empty."""

@@ -44,11 +44,6 @@ from vlmrl.rollout.generation import rollout_model
 from vlmrl.rollout.shared_prompts import copy_into_static, distinct_rows, select_rows
 
 CHECK_EVERY = 64  # decode steps between host checks for "every row has finished"
-# Programmatic dependent launch (Hopper and later) for the decode step's Triton kernels, the
-# compiled step's (inductor's `triton.enable_pdl`) and the NF4 kernel's (`Tiles.pdl`): each is
-# launched while the kernel before it runs and waits for its writes on the GPU, so the gaps
-# between the step's several hundred small kernels shrink. A default a benchmark may set.
-DECODE_PDL = False
 CACHE_ROUND = 256  # cache lengths are rounded up to this, so prompts of other lengths reuse one
 SPAN_ROUND = 256  # with spans, grouped attention reads the cache up to the written slot rounded up
 
@@ -156,9 +151,8 @@ class GraphDecoder:
                  pad: int, suppress: tuple[int, ...], use_graph: bool = True,
                  attention: str = "grouped", merged: bool = False, nf4=None,
                  forward=None, share_prompts: bool = True, spans: bool = False,
-                 kv_cache_dtype: str = "auto", pdl: bool = False) -> None:
+                 kv_cache_dtype: str = "auto") -> None:
         self.model, self.plan, self.use_graph, self.attention = model, plan, use_graph, attention
-        self.pdl = pdl  # the NF4 kernel's launches with programmatic dependent launch
         self.forward = model if forward is None else forward  # the model, or it compiled
         self.share_prompts, self.spans = share_prompts, spans
         # eager attention adds its mask to the scores: 0 where a slot is read, the lowest float
@@ -214,8 +208,7 @@ class GraphDecoder:
         graph = self.graphs.get(span)
         capturing = graph is None
         swapped = self.merged.swapped() if self.merged and capturing else contextlib.nullcontext()
-        kernel = self.nf4.active(self.pdl) if self.nf4 and capturing else \
-            contextlib.nullcontext()
+        kernel = self.nf4.active() if self.nf4 and capturing else contextlib.nullcontext()
         with swapped, kernel:
             if not self.use_graph:
                 self.step(span)
@@ -328,7 +321,6 @@ class GraphDecoding:
     kv_cache_dtype: str = "auto"  # or "fp8": vlmrl.rollout.decode_attention
     # NF4 projections by `vlmrl.rollout.nf4_decode` in decode steps; VLMRL_NF4_DECODE=0: off
     nf4_kernel: bool = field(default_factory=lambda: os.environ.get("VLMRL_NF4_DECODE") != "0")
-    pdl: bool = field(default_factory=lambda: DECODE_PDL)  # see DECODE_PDL
     decoders: dict | None = None
     calls: int = 0
     decoder_class: type = GraphDecoder  # a subclass times its phases (benchmarks/decode_profile.py)
@@ -359,10 +351,8 @@ class GraphDecoding:
     def compiled(self):
         """The model's forward pass under torch.compile, for decode steps: one trace per batch
         shape, and the elementwise work between projections (norms, RoPE, residuals, the
-        attention's scale and mask) fused into a few kernels; with `pdl`, launched as
-        DECODE_PDL says."""
-        return torch.compile(self.model, dynamic=False,
-                             options={"triton.enable_pdl": True} if self.pdl else None)
+        attention's scale and mask) fused into a few kernels."""
+        return torch.compile(self.model, dynamic=False)
 
     @functools.cached_property
     def nf4(self):
@@ -395,7 +385,7 @@ class GraphDecoding:
             decoder = self.decoders[plan] = self.decoder_class(
                 self.model, plan, input_ids.device, eos, int(pad), suppress, use_graph,
                 self.attention, self.merged, self.nf4, self.compiled if compiled else None,
-                self.share_prompts, self.spans, self.kv_cache_dtype, pdl=self.pdl)
+                self.share_prompts, self.spans, self.kv_cache_dtype)
         with torch.no_grad():
             out = decoder.generate(input_ids, attention_mask, int(config.max_new_tokens), kwargs)
         if not self.keep:  # the static cache and the graph's memory go back to the allocator

@@ -7,7 +7,6 @@ training and scoring run bitsandbytes' and PEFT's own layers."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -193,25 +192,20 @@ class NF4Decode:
                 if module in wrappers]
 
     @contextlib.contextmanager
-    def active(self, pdl: bool = False) -> Iterator[None]:
-        """The NF4 projections swapped in; with `pdl`, their kernels launched with programmatic
-        dependent launch (`Tiles.pdl`) whatever the module's TILES say."""
+    def active(self) -> Iterator[None]:
+        """The NF4 projections swapped in, each put back on the way out."""
         if self.swaps is None:
             self.swaps = self._make_swaps()
         for path, layer, _ in self.swaps:
             if self.model.get_submodule(path) is not layer:
                 raise RuntimeError(f"NF4 decoding: {path} is no longer the layer it wrapped")
         done = []
-        tiles = nf4_decode.TILES
         try:
-            if pdl:
-                nf4_decode.TILES = dataclasses.replace(tiles, pdl=True)
             for path, _, wrapper in self.swaps:
                 self.model.set_submodule(path, wrapper, strict=True)
                 done.append(path)
             yield
         finally:
-            nf4_decode.TILES = tiles
             originals = {path: layer for path, layer, _ in self.swaps}
             for path in done:
                 self.model.set_submodule(path, originals[path], strict=True)
