@@ -1108,6 +1108,17 @@ def other_input_seconds(phases: dict[str, float]) -> float | None:
     return phases["prepare_inputs"] - sum(phases.get(part, 0.0) for part in INPUT_PARTS)
 
 
+def optimizer_seconds(run: dict[str, Any]) -> float | None:
+    """Seconds per timed optimizer step outside its micro-batches' `training_step` calls: the
+    optimizer's step, gradient clipping and zeroing, the scheduler and the callbacks."""
+    steps, calls = run.get("step_seconds"), run.get("phase_calls", {}).get("training_step")
+    warmup, timed = run.get("warmup_steps", 0), run.get("timed_steps", 0)
+    if not steps or not calls or not timed or len(steps) < warmup + timed:
+        return None
+    return sum(steps[step] - sum(t for at, t in calls if at == step)
+               for step in range(warmup, warmup + timed)) / timed
+
+
 def phase_table(runs: list[dict[str, Any]]) -> list[str]:
     """Seconds per optimizer step by phase (`seconds_by_phase`), and the micro-batches' forward
     plus backward seconds, the first after each generation apart; runs without phases are left
@@ -1116,9 +1127,9 @@ def phase_table(runs: list[dict[str, Any]]) -> list[str]:
     if not timed:
         return []
     lines = ["", ("| model | configuration | tokens | generation | old log-probs | prompts | "
-                  "other input work | forward | backward | "
+                  "other input work | forward | backward | optimizer and the rest | "
                   "first micro-batch after a generation, s | other micro-batches, mean s |"),
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
     for run in timed:
         phases = run["seconds_by_phase"]
         first, others = micro_batch_seconds(run)
@@ -1126,13 +1137,16 @@ def phase_table(runs: list[dict[str, Any]]) -> list[str]:
             f"| {model_name(run)} | `{run['config']}` | {run['completion_length']} | "
             + " | ".join(_fmt(value, ".2f") for value in (
                 phases.get("generation"), phases.get("old_logps"), phases.get("prompts"),
-                other_input_seconds(phases), phases.get("loss"), phases.get("backward")))
+                other_input_seconds(phases), phases.get("loss"), phases.get("backward"),
+                optimizer_seconds(run)))
             + f" | {', '.join(f'{t:.2f}' for t in first) or '-'} | "
             f"{_fmt(sum(others) / len(others) if others else None, '.2f')} |")
     return ["", ("Seconds per optimizer step by phase (`seconds_by_phase`, `phase_calls`; prompts: "
                  "TRL's `_tokenize_prompts`, the images' processing; other input work: the rest "
                  "of `_prepare_inputs` beyond its generation, old log-probs, prompts and "
-                 "rewards):")] + lines
+                 "rewards; optimizer and the rest: each timed step's `step_seconds` beyond its "
+                 "micro-batches' `training_step` calls, the optimizer's step, gradient "
+                 "clipping and the callbacks):")] + lines
 
 
 TRAINING_KERNELS_SHOWN = 12
