@@ -1111,12 +1111,10 @@ def other_input_seconds(phases: dict[str, float]) -> float | None:
 def optimizer_seconds(run: dict[str, Any]) -> float | None:
     """Seconds per timed optimizer step outside its micro-batches' `training_step` calls: the
     optimizer's step, gradient clipping and zeroing, the scheduler and the callbacks."""
-    steps, calls = run.get("step_seconds"), run.get("phase_calls", {}).get("training_step")
-    warmup, timed = run.get("warmup_steps", 0), run.get("timed_steps", 0)
-    if not steps or not calls or not timed or len(steps) < warmup + timed:
+    in_steps = run.get("seconds_by_phase", {}).get("training_step")
+    if in_steps is None or run.get("seconds_per_step") is None:
         return None
-    return sum(steps[step] - sum(t for at, t in calls if at == step)
-               for step in range(warmup, warmup + timed)) / timed
+    return run["seconds_per_step"] - in_steps
 
 
 def phase_table(runs: list[dict[str, Any]]) -> list[str]:

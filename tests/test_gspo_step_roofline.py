@@ -65,13 +65,13 @@ def test_fraction_and_table(bench, tmp_path) -> None:
 
 def test_phase_table_sets_the_first_micro_batch_after_a_generation_apart(bench) -> None:
     run = {"config": "gpu_profile_graph", "completion_length": 1024, "warmup_steps": 1,
-           "timed_steps": 2, "step_seconds": [20.0, 1.7, 9.0],
+           "timed_steps": 2, "seconds_per_step": (1.7 + 9.0) / 2,
            "generation_calls": [{"step": 0}, {"step": 2}],
            "seconds_by_phase": {"generation": 6.5, "old_logps": 0.6, "loss": 0.7, "backward": 1.0,
-                                "prompts": 0.25, "rewards": 0.05, "prepare_inputs": 7.6},
+                                "prompts": 0.25, "rewards": 0.05, "prepare_inputs": 7.6,
+                                "training_step": (1.6 + 8.8) / 2},
            "phase_calls": {"loss": [[0, 9.0], [1, 0.3], [1, 0.3], [2, 1.5], [2, 0.3]],
-                           "backward": [[0, 9.0], [1, 0.5], [1, 0.5], [2, 2.0], [2, 0.5]],
-                           "training_step": [[0, 19.8], [1, 0.8], [1, 0.8], [2, 8.0], [2, 0.8]]}}
+                           "backward": [[0, 9.0], [1, 0.5], [1, 0.5], [2, 2.0], [2, 0.5]]}}
     first, others = bench.micro_batch_seconds(run)
     assert first == [pytest.approx(3.5)]  # step 0 is warm-up: left out
     assert others == [pytest.approx(0.8)] * 3
@@ -80,7 +80,7 @@ def test_phase_table_sets_the_first_micro_batch_after_a_generation_apart(bench) 
     assert row == ("| qwen3-vl-2b-shape | `gpu_profile_graph` | 1024 | 6.50 | 0.60 | 0.25 | 0.20 | "
                    "0.70 | 1.00 | 0.15 | 3.50 | 0.80 |")  # 7.6 s of inputs, 7.4 of them timed parts
     assert bench.optimizer_seconds(run) == pytest.approx((0.1 + 0.2) / 2)  # steps 1 and 2
-    untimed = {key: value for key, value in run.items() if key != "step_seconds"}
+    untimed = {key: value for key, value in run.items() if key != "seconds_per_step"}
     assert "| 1.00 | - | 3.50 |" in bench.phase_table([untimed])[-1]
     without_inputs = {**run, "seconds_by_phase": {"generation": 6.5}}
     assert "| 6.50 | - | - | - | - | - |" in bench.phase_table([without_inputs])[-1]
