@@ -212,6 +212,27 @@ def test_draw_carries_the_warpers_distribution() -> None:
     assert torch.allclose(observed[ids[0]], probs[0], atol=0.01)
 
 
+@pytest.mark.parametrize("sampling", [SamplingSettings(temperature=0.7, top_k=20, top_p=0.8),
+                                      None])
+def test_draw_from_bf16_logits_is_the_draw_from_their_float32_values(sampling) -> None:
+    """The decode step hands `sample_next` the model's bf16 logits: with the same random
+    numbers it must draw what it draws from their float32 values (suppression included)."""
+    order = torch.randperm(300, generator=torch.Generator().manual_seed(4))
+    logits = ((order - 150).float() / 8).repeat(64, 1)  # distinct, exact in bf16
+    logits = logits[:, torch.randperm(300, generator=torch.Generator().manual_seed(5))]
+    suppress = torch.tensor([int(logits[0].argmax()), 7])
+    draws = []
+    for values in (logits.bfloat16(), logits):
+        torch.manual_seed(0)
+        draws.append(sample_next(values, sampling, suppress))
+    assert torch.equal(draws[0], draws[1])
+    assert not torch.isin(draws[0], suppress).any()
+    if sampling is None:  # the largest logit once the suppressed ones are out
+        assert torch.equal(draws[0], logits.index_fill(1, suppress, -1e9).argmax(-1))
+    else:
+        assert len(set(draws[0].tolist())) > 1
+
+
 def test_unserved_settings_and_cpu_models_use_transformers(vl_model) -> None:
     model, processor = vl_model
     assert not served(GenerationConfig(num_beams=2), {})

@@ -87,7 +87,10 @@ def plan_for(config, rows: int, prompt_len: int, suppress: tuple[int, ...]) -> D
 
 def sample_next(logits: torch.Tensor, sampling: SamplingSettings | None,
                 suppress: torch.Tensor | None) -> torch.Tensor:
-    """One token per row from [rows, vocab] float32 logits, with no host synchronisation."""
+    """One token per row from [rows, vocab] logits, with no host synchronisation. The logits
+    stay in the model's dtype: casting to float32 is exact and keeps their order, so the argmax
+    and the top k are those of the float32 logits, and only the k values are cast (a radix
+    top-k over 16-bit keys takes half the passes of one over 32-bit keys)."""
     if suppress is not None and suppress.numel():
         logits = logits.index_fill(1, suppress, -float("inf"))
     if sampling is None:
@@ -151,7 +154,7 @@ class GraphDecoder:
                  pad: int, suppress: tuple[int, ...], use_graph: bool = True,
                  attention: str = "grouped", merged: bool = False, nf4=None,
                  forward=None, share_prompts: bool = True, spans: bool = False,
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", pool=None) -> None:
         self.model, self.plan, self.use_graph, self.attention = model, plan, use_graph, attention
         self.forward = model if forward is None else forward  # the model, or it compiled
         self.share_prompts, self.spans = share_prompts, spans
@@ -175,7 +178,7 @@ class GraphDecoder:
         self.pad = pad
         self.suppress = torch.tensor(suppress, dtype=torch.long, device=device) if suppress else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # per span of the cache read
-        self.pool = None  # one memory pool for them all: they never run at once
+        self.pool = pool  # a torch.cuda.MemPool for the graphs' memory: they never run at once
         self.merged = MergedLoRA(model) if merged and use_graph else None
 
     # -- the step, replayed
@@ -189,7 +192,7 @@ class GraphDecoder:
             torch._dynamo.maybe_mark_dynamic(mask, 3)  # one trace for every span
         out = self.forward(input_ids=self.token, attention_mask=mask, position_ids=self.positions,
                            past_key_values=self.cache, use_cache=True, logits_to_keep=1)
-        chosen = sample_next(out.logits[:, -1].float(), self.plan.sampling, self.suppress)
+        chosen = sample_next(out.logits[:, -1], self.plan.sampling, self.suppress)
         chosen = torch.where(self.finished, torch.full_like(chosen, self.pad), chosen)
         self.finished |= torch.isin(chosen, self.eos)
         self.token.copy_(chosen[:, None])
@@ -218,10 +221,10 @@ class GraphDecoder:
                 with torch.cuda.stream(side):
                     self.step(span)  # this step, run: warms up cuBLAS and the allocator
                 torch.cuda.current_stream().wait_stream(side)
-                graph = self.graphs[span] = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    self.step(span)  # the next steps, captured (not run) and replayed from now on
-                self.pool = graph.pool()
+                if self.pool is None:
+                    self.pool = torch.cuda.MemPool()
+                # the next steps, captured (not run) and replayed from now on
+                self.graphs[span] = capture(lambda: self.step(span), self.pool)
             else:
                 graph.replay()
 
@@ -294,6 +297,26 @@ class GraphDecoder:
         return torch.cat([input_ids, tokens[:, :made]], dim=1)
 
 
+def capture(step, pool: torch.cuda.MemPool) -> torch.cuda.CUDAGraph:
+    """`step`'s kernels captured into a CUDA graph whose memory comes from `pool`.
+    `torch.cuda.graph` empties the allocator's caches (device and pinned host) before each
+    capture, and the "graph" mode captures at every generate call: the blocks the training
+    phases had cached went back to the driver each time, to be allocated again. A `MemPool`
+    held by the caller (one per `GraphDecoding`) stays live between its graphs, so each call's
+    capture reuses its blocks."""
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        graph.capture_begin(pool=pool.id)
+        try:
+            step()
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream().wait_stream(side)
+    return graph
+
+
 def _rope_deltas_holder(model):
     """The module that keeps Qwen-VL's multimodal RoPE offsets (`rope_deltas`), or None."""
     inner = getattr(model, "model", None)
@@ -322,6 +345,7 @@ class GraphDecoding:
     # NF4 projections by `vlmrl.rollout.nf4_decode` in decode steps; VLMRL_NF4_DECODE=0: off
     nf4_kernel: bool = field(default_factory=lambda: os.environ.get("VLMRL_NF4_DECODE") != "0")
     decoders: dict | None = None
+    pool: Any = None  # the torch.cuda.MemPool of every decoder's graphs (`graph_pool`)
     calls: int = 0
     decoder_class: type = GraphDecoder  # a subclass times its phases (benchmarks/decode_profile.py)
 
@@ -346,6 +370,12 @@ class GraphDecoding:
                     return decoder
                 del self.decoders[kept]
         return None
+
+    def graph_pool(self, use_graph: bool):
+        """The decoders' shared `torch.cuda.MemPool` (`capture`), or None without graphs."""
+        if use_graph and self.pool is None:
+            self.pool = torch.cuda.MemPool()
+        return self.pool if use_graph else None
 
     @functools.cached_property
     def compiled(self):
@@ -385,7 +415,7 @@ class GraphDecoding:
             decoder = self.decoders[plan] = self.decoder_class(
                 self.model, plan, input_ids.device, eos, int(pad), suppress, use_graph,
                 self.attention, self.merged, self.nf4, self.compiled if compiled else None,
-                self.share_prompts, self.spans, self.kv_cache_dtype)
+                self.share_prompts, self.spans, self.kv_cache_dtype, self.graph_pool(use_graph))
         with torch.no_grad():
             out = decoder.generate(input_ids, attention_mask, int(config.max_new_tokens), kwargs)
         if not self.keep:  # the static cache and the graph's memory go back to the allocator
