@@ -178,7 +178,7 @@ class GraphDecoder:
         self.pad = pad
         self.suppress = torch.tensor(suppress, dtype=torch.long, device=device) if suppress else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # per span of the cache read
-        self.pool = pool  # a torch.cuda.MemPool for the graphs' memory: they never run at once
+        self.pool = pool  # the graphs' memory pool (a handle), shared: they never run at once
         self.merged = MergedLoRA(model) if merged and use_graph else None
 
     # -- the step, replayed
@@ -221,10 +221,9 @@ class GraphDecoder:
                 with torch.cuda.stream(side):
                     self.step(span)  # this step, run: warms up cuBLAS and the allocator
                 torch.cuda.current_stream().wait_stream(side)
-                if self.pool is None:
-                    self.pool = torch.cuda.MemPool()
                 # the next steps, captured (not run) and replayed from now on
-                self.graphs[span] = capture(lambda: self.step(span), self.pool)
+                graph = self.graphs[span] = capture(lambda: self.step(span), self.pool)
+                self.pool = graph.pool()
             else:
                 graph.replay()
 
@@ -297,18 +296,17 @@ class GraphDecoder:
         return torch.cat([input_ids, tokens[:, :made]], dim=1)
 
 
-def capture(step, pool: torch.cuda.MemPool) -> torch.cuda.CUDAGraph:
-    """`step`'s kernels captured into a CUDA graph whose memory comes from `pool`.
-    `torch.cuda.graph` empties the allocator's caches (device and pinned host) before each
-    capture, and the "graph" mode captures at every generate call: the blocks the training
-    phases had cached went back to the driver each time, to be allocated again. A `MemPool`
-    held by the caller (one per `GraphDecoding`) stays live between its graphs, so each call's
-    capture reuses its blocks."""
+def capture(step, pool=None) -> torch.cuda.CUDAGraph:
+    """`step`'s kernels captured into a CUDA graph whose memory comes from `pool` (a graph's
+    `pool()`; None: a new pool). `torch.cuda.graph` empties the allocator's caches (device
+    and pinned host) before each capture, and the "graph" mode captures at every generate
+    call: the blocks the training phases had cached went back to the driver each time, to be
+    allocated again."""
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        graph.capture_begin(pool=pool.id)
+        graph.capture_begin(pool=pool)
         try:
             step()
         finally:
@@ -345,7 +343,7 @@ class GraphDecoding:
     # NF4 projections by `vlmrl.rollout.nf4_decode` in decode steps; VLMRL_NF4_DECODE=0: off
     nf4_kernel: bool = field(default_factory=lambda: os.environ.get("VLMRL_NF4_DECODE") != "0")
     decoders: dict | None = None
-    pool: Any = None  # the torch.cuda.MemPool of every decoder's graphs (`graph_pool`)
+    anchor: Any = None  # the graph that keeps the decoders' memory pool live (`graph_pool`)
     calls: int = 0
     decoder_class: type = GraphDecoder  # a subclass times its phases (benchmarks/decode_profile.py)
 
@@ -371,11 +369,18 @@ class GraphDecoding:
                 del self.decoders[kept]
         return None
 
-    def graph_pool(self, use_graph: bool):
-        """The decoders' shared `torch.cuda.MemPool` (`capture`), or None without graphs."""
-        if use_graph and self.pool is None:
-            self.pool = torch.cuda.MemPool()
-        return self.pool if use_graph else None
+    def graph_pool(self, use_graph: bool, device: torch.device):
+        """The memory pool of every decoder's graphs, or None without graphs: that of a
+        one-kernel graph kept for the purpose, so that the pool stays live between calls and
+        each call's capture reuses its blocks (torch's allocators refuse to share a pool again
+        once every graph in it is gone, and a new pool per call would leave each call's blocks
+        reserved)."""
+        if not use_graph:
+            return None
+        if self.anchor is None:
+            counter = torch.zeros(1, device=device)
+            self.anchor = (capture(lambda: counter.add_(1)), counter)
+        return self.anchor[0].pool()
 
     @functools.cached_property
     def compiled(self):
@@ -415,7 +420,8 @@ class GraphDecoding:
             decoder = self.decoders[plan] = self.decoder_class(
                 self.model, plan, input_ids.device, eos, int(pad), suppress, use_graph,
                 self.attention, self.merged, self.nf4, self.compiled if compiled else None,
-                self.share_prompts, self.spans, self.kv_cache_dtype, self.graph_pool(use_graph))
+                self.share_prompts, self.spans, self.kv_cache_dtype,
+                self.graph_pool(use_graph, input_ids.device))
         with torch.no_grad():
             out = decoder.generate(input_ids, attention_mask, int(config.max_new_tokens), kwargs)
         if not self.keep:  # the static cache and the graph's memory go back to the allocator
