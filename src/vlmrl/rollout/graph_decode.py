@@ -424,7 +424,7 @@ class GraphDecoding:
                 self.graph_pool(use_graph, input_ids.device))
         with torch.no_grad():
             out = decoder.generate(input_ids, attention_mask, int(config.max_new_tokens), kwargs)
-        if not self.keep:  # the static cache and the graph's memory go back to the allocator
+        if not self.keep:  # the cache back to the allocator, the graph's blocks to the pool
             self.decoders.clear()
         return out
 
