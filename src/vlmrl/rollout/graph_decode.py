@@ -216,11 +216,8 @@ class GraphDecoder:
             if not self.use_graph:
                 self.step(span)
             elif graph is None:
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
+                with side_stream():
                     self.step(span)  # this step, run: warms up cuBLAS and the allocator
-                torch.cuda.current_stream().wait_stream(side)
                 # the next steps, captured (not run) and replayed from now on
                 graph = self.graphs[span] = capture(lambda: self.step(span), self.pool)
                 self.pool = graph.pool()
@@ -296,6 +293,17 @@ class GraphDecoder:
         return torch.cat([input_ids, tokens[:, :made]], dim=1)
 
 
+@contextlib.contextmanager
+def side_stream() -> Iterator[None]:
+    """Work on a new stream that starts after, and is waited for by, the current one (a
+    capture cannot run on the default stream)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        yield
+    torch.cuda.current_stream().wait_stream(side)
+
+
 def capture(step, pool=None) -> torch.cuda.CUDAGraph:
     """`step`'s kernels captured into a CUDA graph whose memory comes from `pool` (a graph's
     `pool()`; None: a new pool). `torch.cuda.graph` empties the allocator's caches (device
@@ -303,15 +311,12 @@ def capture(step, pool=None) -> torch.cuda.CUDAGraph:
     call: the blocks the training phases had cached went back to the driver each time, to be
     allocated again."""
     graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+    with side_stream():
         graph.capture_begin(pool=pool)
         try:
             step()
         finally:
             graph.capture_end()
-    torch.cuda.current_stream().wait_stream(side)
     return graph
 
 
@@ -377,7 +382,7 @@ class GraphDecoding:
         reserved)."""
         if not use_graph:
             return None
-        if self.anchor is None:
+        if self.anchor is None:  # the graph and the tensor its one kernel writes
             counter = torch.zeros(1, device=device)
             self.anchor = (capture(lambda: counter.add_(1)), counter)
         return self.anchor[0].pool()
