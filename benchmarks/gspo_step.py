@@ -922,6 +922,19 @@ def worker_env(knobs: dict[str, Any], baseline_src: Path | None) -> dict[str, st
     return env
 
 
+def check_timed_steps(config: str, knobs: dict[str, Any], steps: int) -> None:
+    """Refuse a number of timed steps that does not cover whole generation cycles: with one
+    generation for several optimizer steps, a window holding none of it (or part of its
+    steps) reports tokens/s that are not the configuration's."""
+    micro_batches = knobs["steps_per_generation"] * knobs.get("num_iterations", 1)
+    accumulation = knobs["gradient_accumulation_steps"]
+    if steps * accumulation % micro_batches:
+        cycle = micro_batches // math.gcd(micro_batches, accumulation)
+        raise SystemExit(f"--steps {steps}: {config} generates once every {micro_batches} "
+                         f"micro-batches ({accumulation} per optimizer step), so its timed "
+                         f"steps must be a multiple of {cycle}")
+
+
 def result_key(config: str, length: int, model: str = MODEL) -> str:
     key = f"{config}@{length}"
     return key if model == MODEL else f"{key}@{model.removeprefix('embedded:')}"
@@ -1442,6 +1455,7 @@ def main() -> int:
         if config not in CONFIGS:
             raise SystemExit(f"unknown config {config!r}; known: {', '.join(CONFIGS)}")
         worker_env(CONFIGS[config], args.baseline_src)  # a missing --baseline-src: before the setup
+        check_timed_steps(config, CONFIGS[config], args.steps)
     started = time.perf_counter()
     from vlmrl.models.embedded import ensure_embedded_model
 

@@ -1,0 +1,45 @@
+"""`benchmarks/gspo_step.py` times whole generation cycles: a configuration that generates once
+for two optimizer steps, timed over one, would report the tokens of no generation at all."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import load_benchmark
+
+
+@pytest.fixture(scope="module")
+def gspo_step():
+    return load_benchmark("gspo_step")
+
+
+def knobs(steps_per_generation: int, accumulation: int) -> dict:
+    return {"steps_per_generation": steps_per_generation,
+            "gradient_accumulation_steps": accumulation}
+
+
+@pytest.mark.parametrize(("steps_per_generation", "accumulation", "steps"),
+                         [(2, 2, 1), (4, 2, 2), (4, 2, 4), (4, 8, 1), (12, 4, 3)])
+def test_whole_generation_cycles_are_accepted(gspo_step, steps_per_generation, accumulation,
+                                              steps) -> None:
+    gspo_step.check_timed_steps("c", knobs(steps_per_generation, accumulation), steps)
+
+
+@pytest.mark.parametrize(("steps_per_generation", "accumulation", "steps", "cycle"),
+                         [(4, 2, 1, 2), (4, 2, 3, 2), (12, 4, 4, 3), (6, 4, 1, 3)])
+def test_part_of_a_cycle_is_refused_naming_the_param_and_the_cycle(
+        gspo_step, steps_per_generation, accumulation, steps, cycle) -> None:
+    with pytest.raises(SystemExit, match=rf"--steps {steps}: c .* a multiple of {cycle}$"):
+        gspo_step.check_timed_steps("c", knobs(steps_per_generation, accumulation), steps)
+
+
+def test_the_shipped_profile_timed_over_one_step_is_refused(gspo_step) -> None:
+    config = "gpu_profile_mb8_spg4_rows16"
+    with pytest.raises(SystemExit, match="multiple of 2"):
+        gspo_step.check_timed_steps(config, gspo_step.CONFIGS[config], 1)
+    gspo_step.check_timed_steps(config, gspo_step.CONFIGS[config], 2)
+
+
+def test_every_configuration_accepts_the_documented_runs_steps(gspo_step) -> None:
+    for config in ("unsloth_4bit", "gpu_profile_mb8_spg4_rows16", "gpu_profile_graph_fp8_before",
+                   "gpu_profile_graph_fp8_mb4_rolled_compiled_images"):
+        gspo_step.check_timed_steps(config, gspo_step.CONFIGS[config], 2)
