@@ -922,17 +922,28 @@ def worker_env(knobs: dict[str, Any], baseline_src: Path | None) -> dict[str, st
     return env
 
 
-def check_timed_steps(config: str, knobs: dict[str, Any], steps: int) -> None:
+def check_timed_steps(config: str, knobs: dict[str, Any], steps: int,
+                      num_iterations: int = 1) -> None:
     """Refuse a number of timed steps that does not cover whole generation cycles: with one
     generation for several optimizer steps, a window holding none of it (or part of its
-    steps) reports tokens/s that are not the configuration's."""
-    micro_batches = knobs["steps_per_generation"] * knobs.get("num_iterations", 1)
+    steps) reports tokens/s that are not the configuration's. `num_iterations`: the params'
+    `train.grpo.num_iterations` the run trains with (`grpo_num_iterations`)."""
+    micro_batches = knobs["steps_per_generation"] * num_iterations
     accumulation = knobs["gradient_accumulation_steps"]
     if steps * accumulation % micro_batches:
         cycle = micro_batches // math.gcd(micro_batches, accumulation)
         raise SystemExit(f"--steps {steps}: {config} generates once every {micro_batches} "
                          f"micro-batches ({accumulation} per optimizer step), so its timed "
                          f"steps must be a multiple of {cycle}")
+
+
+def grpo_num_iterations(knobs: dict[str, Any], baseline_src: Path | None) -> int:
+    """`train.grpo.num_iterations` of the params.yaml a worker for `knobs` reads
+    (`library_params`), read before the worker starts."""
+    import yaml
+
+    params = (baseline_src.parent if knobs.get("library") == "baseline" else ROOT) / "params.yaml"
+    return int(yaml.safe_load(params.read_text())["train"]["grpo"].get("num_iterations", 1))
 
 
 def result_key(config: str, length: int, model: str = MODEL) -> str:
@@ -1455,7 +1466,8 @@ def main() -> int:
         if config not in CONFIGS:
             raise SystemExit(f"unknown config {config!r}; known: {', '.join(CONFIGS)}")
         worker_env(CONFIGS[config], args.baseline_src)  # a missing --baseline-src: before the setup
-        check_timed_steps(config, CONFIGS[config], args.steps)
+        check_timed_steps(config, CONFIGS[config], args.steps,
+                          grpo_num_iterations(CONFIGS[config], args.baseline_src))
     started = time.perf_counter()
     from vlmrl.models.embedded import ensure_embedded_model
 

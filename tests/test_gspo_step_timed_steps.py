@@ -4,7 +4,8 @@ for two optimizer steps, timed over one, would report the tokens of no generatio
 from __future__ import annotations
 
 import pytest
-from conftest import load_benchmark
+import yaml
+from conftest import ROOT, load_benchmark
 
 
 @pytest.fixture(scope="module")
@@ -43,3 +44,20 @@ def test_every_configuration_accepts_the_documented_runs_steps(gspo_step) -> Non
     for config in ("unsloth_4bit", "gpu_profile_mb8_spg4_rows16", "gpu_profile_graph_fp8_before",
                    "gpu_profile_graph_fp8_mb4_rolled_compiled_images"):
         gspo_step.check_timed_steps(config, gspo_step.CONFIGS[config], 2)
+
+
+def test_each_generation_used_twice_doubles_the_cycle(gspo_step) -> None:
+    gspo_step.check_timed_steps("c", knobs(4, 2), 4, num_iterations=2)
+    with pytest.raises(SystemExit, match="multiple of 4$"):
+        gspo_step.check_timed_steps("c", knobs(4, 2), 2, num_iterations=2)
+
+
+def test_the_runs_num_iterations_come_from_the_params_it_reads(gspo_step, tmp_path) -> None:
+    (tmp_path / "src").mkdir()
+    (tmp_path / "params.yaml").write_text("train:\n  grpo:\n    num_iterations: 3\n")
+    before = gspo_step.CONFIGS["gpu_profile_graph_fp8_before"]
+    assert gspo_step.grpo_num_iterations(before, tmp_path / "src") == 3
+    shipped = gspo_step.CONFIGS["gpu_profile_mb8_spg4_rows16"]
+    repository = yaml.safe_load((ROOT / "params.yaml").read_text())["train"]["grpo"]
+    assert (gspo_step.grpo_num_iterations(shipped, tmp_path / "src")
+            == repository["num_iterations"])
