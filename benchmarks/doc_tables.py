@@ -57,6 +57,8 @@ TABLES: tuple[list[str], ...] = (
     gspo_step_block("h200x2-pool-8b", "gspo_step_h200x2_pool_8b", doc="{doc}"),
     gspo_step_block("speed-h200x2-pool-8b-again", "gspo_step_h200x2_pool_8b_again",
                     doc="{doc}"),
+    gspo_step_block("speed-h200x2-8b-four", "gspo_step_h200x2_8b_four", doc="{doc}"),
+    gspo_step_block("h200x2-8b-four", "gspo_step_h200x2_8b_four", doc="{doc}"),
     gspo_step_block("speed-h200", "gspo_step_h200x4_2b", "gspo_step_h200x4_8b", doc="{doc}"),
     gspo_step_block("speed-h200x2-side", "gspo_step_h200x2_side_2b", "gspo_step_h200x2_recipe_8b",
                     doc="{doc}"),
