@@ -907,6 +907,14 @@ def library_params() -> Path:
     return beside if beside.is_file() else ROOT / "params.yaml"
 
 
+def worker_params_file(knobs: dict[str, Any], baseline_src: Path | None) -> Path:
+    """The params.yaml a worker for `knobs` reads (`library_params` in the worker): the
+    baseline's own beside its src/, else the repository's."""
+    if knobs.get("library") == "baseline":
+        return baseline_src.parent / "params.yaml"
+    return ROOT / "params.yaml"
+
+
 def worker_env(knobs: dict[str, Any], baseline_src: Path | None) -> dict[str, str]:
     """The environment of a worker: the library of BASELINE_COMMIT first on the path for a
     configuration measured on it."""
@@ -914,7 +922,7 @@ def worker_env(knobs: dict[str, Any], baseline_src: Path | None) -> dict[str, st
     if knobs.get("library") != "baseline":
         return env
     if (baseline_src is None or not (baseline_src / "vlmrl").is_dir()
-            or not (baseline_src.parent / "params.yaml").is_file()):
+            or not worker_params_file(knobs, baseline_src).is_file()):
         raise SystemExit(f"--baseline-src must be the src/ of {BASELINE_COMMIT} (with vlmrl/ in "
                          f"it), with that commit's params.yaml beside it, not {baseline_src}")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(baseline_src.resolve()),
@@ -938,12 +946,12 @@ def check_timed_steps(config: str, knobs: dict[str, Any], steps: int,
 
 
 def grpo_num_iterations(knobs: dict[str, Any], baseline_src: Path | None) -> int:
-    """`train.grpo.num_iterations` of the params.yaml a worker for `knobs` reads
-    (`library_params`), read before the worker starts."""
+    """`train.grpo.num_iterations` of the params.yaml a worker for `knobs` reads, read before
+    the worker starts."""
     import yaml
 
-    params = (baseline_src.parent if knobs.get("library") == "baseline" else ROOT) / "params.yaml"
-    return int(yaml.safe_load(params.read_text())["train"]["grpo"].get("num_iterations", 1))
+    params = yaml.safe_load(worker_params_file(knobs, baseline_src).read_text())
+    return int(params["train"]["grpo"].get("num_iterations", 1))
 
 
 def result_key(config: str, length: int, model: str = MODEL) -> str:
