@@ -7,7 +7,7 @@ costs more than the model.
   suppressed tokens) against `vlmrl.models.sampling.TopKSampler`; the output layer's matmul beside
   them for scale;
 - per-token log-probabilities and entropy of 800 completion tokens (a GSPO step's 32 completions):
-  plain autograd over a log-softmax against `vlmrl.logprob_fallback`'s fused function, forward and
+  plain autograd over a log-softmax against `vlmrl.training.trainer.logprob_fallback`'s fused function, forward and
   backward.
 
     python benchmarks/cpu_kernels.py        # JSON: benchmarks/results/cpu_kernels.json
@@ -37,7 +37,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from vlmrl.logprob_fallback import TorchChunkedLogProb, _autograd_outputs
+from vlmrl.training.trainer.logprob_fallback import TorchChunkedLogProb, _autograd_outputs
 from vlmrl.models.sampling import SamplingSettings, TopKSampler
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,7 +125,7 @@ def render(results: dict) -> str:
         "| --- | ---: | ---: | ---: |",
         (f"| autograd over a log-softmax | {lp['autograd_forward_ms']} "
          f"| {lp['autograd_backward_ms']} | {lp['autograd_no_grad_ms']} |"),
-        (f"| `vlmrl.logprob_fallback` fused | {lp['fused_forward_ms']} | {lp['fused_backward_ms']} "
+        (f"| `vlmrl.training.trainer.logprob_fallback` fused | {lp['fused_forward_ms']} | {lp['fused_backward_ms']} "
          f"| {lp['fused_no_grad_ms']} |"),
     ])
 

@@ -1,5 +1,5 @@
 """Where a decode step's time goes: milliseconds per decode step of graph decoding
-(`vlmrl.rollout.graph_decode`) on the model with Qwen3-VL-2B's shapes, bf16 or NF4, LoRA r16 on the
+(`vlmrl.training.rollout.graph_decode`) on the model with Qwen3-VL-2B's shapes, bf16 or NF4, LoRA r16 on the
 7 projections (as `gspo_step.py`), for several row counts and both decode attentions ("model":
 transformers' SDPA with its `repeat_kv` copies; "grouped"), with the benchmark's prompts (the
 project's synthetic 512 px images, each prompt repeated 4 times as TRL does) and TRL's sampling
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gspo_step  # the benchmark's model, data and LoRA settings
 from doc_blocks import render_results, write_doc_block
 
-from vlmrl.rollout.nf4_decode import Tiles
+from vlmrl.training.rollout.nf4_decode import Tiles
 
 MODEL = gspo_step.MODEL  # --model: another embedded shape
 KV_CACHE_DTYPE = "auto"  # --kv-cache-dtype
@@ -51,7 +51,7 @@ def load(four_bit: bool):
 def prompts(processor, train_set: Path, rows: int) -> dict:
     from datasets import load_from_disk
 
-    from vlmrl.evaluation import render_prompt
+    from vlmrl.evaluation.evaluate import render_prompt
 
     dataset = load_from_disk(str(train_set))
     picked = [dataset[i] for i in range(rows // gspo_step.NUM_GENERATIONS)]
@@ -76,7 +76,7 @@ def ms_per_step(model, batch, attention: str, new_tokens: int, cache_len: int,
                 nf4_kernel: bool, compiled: bool, gaps: bool = False) -> tuple[float, float, dict]:
     """Milliseconds per decode step, the peak GiB allocated while decoding, and the replays'
     times (with `gaps`, their `replay_gaps` too)."""
-    from vlmrl.rollout.graph_decode import GraphDecoding
+    from vlmrl.training.rollout.graph_decode import GraphDecoding
 
     decoding = GraphDecoding(model=model, original=model.generate, attention=attention,
                              nf4_kernel=nf4_kernel, kv_cache_dtype=KV_CACHE_DTYPE)
@@ -169,7 +169,7 @@ def call_phases(model, batch, attention: str, new_tokens: int, cache_len: int, k
     synchronised: the prefill, the first decode step (with `keep` off, as the "graph" mode
     trains, a new cache and a new capture each call), and the rest; what the calls hold beyond
     the decode steps' replays."""
-    from vlmrl.rollout import graph_decode
+    from vlmrl.training.rollout import graph_decode
 
     records: list[dict[str, float]] = []
 
@@ -205,7 +205,7 @@ def kernels(model, batch, attention: str, cache_len: int, nf4_kernel: bool, comp
     holds beyond its kernels is the gaps between them."""
     from torch.profiler import ProfilerActivity, profile
 
-    from vlmrl.rollout.graph_decode import GraphDecoding
+    from vlmrl.training.rollout.graph_decode import GraphDecoding
 
     decoding = GraphDecoding(model=model, original=model.generate, attention=attention,
                              nf4_kernel=nf4_kernel, kv_cache_dtype=KV_CACHE_DTYPE)
@@ -304,8 +304,8 @@ def kernel_sweep(model, rows_list: list[int], bandwidth: float,
                  sweep: list[Tiles] = SWEEP) -> list[dict]:
     """Microseconds per `nf4_matmul` call (replayed in a CUDA graph of 20 calls) for each
     distinct projection shape, adapter on, per tile shape of `sweep`."""
-    from vlmrl.rollout.nf4_decode import PackedNF4, nf4_matmul
-    from vlmrl.rollout.nf4_projections import NF4Decode, _adapter
+    from vlmrl.training.rollout.nf4_decode import PackedNF4, nf4_matmul
+    from vlmrl.training.rollout.nf4_projections import NF4Decode, _adapter
 
     nf4 = NF4Decode(model)
     shapes = {}
@@ -349,7 +349,7 @@ EXTRA_COLUMNS = ("other kernels", "between kernels")
 
 def tiles_note(results: dict) -> str:
     """The decode tiles of a `--decode-tiles` run where they are not the shipped ones."""
-    from vlmrl.rollout.nf4_decode import TILES
+    from vlmrl.training.rollout.nf4_decode import TILES
 
     chosen = results.get("decode_tiles") or {}
     changed = [f"{name}={value}" for name, value in chosen.items()
@@ -512,9 +512,9 @@ def main() -> int:
                              "name=value, e.g. '128,4,3,4;128,pdl=1,xa_chunk=16'")
     parser.add_argument("--decode-tiles", type=parse_tiles, default=None,
                         help="one tile shape for the decode steps' NF4 kernel, as --tiles "
-                             "(default: vlmrl.rollout.nf4_decode.TILES)")
+                             "(default: vlmrl.training.rollout.nf4_decode.TILES)")
     parser.add_argument("--nf4-kernels", default="off,on",
-                        help="NF4 projections by bitsandbytes + PEFT (off) or vlmrl.rollout.nf4_decode (on)")
+                        help="NF4 projections by bitsandbytes + PEFT (off) or vlmrl.training.rollout.nf4_decode (on)")
     parser.add_argument("--nf4-groups", default="on",
                         help="q/k/v and gate/up in one NF4 launch each (on, the shipped "
                              "nf4_projections.GROUPS) or one launch per projection (off); both: on,off")
@@ -549,7 +549,7 @@ def main() -> int:
         return 0
     global MODEL, KV_CACHE_DTYPE
     MODEL, KV_CACHE_DTYPE = args.model, args.kv_cache_dtype
-    from vlmrl.rollout import nf4_decode, nf4_projections
+    from vlmrl.training.rollout import nf4_decode, nf4_projections
 
     shipped_groups = nf4_projections.GROUPS
     if args.decode_tiles:

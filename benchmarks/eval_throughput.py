@@ -1,4 +1,4 @@
-"""Time `vlmrl.evaluation.run_evaluation` on the params.yaml defaults (the embedded tiny Qwen3-VL).
+"""Time `vlmrl.evaluation.evaluate.run_evaluation` on the params.yaml defaults (the embedded tiny Qwen3-VL).
 
 Evaluation runs twice per pipeline (baseline and post) and generation dominates it, so this
 prints generated samples/s and tokens/s (generation only, as the metrics define them) next to
@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from vlmrl.evaluation import run_evaluation
+from vlmrl.evaluation.evaluate import run_evaluation
 from vlmrl.params import EvalParams, load_params
 
 ROOT = Path(__file__).resolve().parents[1]

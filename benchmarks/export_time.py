@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from vlmrl.export import run_export
+from vlmrl.export.exporter import run_export
 from vlmrl.params import Params, load_params
 
 
@@ -51,7 +51,7 @@ def random_adapter(params: Params, out: Path) -> Path:
 
 
 def prepared_eval_set(params: Params, out: Path) -> Path:
-    from vlmrl.data import load_raw_records, prepare, to_dataset
+    from vlmrl.data.prepare import load_raw_records, prepare, to_dataset
 
     settings = params.data
     to_dataset(prepare(load_raw_records(settings), settings).eval).save_to_disk(str(out))

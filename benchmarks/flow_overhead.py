@@ -17,8 +17,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from vlmrl.dvc_env import dvc_env
-from vlmrl.orchestration import load_pipeline_flow, repro_command
+from vlmrl.pipeline.dvc_env import dvc_env
+from vlmrl.pipeline.orchestration import load_pipeline_flow, repro_command
 
 
 def seconds(action: Callable[[], object], repeat: int) -> float:

@@ -116,8 +116,8 @@ def run_candidate(raw: dict[str, Any], train_set: Path, work: Path, name: str,
     import torch
 
     from vlmrl.params import Params
-    from vlmrl.sft import run_sft
-    from vlmrl.training import train
+    from vlmrl.training.sft import run_sft
+    from vlmrl.training.gspo import train
 
     params = Params(raw)
     result: dict[str, Any] = {"name": name}
@@ -188,7 +188,7 @@ def main() -> int:
     import yaml
     from test_stages_gpu import CONFIGS, MODEL, SMALL
 
-    from vlmrl.data import load_raw_records, prepare, to_dataset
+    from vlmrl.data.prepare import load_raw_records, prepare, to_dataset
     from vlmrl.models.embedded import ensure_embedded_model
     from vlmrl.params import Params
 

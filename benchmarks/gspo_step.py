@@ -1,7 +1,7 @@
 """Seconds per GSPO optimizer step, generated tokens per second and peak GPU memory, per training
 configuration, on a random-init model with Qwen3-VL-2B's real shapes (`embedded:qwen3-vl-2b-shape`)
-and the project's own data (512 px synthetic charts, tables and geometry from vlmrl.synth through
-vlmrl.data.prepare).
+and the project's own data (512 px synthetic charts, tables and geometry from vlmrl.data.synth through
+vlmrl.data.prepare.prepare).
 
 Every configuration does the same work per optimizer step: 16 completions of `--lengths` tokens
 (4 prompts x 4 generations), LoRA r16/alpha16 on the language model's 7 projections, gradient
@@ -25,7 +25,7 @@ Configurations (`CONFIGS`):
   gpu_profile_vllm    the same with TRL's vLLM colocate generation in place of HF generate; only
                       where vllm is installed (recorded as skipped elsewhere)
 
-The trainer is built by the train_gspo stage's own code (vlmrl.training.make_trainer), so compiled
+The trainer is built by the train_gspo stage's own code (vlmrl.training.gspo.make_trainer), so compiled
 decoding and generation in chunks are switched on exactly as the stage does. TRL switches gradient
 checkpointing off around generation (`unwrap_model_for_generation`), so generate keeps its KV
 cache; every run still records whether transformers ever logged that it dropped the cache under
@@ -41,7 +41,7 @@ what fits a 24 GB GPU; such runs are keyed `config@length@qwen3-vl-8b-shape` and
 `peak_device_gib` adds what the process holds beside PyTorch's pool (CUDA context, kernels).
 
 Each run also records, per optimizer step (`per_step`, from TRL's log through
-vlmrl.train_logs.step_log_rows), whether GSPO acted: reward and reward std, the share of groups
+vlmrl.training.trainer.logs.step_log_rows), whether GSPO acted: reward and reward std, the share of groups
 whose rewards all tie (`frac_reward_zero_std`; their advantage is 0), grad norm, and the clip
 ratio (`clip_ratio_region_mean`, with its `_low_mean` and `_high_mean` parts). TRL logs the
 reward fields only on steps that generate, and a clip ratio of 0 on on-policy steps. On the
@@ -149,12 +149,12 @@ CONFIGS["gpu_profile_vllm"] = {"backend": "transformers", "load_in_4bit": False,
                                "compile": False, "vllm": True}
 VLLM_SETTINGS = {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3,
                  "vllm_enable_sleep_mode": True}
-# The decode step in one CUDA graph (train.graph_decoding, vlmrl.rollout.graph_decode):
+# The decode step in one CUDA graph (train.graph_decoding, vlmrl.training.rollout.graph_decode):
 # "graph" on the profile's batch shape (NF4, 16 rows per generate call: the memory profile) and in
 # bf16 with all 32 rows of a generation in one call; "merged" (the adapter folded into bf16
 # copies of the weights for decoding) with 32 rows: the speed profile. "compile": the decode
 # step's forward pass under torch.compile inside the graph.
-# "expandable_segments": train.expandable_segments (vlmrl.launch.use_expandable_segments).
+# "expandable_segments": train.expandable_segments (vlmrl.distributed.launch.use_expandable_segments).
 CONFIGS["gpu_profile_graph"] = {**profile_candidate(8, 4, 16), "compile": True, "graph": "graph",
                                 "expandable_segments": True}
 CONFIGS["gpu_profile_graph_cached_segments"] = {**CONFIGS["gpu_profile_graph"],
@@ -164,7 +164,7 @@ CONFIGS["gpu_profile_graph_bf16"] = {**profile_candidate(8, 4), "load_in_4bit": 
                                      "compile": True, "graph": "graph"}
 CONFIGS["gpu_profile_graph_merged"] = {**CONFIGS["gpu_profile_graph_bf16"], "graph": "merged"}
 # All 32 rows of a generation in one call: the static cache twice as large in bf16 ("rows32"), or
-# the same size in float8 (train.kv_cache_dtype fp8, vlmrl.rollout.decode_attention).
+# the same size in float8 (train.kv_cache_dtype fp8, vlmrl.training.rollout.decode_attention).
 CONFIGS["gpu_profile_graph_rows32"] = {**CONFIGS["gpu_profile_graph"], "max_generation_rows": 32}
 CONFIGS["gpu_profile_graph_fp8"] = {**CONFIGS["gpu_profile_graph_rows32"],
                                     "kv_cache_dtype": "fp8"}
@@ -176,13 +176,13 @@ CONFIGS["gpu_profile_graph_fp8_mb4"] = {**CONFIGS["gpu_profile_graph_fp8"],
                                         "gradient_accumulation_steps": 4,
                                         "steps_per_generation": 8}
 # The float8 profiles with the training forward's rows rolled, causal SDPA without a padding mask
-# (train.training_attention rolled, vlmrl.training_attention).
+# (train.training_attention rolled, vlmrl.training.trainer.attention).
 CONFIGS["gpu_profile_graph_fp8_rolled"] = {**CONFIGS["gpu_profile_graph_fp8"],
                                            "training_attention": "rolled"}
 CONFIGS["gpu_profile_graph_fp8_mb4_rolled"] = {**CONFIGS["gpu_profile_graph_fp8_mb4"],
                                                "training_attention": "rolled"}
 # The float8 profiles with the text decoder layers compiled for training (train.compile_layers,
-# vlmrl.compiled_layers); with the rows rolled too, each layer is still one compiled graph (the
+# vlmrl.training.trainer.compiled_layers); with the rows rolled too, each layer is still one compiled graph (the
 # rows' runs come from the mask function).
 for _name in ("gpu_profile_graph_fp8", "gpu_profile_graph_fp8_mb4", "gpu_profile_graph_fp8_rolled",
               "gpu_profile_graph_fp8_mb4_rolled"):
@@ -212,7 +212,7 @@ RECIPE_VARIANTS = {
     # reentrant gradient checkpointing (train.grpo.gradient_checkpointing_kwargs): a layer's
     # first forward without autograd, no saved-tensor hooks on the host
     "reentrant": {"gradient_checkpointing_kwargs": {"use_reentrant": True}},
-    # the compiled layers' NF4 projections through vlmrl.nf4_linear
+    # the compiled layers' NF4 projections through vlmrl.training.trainer.nf4_linear
     # (`train.nf4_linears`), with reentrant checkpointing and without
     "nf4_linears": {"nf4_linears": True},
     "reentrant_nf4_linears": {"gradient_checkpointing_kwargs": {"use_reentrant": True},
@@ -245,7 +245,7 @@ STEP_FIELDS = ("reward", "reward_std", "frac_reward_zero_std", "grad_norm",
 
 def prepare_train_set(out_dir: Path, size: int, image_size: int = 512) -> Path:
     """The project's synthetic set through prepare_data's own functions, saved like the stage."""
-    from vlmrl.data import load_raw_records, prepare, to_dataset
+    from vlmrl.data.prepare import load_raw_records, prepare, to_dataset
     from vlmrl.params import DataParams
 
     target = out_dir / f"train-{size}-{image_size}"
@@ -347,7 +347,7 @@ def bandwidth_fraction(run: dict[str, Any], bandwidth: float | None) -> float | 
 
 def max_prompt_tokens(dataset, processor) -> int:
     """The longest prompt (chat template + image tokens) in the set."""
-    from vlmrl.evaluation import render_prompt
+    from vlmrl.evaluation.evaluate import render_prompt
 
     longest = 0
     for row in dataset:
@@ -450,7 +450,7 @@ class MemoryPeaks:
 def per_step_fields(log_history: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per optimizer step (TRL logs `loss` on each) with the STEP_FIELDS it logged;
     a field TRL did not log on that step is left out."""
-    from vlmrl.train_logs import step_log_rows
+    from vlmrl.training.trainer.logs import step_log_rows
 
     return [{"step": row["step"], **{key: row[key] for key in STEP_FIELDS if key in row}}
             for row in step_log_rows(log_history) if "loss" in row]
@@ -710,7 +710,7 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
            profile_host: bool = False, profile_training_host: bool = False) -> dict[str, Any]:
     knobs = CONFIGS[config_name]
     if knobs.get("vllm"):
-        from vlmrl.training import vllm_installed
+        from vlmrl.training.gspo import vllm_installed
 
         if not vllm_installed():
             return {"config": config_name, "completion_length": length,
@@ -720,12 +720,12 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
     from datasets import load_from_disk
     from transformers import TrainerCallback
 
-    from vlmrl.launch import use_expandable_segments
+    from vlmrl.distributed.launch import use_expandable_segments
     from vlmrl.models.loading import load_policy
     from vlmrl.params import LoraParams, ModelParams, load_params
-    from vlmrl.rewards import build_rewards
-    from vlmrl.rollout.generation import rollout_class
-    from vlmrl.training import build_grpo_config, make_trainer
+    from vlmrl.rewards.functions import build_rewards
+    from vlmrl.training.rollout.generation import rollout_class
+    from vlmrl.training.gspo import build_grpo_config, make_trainer
 
     # before anything initialises CUDA (building the GRPO config does): torch reads it then
     use_expandable_segments(knobs.get("expandable_segments", False))
@@ -787,7 +787,7 @@ def worker(config_name: str, length: int, warmup: int, steps: int, train_set: Pa
                     "peak_reserved_gib": _peak_gib("reserved")}))
 
     if "decode_tiles" in knobs:  # the NF4 decode kernel's tiles of an earlier commit
-        from vlmrl.rollout import nf4_decode
+        from vlmrl.training.rollout import nf4_decode
 
         nf4_decode.TILES = nf4_decode.Tiles(**knobs["decode_tiles"])
     trainer = make_trainer(model, processor, config, dataset, reward_funcs,
@@ -1436,7 +1436,7 @@ def main() -> int:
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--others-bytes", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    from vlmrl.launch import keep_one_gpu, visible_gpus
+    from vlmrl.distributed.launch import keep_one_gpu, visible_gpus
 
     # each run trains in one process: on a host with several GPUs, on the first (before torch
     # initialises CUDA; the workers inherit it), as the train_gspo stage does with one process

@@ -1,4 +1,4 @@
-"""Registers per thread of the NF4 decode kernel (`vlmrl.rollout.nf4_kernels.nf4_lora_matmul`),
+"""Registers per thread of the NF4 decode kernel (`vlmrl.training.rollout.nf4_kernels.nf4_lora_matmul`),
 compiled ahead of time for an H100 (sm_90) by this machine's Triton and its ptxas: no GPU needed.
 
 Why: the kernel is bound by the latency of its steps more than by bytes (docs/benchmarks.md), and
@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 from doc_blocks import render_results, write_doc_block
 
-from vlmrl.rollout import nf4_decode
-from vlmrl.rollout.nf4_decode import TILES, PackedNF4, Tiles
+from vlmrl.training.rollout import nf4_decode
+from vlmrl.training.rollout.nf4_decode import TILES, PackedNF4, Tiles
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {"qwen3-vl-2b-shape": [(2048, 2048), (1024, 2048), (6144, 2048), (2048, 6144)],
@@ -88,7 +88,7 @@ def recorded_launch(out_features: int, in_features: int, tiles: Tiles) -> tuple[
 
 
 def kernel_named(name: str):
-    from vlmrl.rollout import nf4_kernels
+    from vlmrl.training.rollout import nf4_kernels
 
     return getattr(nf4_kernels, name)
 

@@ -1,4 +1,4 @@
-"""Microseconds per NF4 projection call of the decode step (`vlmrl.rollout.nf4_decode`), per tile
+"""Microseconds per NF4 projection call of the decode step (`vlmrl.training.rollout.nf4_decode`), per tile
 shape, on the projections a decode step of the 2B and 8B shapes calls (q/k/v and gate/up as one
 group each, o, down), 32 rows, nested block scales and a rank-16 adapter, as the GSPO profiles
 run them.
@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from doc_blocks import read_results, write_doc_block
 
-from vlmrl.rollout.nf4_decode import PackedNF4, Tiles
+from vlmrl.training.rollout.nf4_decode import PackedNF4, Tiles
 
 ROOT = Path(__file__).resolve().parents[1]
 # (name, output widths of the group, input width) per decoder layer, and the layers
@@ -83,7 +83,7 @@ VARIANTS["fp16 parts bf16"] = dataclasses.replace(SHIPPED, partials="bfloat16")
 def random_group(widths: tuple[int, ...], in_features: int) -> tuple[list[PackedNF4], list]:
     """Random packed NF4 weights with nested block scales (as bitsandbytes' double quantization
     stores them) side by side, and an adapter each."""
-    from vlmrl.rollout.nf4_decode import side_by_side
+    from vlmrl.training.rollout.nf4_decode import side_by_side
 
     weights, loras = [], []
     for width in widths:
@@ -103,7 +103,7 @@ def random_group(widths: tuple[int, ...], in_features: int) -> tuple[list[Packed
 def time_group(copies: list, x: torch.Tensor, tiles: Tiles, replays: int = 10) -> float:
     """Microseconds per call, from a CUDA graph that calls once per copy, replayed: the kernels
     on x as `fp16_rows` gives it, which the decode step computes in the kernel before them."""
-    from vlmrl.rollout.nf4_decode import fp16_rows, nf4_rows_matmul
+    from vlmrl.training.rollout.nf4_decode import fp16_rows, nf4_rows_matmul
 
     x16, row_up = fp16_rows(x, tiles, copies[0][0][0].blocksize)
     for weights, loras in copies[:2]:
@@ -127,7 +127,7 @@ def time_group(copies: list, x: torch.Tensor, tiles: Tiles, replays: int = 10) -
 
 
 def measure(variants: dict[str, Tiles]) -> dict:
-    from vlmrl.rollout.nf4_decode import nf4_group_matmul
+    from vlmrl.training.rollout.nf4_decode import nf4_group_matmul
 
     results = {"device": torch.cuda.get_device_name(0), "rows": ROWS, "rank": RANK,
                "variants": {name: dataclasses.asdict(tiles) for name, tiles in variants.items()},

@@ -89,7 +89,7 @@ class Probe(TrainerCallback):
 
 def probe_seed(seed: int, overrides: dict[str, Any], workdir: Path) -> dict[str, Any]:
     from vlmrl.params import load_params
-    from vlmrl.training import train
+    from vlmrl.training.gspo import train
 
     repo = copy_project(workdir / f"seed-{seed}", {**dict.fromkeys(SEED_KEYS, seed),
                                                    **overrides})

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from doc_blocks import render_results, write_doc_block
 
-from vlmrl.dvc_env import dvc_env
+from vlmrl.pipeline.dvc_env import dvc_env
 
 # The tests' copy of the project (tests/project_repo.py), so the benchmark times the repo they use.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -60,7 +60,7 @@ def timed_cached_flow(repo: Path) -> dict:
     """The Prefect flow over an all-cached pipeline, timed after the test server is up."""
     from prefect.testing.utilities import prefect_test_harness
 
-    from vlmrl.orchestration import load_pipeline_flow
+    from vlmrl.pipeline.orchestration import load_pipeline_flow
 
     pipeline = load_pipeline_flow(repo)
     with prefect_test_harness(server_startup_timeout=120):

@@ -1,5 +1,5 @@
 """GSPO training on 1 and 2 GPUs: tokens per second, seconds per optimizer step by phase and rank,
-and per-GPU peak memory, through the train_gspo stage's own `vlmrl.training.train`.
+and per-GPU peak memory, through the train_gspo stage's own `vlmrl.training.gspo.train`.
 
 Runs (`RUNS`, chosen with `--runs`):
 
@@ -14,7 +14,7 @@ Runs (`RUNS`, chosen with `--runs`):
                is installed): per-GPU peak memory against one GPU's
 
 Each run is a fresh process group: the one-process runs in a process that sees the first GPU
-alone (what `auto` does on one GPU), the others under `accelerate launch` (vlmrl.launch), each
+alone (what `auto` does on one GPU), the others under `accelerate launch` (vlmrl.distributed.launch), each
 process on its own GPU. Every process records, per optimizer step, the seconds of each phase
 (generation, old log-probabilities, the loss's forward, the backward, waiting for the slower rank)
 with the device synchronised around each, and its generated tokens. The all-reduce of the LoRA
@@ -248,10 +248,10 @@ def memory_record() -> dict[str, float | None]:
 
 
 def worker(args: argparse.Namespace) -> None:
-    """One process of run `args.worker`: trains through vlmrl.training.train with the recorder
+    """One process of run `args.worker`: trains through vlmrl.training.gspo.train with the recorder
     attached and writes its record to `<result-dir>/rank<RANK>.json`."""
-    from vlmrl import training
-    from vlmrl.launch import die_with_launcher, process_index
+    from vlmrl.training import gspo as training
+    from vlmrl.distributed.launch import die_with_launcher, process_index
     from vlmrl.params import Params
 
     die_with_launcher()  # a run stopped at its time limit takes its workers with it
@@ -270,7 +270,7 @@ def worker(args: argparse.Namespace) -> None:
     work = Path(tempfile.mkdtemp(prefix=f"scaling-{args.worker}-"))
     record: dict[str, Any] = {"rank": rank}
     try:
-        from vlmrl.launch import use_expandable_segments
+        from vlmrl.distributed.launch import use_expandable_segments
 
         use_expandable_segments(Params(raw).train.expandable_segments)  # before CUDA starts
         import torch
@@ -524,7 +524,7 @@ def run_command(name: str, raw: dict[str, Any], argv: list[str], smoke: bool
                 ) -> tuple[list[str], dict[str, str]]:
     """The command and environment of run `name`: this script's worker, in one process or under
     `accelerate launch` with the run's strategy."""
-    from vlmrl.launch import DistributedParams, Launch, config_for, launch_command, worker_env
+    from vlmrl.distributed.launch import DistributedParams, Launch, config_for, launch_command, worker_env
 
     settings = DistributedParams.from_params(raw["train"]["distributed"])
     if settings.num_processes == 1:

@@ -1,4 +1,4 @@
-"""Time `vlmrl.scoring.score` over every MathVista testmini record.
+"""Time `vlmrl.rewards.scoring.score` over every MathVista testmini record.
 
 The correctness reward runs the scorer on every completion of every RL step,
 so it must stay far cheaper than generation; this prints records/second for a
@@ -14,7 +14,7 @@ import json
 import time
 from pathlib import Path
 
-from vlmrl.scoring import score
+from vlmrl.rewards.scoring import score
 
 DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "mathvista" / "testmini.json"
 

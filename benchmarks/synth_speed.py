@@ -1,4 +1,4 @@
-"""Time `vlmrl.synth.generate` (and, optionally, `save`).
+"""Time `vlmrl.data.synth.generate` (and, optionally, `save`).
 
 Offline runs render their whole training set before the first RL step, so the
 generator must stay at a few seconds for a few hundred items; this prints
@@ -13,7 +13,7 @@ import argparse
 import tempfile
 import time
 
-from vlmrl.synth import generate, save
+from vlmrl.data.synth import generate, save
 
 
 def main() -> None:

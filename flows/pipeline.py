@@ -5,7 +5,7 @@ decides what is stale, so each task runs its stage through `dvc repro` and Prefe
 off. Param overrides become one DVC experiment (`dvc exp run -S`) instead of edits to params.yaml.
 Run once with `vlmrl run`, on a schedule with `vlmrl schedule --cron "0 3 * * *"` (served there), or
 by a worker on the GPU machine with `vlmrl schedule --pool gpu` (docs/prefect.md); those commands
-set the project's offline defaults for Prefect (`vlmrl.orchestration.set_offline_defaults`) before
+set the project's offline defaults for Prefect (`vlmrl.pipeline.orchestration.set_offline_defaults`) before
 Prefect is imported. Importing this file from Python imports Prefect with the environment as it is.
 """
 
@@ -17,7 +17,7 @@ from prefect import Task, flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from vlmrl.orchestration import (
+from vlmrl.pipeline.orchestration import (
     PipelineReport,
     StageReport,
     resolve_repo,

@@ -1,10 +1,10 @@
 """DVC stages baseline_eval and post_eval: score the base model, or the model with the trained
 adapter, on the prepared eval set; post also writes the before/after report.
 
-Thin on purpose: the work is in vlmrl.evaluation and vlmrl.eval_report. Where `eval.num_processes`
+Thin on purpose: the work is in vlmrl.evaluation.evaluate and vlmrl.evaluation.report. Where `eval.num_processes`
 resolves to more than one (`auto`: one per GPU, on a host with several) the script relaunches itself
-under `accelerate launch` (vlmrl.launch); rank 0 writes. The decision comes before torch is imported
-(vlmrl.evaluation imports it), so one process on a host with several GPUs keeps to one of them.
+under `accelerate launch` (vlmrl.distributed.launch); rank 0 writes. The decision comes before torch is imported
+(vlmrl.evaluation.evaluate imports it), so one process on a host with several GPUs keeps to one of them.
 Stale outputs are removed first and every output appears atomically, so a failed run leaves none
 behind for DVC to trust.
 """
@@ -16,10 +16,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from vlmrl.answer_format import answer_format
+from vlmrl.rewards.answer_format import answer_format
 from vlmrl.errors import run_stage
-from vlmrl.eval_report import comparison_metrics, find_flips, read_records, write_report
-from vlmrl.launch import (
+from vlmrl.evaluation.report import comparison_metrics, find_flips, read_records, write_report
+from vlmrl.distributed.launch import (
     die_with_launcher,
     evaluation_launch,
     evaluation_plan,
@@ -27,7 +27,7 @@ from vlmrl.launch import (
     launched_worker,
     run_launched,
 )
-from vlmrl.metric_files import category_rows, write_stage_metrics
+from vlmrl.reporting.metrics import category_rows, write_stage_metrics
 from vlmrl.outputs import (
     atomic_dir,
     remove_outputs,
@@ -106,7 +106,7 @@ def write_post_report(args: argparse.Namespace, records: list[dict[str, Any]],
 
 
 def evaluate(args: argparse.Namespace, params: Params) -> dict[str, Any] | None:
-    from vlmrl.evaluation import run_evaluation  # torch: once the GPUs are chosen
+    from vlmrl.evaluation.evaluate import run_evaluation  # torch: once the GPUs are chosen
     from vlmrl.models.loading import starting_adapter
 
     if args.mode == "post":

@@ -2,7 +2,7 @@
 Q4_K_M and the vision projector) and check every artifact against the one before it. (The model
 card is the upload stage's, so that an eval rerun never reruns the export.)
 
-Thin on purpose: the work is in vlmrl.export and vlmrl.gguf_tools. Stale outputs are removed
+Thin on purpose: the work is in vlmrl.export.exporter and vlmrl.export.gguf. Stale outputs are removed
 first; the merged model, the GGUF files and the metrics appear only when every check passed.
 """
 
@@ -12,8 +12,8 @@ import argparse
 from pathlib import Path
 
 from vlmrl.errors import run_stage
-from vlmrl.export import run_export
-from vlmrl.metric_files import write_stage_metrics
+from vlmrl.export.exporter import run_export
+from vlmrl.reporting.metrics import write_stage_metrics
 from vlmrl.outputs import stage_outputs
 from vlmrl.params import load_params
 

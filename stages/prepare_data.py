@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from vlmrl.answer_format import answer_format
-from vlmrl.data import (
+from vlmrl.rewards.answer_format import answer_format
+from vlmrl.data.prepare import (
     data_summary,
     load_raw_records,
     prepare,
@@ -16,7 +16,7 @@ from vlmrl.data import (
     to_dataset,
 )
 from vlmrl.errors import run_stage
-from vlmrl.metric_files import write_stage_metrics
+from vlmrl.reporting.metrics import write_stage_metrics
 from vlmrl.outputs import atomic_dir, stage_outputs, write_text_atomic
 from vlmrl.params import load_params
 

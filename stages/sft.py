@@ -1,9 +1,9 @@
-"""sft_cold_start: prime the answer format with TRL's SFTTrainer before GSPO (vlmrl.sft); writes
+"""sft_cold_start: prime the answer format with TRL's SFTTrainer before GSPO (vlmrl.training.sft); writes
 the starting LoRA adapter that baseline_eval applies and train_gspo continues.
 
 Like train_gspo, where `train.distributed` resolves to several processes (by default one per
 GPU, on a host with several) the script relaunches itself under `accelerate launch`
-(vlmrl.launch) and rank 0 alone writes; the decision comes before torch is imported. A
+(vlmrl.distributed.launch) and rank 0 alone writes; the decision comes before torch is imported. A
 pass-through SFT (nothing to train) always runs in this process."""
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ import argparse
 from pathlib import Path
 
 from vlmrl.errors import run_stage
-from vlmrl.launch import (
+from vlmrl.distributed.launch import (
     die_with_launcher,
     is_main_process,
     launch_stage_workers,
     launched_worker,
     training_plan,
 )
-from vlmrl.metric_files import write_stage_metrics
+from vlmrl.reporting.metrics import write_stage_metrics
 from vlmrl.outputs import stage_outputs, write_json_atomic
 from vlmrl.params import load_params
 
@@ -49,7 +49,7 @@ def main() -> int:
                 return launch_stage_workers(plan, mixed_precision(params.sft.args, params.model),
                                             __file__, outputs)
         die_with_launcher()
-        from vlmrl.sft import run_sft  # torch: once the GPUs are chosen
+        from vlmrl.training.sft import run_sft  # torch: once the GPUs are chosen
 
         summary = run_sft(train_set=args.train_set, params=params, out=args.out, log=args.log)
         if summary is not None:

@@ -1,8 +1,8 @@
 """train_gspo: LoRA on the language model with TRL's GRPOTrainer in GSPO mode.
 
 Where `train.distributed` resolves to several processes (by default one per GPU, on a host with
-several) the script relaunches itself under `accelerate launch` (vlmrl.launch) and rank 0 alone
-writes the outputs. The decision comes before torch is imported (vlmrl.training imports it), so
+several) the script relaunches itself under `accelerate launch` (vlmrl.distributed.launch) and rank 0 alone
+writes the outputs. The decision comes before torch is imported (vlmrl.training.gspo imports it), so
 a run in this process on a host with several GPUs can still keep to one of them."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 from vlmrl.errors import run_stage
-from vlmrl.launch import (
+from vlmrl.distributed.launch import (
     die_with_launcher,
     is_main_process,
     launch_stage_workers,
@@ -20,7 +20,7 @@ from vlmrl.launch import (
     training_plan,
     use_expandable_segments,
 )
-from vlmrl.metric_files import write_stage_metrics
+from vlmrl.reporting.metrics import write_stage_metrics
 from vlmrl.outputs import atomic_dir, stage_outputs, write_json_atomic
 from vlmrl.params import load_params
 
@@ -60,7 +60,7 @@ def main() -> int:
             return launch_stage_workers(plan, mixed_precision(params.train.grpo, params.model),
                                         __file__, outputs)
         die_with_launcher()
-        from vlmrl.training import LiveOutputs, train  # torch: once the GPUs are chosen
+        from vlmrl.training.gspo import LiveOutputs, train  # torch: once the GPUs are chosen
 
         result = train(train_set=args.train_set, params=params, adapter_out=args.out,
                        checkpoints=args.checkpoints, sft_out=args.start_adapter,
@@ -77,8 +77,8 @@ def main() -> int:
 
 
 def write_outputs(args: argparse.Namespace, result) -> None:
-    """`result`: vlmrl.training.TrainResult."""
-    from vlmrl.training import plot_training_curves
+    """`result`: vlmrl.training.gspo.TrainResult."""
+    from vlmrl.training.gspo import plot_training_curves
 
     with atomic_dir(args.completions) as staging:
         for parquet in sorted(result.completions_dir.glob("*.parquet")):

@@ -12,7 +12,7 @@ import argparse
 from pathlib import Path
 
 from vlmrl.errors import run_stage
-from vlmrl.metric_files import write_stage_metrics
+from vlmrl.reporting.metrics import write_stage_metrics
 from vlmrl.outputs import stage_outputs, write_json_atomic, write_text_atomic
 from vlmrl.params import load_params
 from vlmrl.publish import S3Location, UploadResult, params_hash, publish

@@ -1,7 +1,7 @@
 """DVC stage verify_lora: fail the pipeline on an adapter that is untrained, mis-configured or
 adapts the vision tower, before it is merged, exported and published.
 
-Thin on purpose: the checks are in vlmrl.verify. The metrics file is written only when every
+Thin on purpose: the checks are in vlmrl.verification.lora. The metrics file is written only when every
 check passes; on a failure the findings are printed and the stage exits 1 with no output.
 """
 
@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 
 from vlmrl.errors import run_stage
-from vlmrl.metric_files import write_stage_metrics
+from vlmrl.reporting.metrics import write_stage_metrics
 from vlmrl.outputs import stage_outputs
 from vlmrl.params import load_params
-from vlmrl.verify import report_summary, verify_adapter
+from vlmrl.verification.lora import report_summary, verify_adapter
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -88,7 +88,7 @@ def train_set(tmp_path_factory):
     that build a trainer in process."""
     from datasets import load_from_disk
 
-    from vlmrl.data import load_raw_records, prepare, to_dataset
+    from vlmrl.data.prepare import load_raw_records, prepare, to_dataset
     from vlmrl.params import DataParams
 
     root = tmp_path_factory.mktemp("train-set")
@@ -133,7 +133,7 @@ def interpreted_kernel(monkeypatch):
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton's interpreter is off (a GPU is present): tests/gpu cover the kernel")
-    from vlmrl.rollout import nf4_decode
+    from vlmrl.training.rollout import nf4_decode
 
     monkeypatch.setattr(nf4_decode, "_sm_count", lambda device: 4)
     return nf4_decode

@@ -33,7 +33,7 @@ import pytest
 from project_repo import dvc_env
 from s3_server import free_port
 
-from vlmrl.orchestration import OFFLINE_DEFAULTS
+from vlmrl.pipeline.orchestration import OFFLINE_DEFAULTS
 
 FINAL_STATES = frozenset({"COMPLETED", "FAILED", "CRASHED", "CANCELLED"})
 # Prefect's runner and worker poll every 10 s by default; the tests do not need to wait that long.

@@ -2,7 +2,7 @@
 touching the checkout, so they work on a fresh copy of the project's pipeline files.
 
 Imported by tests/conftest.py, and by benchmarks/pipeline.py with tests/ put on sys.path. The
-environment stages run in is `vlmrl.dvc_env`'s: the package's own runs need it too.
+environment stages run in is `vlmrl.pipeline.dvc_env`'s: the package's own runs need it too.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from vlmrl.dvc_env import dvc_env
+from vlmrl.pipeline.dvc_env import dvc_env
 
 PROJECT_FILES = ("dvc.yaml", "params.yaml", "pyproject.toml", "README.md", ".gitignore", ".dvcignore")
 # data/local: the default data.path, a dependency of prepare_data that must exist

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from vlmrl.answer_format import DEFAULT_FORMAT, AnswerFormat, AnswerFormatParams, answer_format
+from vlmrl.rewards.answer_format import DEFAULT_FORMAT, AnswerFormat, AnswerFormatParams, answer_format
 from vlmrl.params import ParamsError
-from vlmrl.rewards import build_rewards, score_completion
-from vlmrl.scoring import extract_solution, format_ok, score
-from vlmrl.sft import sft_completion
+from vlmrl.rewards.functions import build_rewards, score_completion
+from vlmrl.rewards.scoring import extract_solution, format_ok, score
+from vlmrl.training.sft import sft_completion
 
 GSM8K = {"reasoning_tags": ["<THINK>", "</THINK>"], "solution_tags": ["<SOLUTION>", "</SOLUTION>"],
          "format_bonus": 0.5,

@@ -1,11 +1,10 @@
-"""The package's floors, read from the source with `ast` (nothing is imported): no import circle
-between vlmrl modules, no import from a floor above, the stage modules do not import each other,
-and the modules that must start fast never reach a torch-bound module.
+"""The packages of `vlmrl`, read from the source with `ast` (nothing is imported): which package
+may import which (docs/architecture.md is the map), no import circle between modules, the stage
+packages do not import each other, and the modules that must start fast never reach torch.
 
 Every import counts, function-local ones too (they run sooner or later), except those under
-`if TYPE_CHECKING:`. A module belongs to the floor of its longest listed prefix, so a new
-subpackage (`vlmrl.synth.canvas`) sits where its package (`vlmrl.synth`) is listed; a module on
-no floor fails the first test until it is listed."""
+`if TYPE_CHECKING:`. A module belongs to its package (the folder under `src/vlmrl`), or is one
+of the few modules at the root, which every package may use."""
 
 from __future__ import annotations
 
@@ -17,29 +16,43 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
-# Lowest first. A module may import its own floor and the floors below it.
-FLOORS: dict[str, tuple[str, ...]] = {
-    "ground": ("vlmrl.errors", "vlmrl.checkpoints", "vlmrl.params", "vlmrl.params_checks", "vlmrl.answer_format", "vlmrl.outputs", "vlmrl.cache", "vlmrl.checks",
-               "vlmrl.timing", "vlmrl.prompts", "vlmrl.scoring", "vlmrl.rewards", "vlmrl.text_rewards", "vlmrl.synth",
-               "vlmrl.data", "vlmrl.data_columns", "vlmrl.data_sources", "vlmrl.gguf_tools", "vlmrl.merged_weights", "vlmrl.eval_report",
-               "vlmrl.train_logs", "vlmrl.chunked_generation",
-               "vlmrl.logprob_fallback", "vlmrl.private_names", "vlmrl.tables", "vlmrl.dvc_env", "vlmrl.dvc_records",
-               "vlmrl.launch", "vlmrl.data_parallel", "vlmrl.gguf_release", "vlmrl.export_checks",
-               "vlmrl.portable", "vlmrl.metric_files"),
-    "models": ("vlmrl.models", "vlmrl.rollout", "vlmrl.training_attention", "vlmrl.compiled_layers", "vlmrl.nonfinite",
-               "vlmrl.trainers", "vlmrl.trainer_config", "vlmrl.nf4_linear", "vlmrl.pixel_values"),
-    "stages": ("vlmrl.evaluation", "vlmrl.training", "vlmrl.verify", "vlmrl.export",
-               "vlmrl.sft"),
-    "apps": ("vlmrl.cli", "vlmrl.ui", "vlmrl.publish", "vlmrl.orchestration", "vlmrl.recipes",
-             "vlmrl.serve", "vlmrl.serve_app"),
+# The root's modules: every package may import them; they import only one another.
+ROOT_MODULES = ("vlmrl", "vlmrl.cli", "vlmrl.errors", "vlmrl.params", "vlmrl.params_checks",
+                "vlmrl.cache", "vlmrl.outputs")
+MAX_ROOT_MODULES = 8
+# Each package and the packages it may import besides the root's modules. A package missing here
+# fails the first tests until it is placed.
+ALLOWED: dict[str, set[str]] = {
+    "vlmrl.reporting": set(),
+    "vlmrl.rewards": set(),
+    "vlmrl.data": {"vlmrl.rewards", "vlmrl.reporting"},
+    "vlmrl.models": {"vlmrl.rewards"},
+    "vlmrl.distributed": set(),
+    "vlmrl.training": {"vlmrl.models", "vlmrl.rewards", "vlmrl.distributed", "vlmrl.reporting"},
+    "vlmrl.evaluation": {"vlmrl.models", "vlmrl.rewards", "vlmrl.distributed", "vlmrl.reporting"},
+    "vlmrl.verification": {"vlmrl.models", "vlmrl.reporting"},
+    "vlmrl.export": {"vlmrl.models", "vlmrl.data", "vlmrl.rewards", "vlmrl.reporting"},
+    "vlmrl.serve": {"vlmrl.export"},
+    "vlmrl.publish": {"vlmrl.models", "vlmrl.export", "vlmrl.rewards", "vlmrl.reporting"},
+    "vlmrl.pipeline": {"vlmrl.rewards", "vlmrl.reporting"},
+    "vlmrl.ui": {"vlmrl.rewards", "vlmrl.data", "vlmrl.evaluation"},
 }
-# Floors whose units (the names listed) must not import one another.
-PEER_FLOORS = {"stages"}
-# Floors whose modules import torch when imported.
-TORCH_FLOORS = {"models", "stages"}
-# Modules that must start without torch: scoring in the UI, `vlmrl pull`, prepare_data.
-LIGHT = ("vlmrl.scoring", "vlmrl.rewards", "vlmrl.publish", "vlmrl.cli", "vlmrl.ui",
-         "vlmrl.data", "vlmrl.data_sources")
+# Inside `vlmrl.training`: the trainer subclasses serve both stages and know neither, the
+# rollouts serve GSPO alone, and the two stages never import each other.
+TRAINING_PARTS: dict[str, set[str]] = {
+    "vlmrl.training.trainer": set(),
+    "vlmrl.training.checkpoints": set(),
+    "vlmrl.training.rollout": {"vlmrl.training.trainer"},
+    "vlmrl.training.sft": {"vlmrl.training.trainer"},
+    "vlmrl.training.gspo": {"vlmrl.training.trainer", "vlmrl.training.rollout",
+                            "vlmrl.training.checkpoints"},
+}
+# Imported at a module's top level, these make the module slow to import (torch and what loads it).
+HEAVY_PACKAGES = {"torch", "transformers", "trl", "peft", "accelerate", "unsloth", "bitsandbytes",
+                  "triton", "datasets"}
+# Packages that must start without torch: scoring in the UI, `vlmrl pull`, prepare_data, the CLI.
+LIGHT = ("vlmrl.rewards", "vlmrl.publish", "vlmrl.cli", "vlmrl.ui", "vlmrl.data",
+         "vlmrl.pipeline", "vlmrl.reporting", "vlmrl.distributed")
 
 
 # ------------------------------------------------------------------------ graph
@@ -135,16 +148,30 @@ def find_cycle(graph: Mapping[str, Iterable[str]]) -> list[str] | None:
     return None
 
 
-def unit_of(module: str) -> tuple[str, str] | None:
-    """(floor, listed name) of a module: its longest prefix that FLOORS lists."""
-    if module == "vlmrl":  # the package itself, which imports nothing
-        return "ground", module
-    matches = [(len(name), floor, name) for floor, names in FLOORS.items() for name in names
-               if module == name or module.startswith(name + ".")]
-    if not matches:
-        return None
-    _length, floor, name = max(matches)
-    return floor, name
+def package_of(module: str) -> str | None:
+    """The package (`vlmrl.<folder>`) a module lies in, the module itself at the root, or None
+    for a package no rule names."""
+    if module in ROOT_MODULES:
+        return module
+    package = ".".join(module.split(".")[:2])
+    return package if package in ALLOWED else None
+
+
+def training_part(module: str) -> str | None:
+    """The part of `vlmrl.training` a module lies in (None: the package's own `__init__`)."""
+    return next((part for part in TRAINING_PARTS
+                 if module == part or module.startswith(part + ".")), None)
+
+
+def imports_heavy_at_top(path: Path) -> bool:
+    """Whether importing the file imports torch or a package that loads it."""
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                 else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
+                 else [])
+        if any(name.split(".")[0] in HEAVY_PACKAGES for name in names):
+            return True
+    return False
 
 
 def reachable(graph: Mapping[str, Iterable[str]], start: str) -> set[str]:
@@ -158,7 +185,7 @@ def reachable(graph: Mapping[str, Iterable[str]], start: str) -> set[str]:
 
 
 GRAPH = import_graph()
-FLOOR_ORDER = list(FLOORS)
+FILES = module_files()
 
 
 # ------------------------------------------------------------------------ tests
@@ -166,16 +193,22 @@ FLOOR_ORDER = list(FLOORS)
 
 def test_the_graph_sees_the_imports() -> None:
     """Guards the tests below against an empty or misread graph."""
-    assert "vlmrl.models.loading" in GRAPH["vlmrl.evaluation"]
-    assert "vlmrl.models" in GRAPH["vlmrl.evaluation"]  # the package of an imported submodule
-    assert "vlmrl.scoring" in GRAPH["vlmrl.rewards"]  # `from vlmrl import scoring`
+    assert "vlmrl.models.loading" in GRAPH["vlmrl.evaluation.evaluate"]
+    assert "vlmrl.models" in GRAPH["vlmrl.evaluation.evaluate"]  # the package of a submodule
+    assert "vlmrl.rewards.scoring" in GRAPH["vlmrl.rewards.text"]  # `from vlmrl.rewards import ...`
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+    assert imports_heavy_at_top(FILES["vlmrl.models.loading"])
+    assert not imports_heavy_at_top(FILES["vlmrl.rewards.scoring"])
 
 
-def test_every_module_is_on_a_floor() -> None:
-    homeless = [module for module in GRAPH if unit_of(module) is None]
-    assert not homeless, f"list these modules' packages in FLOORS: {homeless}"
+def test_the_root_holds_few_modules_and_every_package_is_placed() -> None:
+    root = sorted(path.stem for path in (SRC / "vlmrl").glob("*.py"))
+    assert len(root) <= MAX_ROOT_MODULES, f"{len(root)} modules at the root: {root}"
+    homeless = sorted(module for module in GRAPH if package_of(module) is None)
+    assert not homeless, f"place these modules' packages in ALLOWED: {homeless}"
+    assert {f"vlmrl.{path.stem}" for path in (SRC / "vlmrl").glob("*.py")} - {"vlmrl.__init__"} \
+        <= set(ROOT_MODULES)
 
 
 def test_no_import_cycle() -> None:
@@ -184,47 +217,51 @@ def test_no_import_cycle() -> None:
 
 
 @pytest.mark.parametrize("module", sorted(GRAPH))
-def test_no_upward_import_and_no_peer_import(module: str) -> None:
-    if unit_of(module) is None:
-        pytest.fail(f"{module} is on no floor")
-    floor, unit = unit_of(module)
-    problems = []
-    for target in sorted(GRAPH[module]):
-        if unit_of(target) is None:
-            problems.append(f"{target}, which is on no floor")
-            continue
-        target_floor, target_unit = unit_of(target)
-        if FLOOR_ORDER.index(target_floor) > FLOOR_ORDER.index(floor):
-            problems.append(f"{target} is on the floor above ({target_floor})")
-        elif floor in PEER_FLOORS and target_floor == floor and target_unit != unit:
-            problems.append(f"{target} is a peer on the {floor} floor")
-    assert not problems, f"{module} imports " + "; ".join(problems)
+def test_a_module_imports_only_what_its_package_may(module: str) -> None:
+    package = package_of(module)
+    if package is None:
+        pytest.fail(f"{module} is in no package that ALLOWED names")
+    may = ALLOWED.get(package, set(ROOT_MODULES)) | set(ROOT_MODULES) | {package}
+    if package in ROOT_MODULES:
+        may = set(ROOT_MODULES)
+    problems = [target for target in sorted(GRAPH[module])
+                if package_of(target) not in may]
+    assert not problems, f"{module} ({package}) may not import {problems}"
 
 
-def test_models_import_only_the_ground_floor() -> None:
-    """The brief's rule for vlmrl.models, stated on its own: nothing from stages or apps."""
-    models = [module for module in GRAPH if unit_of(module) == ("models", "vlmrl.models")]
-    assert "vlmrl.models.loading" in models
-    upward = {module: sorted(t for t in GRAPH[module]
-                             if (unit_of(t) or ("",))[0] not in {"ground", "models"})
-              for module in models}
-    assert not {m: t for m, t in upward.items() if t}
+@pytest.mark.parametrize("module", sorted(m for m in GRAPH if m.startswith("vlmrl.training.")))
+def test_training_parts_keep_to_their_own(module: str) -> None:
+    """The trainer subclasses know neither stage, the rollouts serve GSPO alone, and the SFT and
+    GSPO stages never import each other."""
+    part = training_part(module)
+    assert part is not None, f"{module} lies in no part of TRAINING_PARTS"
+    may = TRAINING_PARTS[part] | {part, "vlmrl.training"}
+    problems = [target for target in sorted(GRAPH[module])
+                if target.startswith("vlmrl.training") and (training_part(target) or
+                                                            "vlmrl.training") not in may]
+    assert not problems, f"{module} ({part}) may not import {problems}"
 
 
-@pytest.mark.parametrize("unit", LIGHT)
-def test_light_modules_never_reach_torch_bound_modules(unit: str) -> None:
-    modules = [module for module in GRAPH if (unit_of(module) or ("", ""))[1] == unit]
-    assert modules, f"no module {unit} (renamed? update LIGHT)"
-    heavy = {module: sorted(target for target in reachable(GRAPH, module)
-                            if (unit_of(target) or ("",))[0] in TORCH_FLOORS)
+def test_the_rules_are_a_ladder() -> None:
+    """The allowed imports between packages themselves hold no circle."""
+    assert find_cycle(ALLOWED) is None
+    assert find_cycle(TRAINING_PARTS) is None
+
+
+@pytest.mark.parametrize("package", LIGHT)
+def test_light_packages_never_reach_torch(package: str) -> None:
+    modules = [module for module in GRAPH if module == package or module.startswith(package + ".")]
+    assert modules, f"no package {package} (renamed? update LIGHT)"
+    heavy = {module: sorted(target for target in reachable(GRAPH, module) | {module}
+                            if imports_heavy_at_top(FILES[target]))
              for module in modules}
-    assert not {m: t for m, t in heavy.items() if t}, f"{unit} imports (transitively) {heavy}"
+    assert not {m: t for m, t in heavy.items() if t}, f"{package} imports (transitively) {heavy}"
 
 
-MAX_MODULE_LINES = 470  # "no module over ~450 lines": a module that grows past it is split by job
+MAX_MODULE_LINES = 470  # a module that grows past it is split by job
 
 
 def test_no_module_is_too_long_to_read() -> None:
     lengths = {module: len(path.read_text(encoding="utf-8").splitlines())
-               for module, path in module_files().items()}
+               for module, path in FILES.items()}
     assert not {m: n for m, n in lengths.items() if n > MAX_MODULE_LINES}

@@ -1,4 +1,4 @@
-"""`vlmrl.compiled_layers` on the tiny Qwen3-VL with a LoRA adapter and gradient checkpointing:
+"""`vlmrl.training.trainer.compiled_layers` on the tiny Qwen3-VL with a LoRA adapter and gradient checkpointing:
 the compiled layers give eager's logits and adapter gradients, one trace serves every layer (with
 the rolled training attention too: no break in the layer),
 `eager()` runs the class's forward, and the GRPO subclass trains with compiled layers and
@@ -14,7 +14,7 @@ from peft import LoraConfig, get_peft_model
 from tiny_batches import padded_vl_batch, with_completions
 from transformers import AutoModelForImageTextToText
 
-from vlmrl.compiled_layers import CompiledLayers, FrozenHeapAfterFirstStep, text_decoder_layers
+from vlmrl.training.trainer.compiled_layers import CompiledLayers, FrozenHeapAfterFirstStep, text_decoder_layers
 from vlmrl.errors import ParamsError
 from vlmrl.models.embedded import ensure_embedded_model
 from vlmrl.models.processor import load_processor
@@ -75,8 +75,8 @@ def test_compiled_layers_give_eagers_logits_and_gradients_from_one_trace(tiny_po
     """Against eager layers with SDPA's padding mask; with the rolled attention
     (`train.training_attention: rolled`) each compiled layer is still one trace, run once per
     call: the rows' runs come from the mask function, not from a host synchronisation inside."""
-    from vlmrl.rollout.decode_attention import set_text_attention
-    from vlmrl.training_attention import rolled_attention_name
+    from vlmrl.training.rollout.decode_attention import set_text_attention
+    from vlmrl.training.trainer.attention import rolled_attention_name
 
     model, batch = tiny_policy
     layers = text_decoder_layers(model)
@@ -163,7 +163,7 @@ def test_eager_runs_the_class_forward_and_restores_the_compiled_one(tiny_policy)
 
 
 def test_the_grpo_subclass_trains_compiled_and_generates_eager(monkeypatch, capsys) -> None:
-    from vlmrl import trainers
+    from vlmrl.training.trainer import trainers
 
     layers = [torch.nn.Linear(2, 2) for _ in range(3)]
     monkeypatch.setattr(trainers, "text_decoder_layers", lambda model: layers)

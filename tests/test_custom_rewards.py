@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from vlmrl.rewards import build_rewards, reward_label, rouge_reward, score_completion
+from vlmrl.rewards.functions import build_rewards, reward_label, rouge_reward, score_completion
 
 BREVITY = '''
 def brevity(completions, **columns):

@@ -10,14 +10,14 @@ import pytest
 from conftest import TEST_PARAMS, TESTMINI, dvc_repro, run, stage_command, update_params
 from PIL import Image
 
-from vlmrl.data import (
+from vlmrl.data.prepare import (
     DataError,
     load_raw_records,
     prepare,
     render_report,
     split_by_pid,
 )
-from vlmrl.data_sources import local_rows
+from vlmrl.data.sources import local_rows
 from vlmrl.params import DataParams, ParamsError
 
 needs_testmini = pytest.mark.skipif(not TESTMINI.is_file(), reason=f"{TESTMINI} not present")

@@ -12,8 +12,8 @@ import pytest
 from PIL import Image
 from project_repo import copy_project, run, stage_command, update_params
 
-from vlmrl.data import data_summary, load_raw_records, prepare, render_report, to_dataset
-from vlmrl.data_columns import derive_id, infer_answer_type
+from vlmrl.data.prepare import data_summary, load_raw_records, prepare, render_report, to_dataset
+from vlmrl.data.columns import derive_id, infer_answer_type
 from vlmrl.params import DataParams, ParamsError
 
 GSM8K_ROWS = [
@@ -184,7 +184,7 @@ SEPARATED_ROWS = [
 
 
 def test_golds_with_thousands_separators_are_typed_as_numbers(tmp_path: Path) -> None:
-    from vlmrl.scoring import score
+    from vlmrl.rewards.scoring import score
 
     settings = local(write_jsonl(tmp_path / "gsm8k.jsonl", SEPARATED_ROWS),
                      answer_pattern="after_hashes", answer_types=("integer", "float"))

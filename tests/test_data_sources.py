@@ -14,7 +14,7 @@ import pytest
 from conftest import dvc_repro, make_project_repo, run, stage_command
 from PIL import Image
 
-from vlmrl.data import DataError, load_raw_records, prepare, render_report
+from vlmrl.data.prepare import DataError, load_raw_records, prepare, render_report
 from vlmrl.params import DataParams, ParamsError
 
 ROWS = [{"id": f"r{i}", "question": f"What is {i} times 3?", "answer": str(3 * i)}

@@ -1,4 +1,4 @@
-"""`vlmrl.rollout.decode_attention.cache_attention` under Triton's interpreter on the CPU: each
+"""`vlmrl.training.rollout.decode_attention.cache_attention` under Triton's interpreter on the CPU: each
 row reads from its first to its last read slot, in one share per (row, key/value head) or
 several merged, against float64 attention over the same values. In float16: the interpreter
 reads bfloat16 wrongly; one test compiles the kernel for an H100 on this CPU. bfloat16, float8
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vlmrl.rollout import decode_attention
+from vlmrl.training.rollout import decode_attention
 
 pytest.importorskip("triton")
 
@@ -95,7 +95,7 @@ import json
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from vlmrl.rollout import attention_kernels
+from vlmrl.training.rollout import attention_kernels
 
 kernel = attention_kernels.partial_attention
 types = {"q_ptr": "*bf16", "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "mask_ptr": "*i1",

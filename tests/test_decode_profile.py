@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import load_benchmark
 
-from vlmrl.rollout.nf4_decode import Tiles
+from vlmrl.training.rollout.nf4_decode import Tiles
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from conftest import (
     stage_command,
 )
 
-from vlmrl.launch import (
+from vlmrl.distributed.launch import (
     ACCELERATE_CONFIGS,
     NO_MULTICAST_ENV,
     DistributedParams,
@@ -41,7 +41,7 @@ from vlmrl.launch import (
     worker_env,
 )
 from vlmrl.params import ModelParams, ParamsError, TrainParams
-from vlmrl.training import rows_report, split_batch
+from vlmrl.training.gspo import rows_report, split_batch
 
 AUDIT_SITE = Path(__file__).parent / "write_audit"
 TWO_PROCESSES = {"train.distributed.num_processes": 2, "train.distributed.strategy": "ddp"}

@@ -18,7 +18,7 @@ from vlmrl.models.embedded import (
 from vlmrl.models.loading import load_model
 from vlmrl.models.processor import suppressed_generation_kwargs, vision_token_ids
 from vlmrl.params import ModelParams
-from vlmrl.prompts import build_prompt
+from vlmrl.data.prompts import build_prompt
 
 NAME = "embedded:tiny-qwen3-vl"
 

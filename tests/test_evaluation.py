@@ -15,7 +15,7 @@ from conftest import ROOT, dvc_repro, run
 from PIL import Image
 
 from vlmrl.errors import run_stage
-from vlmrl.eval_report import (
+from vlmrl.evaluation.report import (
     PLOT_BEFORE_AFTER,
     PLOT_BY_CATEGORY,
     find_flips,
@@ -23,7 +23,7 @@ from vlmrl.eval_report import (
     truncate,
     write_report,
 )
-from vlmrl.evaluation import (
+from vlmrl.evaluation.evaluate import (
     IMAGE_PLACEHOLDER,
     EvalError,
     Generation,
@@ -36,7 +36,7 @@ from vlmrl.evaluation import (
     score_records,
 )
 from vlmrl.params import DataParams, EvalParams, Params, ParamsError, RewardsParams
-from vlmrl.tables import markdown_cell
+from vlmrl.reporting.tables import markdown_cell
 
 PARAMS = yaml.safe_load((ROOT / "params.yaml").read_text())
 TYPED = Params(PARAMS)
@@ -172,7 +172,7 @@ def test_score_records_uses_the_training_rewards_and_weights():
 
 
 def test_scorer_breaking_responses_are_scored_wrong_not_crashed(monkeypatch):
-    from vlmrl import evaluation
+    from vlmrl.evaluation import evaluate as evaluation
 
     garbage = bytes(range(256)).decode("latin-1") * 50 + "\x00\ud800"
     responses = {
@@ -278,7 +278,7 @@ def test_report_of_records_without_a_category_leaves_categories_out(tmp_path):
 
 
 def test_missing_eval_set_names_path_and_stage_before_loading_the_model(tmp_path, monkeypatch):
-    from vlmrl import evaluation
+    from vlmrl.evaluation import evaluate as evaluation
 
     monkeypatch.setattr(evaluation, "load_model", _must_not_load)
     missing = tmp_path / "prepared" / "eval"
@@ -289,7 +289,7 @@ def test_missing_eval_set_names_path_and_stage_before_loading_the_model(tmp_path
 
 def test_missing_adapter_names_path_and_stage_before_loading_the_model(eval_set, tmp_path,
                                                                       monkeypatch):
-    from vlmrl import evaluation
+    from vlmrl.evaluation import evaluate as evaluation
 
     monkeypatch.setattr(evaluation, "load_model", _must_not_load)
     missing = tmp_path / "models" / "adapter"
@@ -342,7 +342,7 @@ def test_stage_post_requires_its_inputs():
 @pytest.fixture(scope="module")
 def eval_set(tmp_path_factory) -> Path:
     """A small prepared eval set (small images keep generation cheap)."""
-    from vlmrl.data import load_raw_records, prepare, to_dataset
+    from vlmrl.data.prepare import load_raw_records, prepare, to_dataset
 
     settings = DataParams(synthetic_size=30, eval_size=4, image_size=96, seed=3)
     prepared = prepare(load_raw_records(settings), settings)

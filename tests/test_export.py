@@ -15,8 +15,8 @@ import pytest
 from conftest import ROOT, dvc_repro, run
 from test_verify import make_adapter, prepare_workdir
 
-from vlmrl.export import check_quantize_types, gguf_file_names, gguf_tolerance
-from vlmrl.gguf_tools import (
+from vlmrl.export.exporter import check_quantize_types, gguf_file_names, gguf_tolerance
+from vlmrl.export.gguf import (
     GGUFError,
     converter_env,
     converter_source,
@@ -252,7 +252,7 @@ def damaged_copies(source: Path, directory: Path) -> dict[str, Path]:
 DAMAGE_PROBE = """
 import sys
 from pathlib import Path
-from vlmrl.gguf_tools import GGUFError, open_gguf, read_gguf_info
+from vlmrl.export.gguf import GGUFError, open_gguf, read_gguf_info
 for name in sys.argv[1:]:
     for action in (read_gguf_info, lambda p: open_gguf(p).__enter__()):
         try:
@@ -310,7 +310,7 @@ def test_expected_tensor_types() -> None:
 
 def test_converter_is_extracted_from_the_cached_sdist(tmp_path: Path, monkeypatch) -> None:
     from vlmrl.cache import cache_root
-    from vlmrl.gguf_tools import installed_llama_cpp_version
+    from vlmrl.export.gguf import installed_llama_cpp_version
 
     version = installed_llama_cpp_version()
     sdist = cache_root() / "sdist" / f"llama_cpp_python-{version}.tar.gz"
@@ -363,7 +363,7 @@ def garbled_copy(source: Path, target: Path) -> Path:
 
 
 def test_quantized_files_agree_with_f16_within_their_bounds(exported: Exported) -> None:
-    from vlmrl.export_checks import QUANT_BOUNDS
+    from vlmrl.export.checks import QUANT_BOUNDS
 
     table = exported.metrics["quantized_vs_f16"]
     assert set(table) == {"q8_0", "Q4_K_M"}
@@ -377,7 +377,7 @@ def test_quantized_files_agree_with_f16_within_their_bounds(exported: Exported) 
 def test_quant_check_fails_on_a_wrong_file(exported: Exported, tmp_path: Path) -> None:
     """The Q4_K_M file passed off as q8_0 breaks q8_0's bounds; garbled tensor data breaks
     Q4_K_M's."""
-    from vlmrl.export_checks import compare_quantized, prompt_logits, quant_prompt_ids
+    from vlmrl.export.checks import compare_quantized, prompt_logits, quant_prompt_ids
 
     f16 = exported.gguf / "model-f16.gguf"
     prompts = quant_prompt_ids(f16)
@@ -394,9 +394,9 @@ def test_quant_check_fails_on_a_wrong_file(exported: Exported, tmp_path: Path) -
 
 
 def image_exporter(tmp_path: Path):
-    from vlmrl.export import _Exporter
+    from vlmrl.export.exporter import _Exporter
     from vlmrl.params import ModelParams
-    from vlmrl.timing import StepTimer
+    from vlmrl.reporting.timing import StepTimer
 
     return _Exporter(ModelParams(name="embedded:tiny-qwen3-vl"), ExportParams(), StepTimer(),
                      tmp_path)
@@ -404,7 +404,7 @@ def image_exporter(tmp_path: Path):
 
 def test_image_prompt_through_gguf_matches_the_merged_model(exported: Exported,
                                                            tmp_path: Path) -> None:
-    from vlmrl.export import merged_image_reply
+    from vlmrl.export.exporter import merged_image_reply
 
     check = exported.metrics["checks"]["gguf_image_prompt_matches_merged"]
     assert check["passed"], check["detail"]
@@ -422,7 +422,7 @@ def test_image_prompt_through_gguf_matches_the_merged_model(exported: Exported,
 
 
 def test_preflight_stops_before_anything_is_written(exported: Exported) -> None:
-    from vlmrl.export import ExportError, run_export
+    from vlmrl.export.exporter import ExportError, run_export
     from vlmrl.params import load_params
 
     workdir = exported.workdir
@@ -441,7 +441,7 @@ def test_preflight_stops_before_anything_is_written(exported: Exported) -> None:
 
 
 def test_preflight_sizes_an_8b_export(tmp_path: Path) -> None:
-    from vlmrl.export_checks import GIB, export_needs
+    from vlmrl.export.checks import GIB, export_needs
 
     needs = export_needs(8_770_000_000, ["f16", "q8_0", "Q4_K_M"], tmp_path, tmp_path,
                          float32_on_host=False, free_space=lambda path: 100 * GIB,
@@ -454,7 +454,7 @@ def test_preflight_sizes_an_8b_export(tmp_path: Path) -> None:
 
 
 def test_gguf_folder_tells_a_consumer_what_to_run(exported: Exported) -> None:
-    from vlmrl.answer_format import answer_format
+    from vlmrl.rewards.answer_format import answer_format
 
     readme = (exported.gguf / "README.md").read_text()
     assert "`mmproj-f16.gguf` | " in readme and "needed for image input" in readme
@@ -476,7 +476,7 @@ def yaml_params(exported: Exported) -> dict:
 
 def test_exported_files_name_nothing_of_this_machine(exported: Exported) -> None:
     """Every byte of the merged model and the GGUF folder, binary files included."""
-    from vlmrl.portable import machine_values, machine_values_in
+    from vlmrl.models.portable import machine_values, machine_values_in
 
     files = [p for p in [*exported.merged.iterdir(), *exported.gguf.iterdir()] if p.is_file()]
     assert {p.name for p in files} >= set(GGUF_NAMES)

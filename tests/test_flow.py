@@ -31,8 +31,8 @@ from prefect_server import (
     wait_for_final_state,
 )
 
-from vlmrl.dvc_records import DvcRecords, Outcome, stage_outcomes, stage_seconds
-from vlmrl.orchestration import (
+from vlmrl.pipeline.dvc_records import DvcRecords, Outcome, stage_outcomes, stage_seconds
+from vlmrl.pipeline.orchestration import (
     StageFailed,
     register_deployment,
     run_stage,

@@ -38,7 +38,7 @@ def test_schedule_needs_a_cron_or_a_pool():
 
 
 def test_a_pool_deployment_runs_in_the_repo_it_was_registered_from():
-    from vlmrl.orchestration import pipeline_deployment
+    from vlmrl.pipeline.orchestration import pipeline_deployment
 
     deployment = pipeline_deployment("on-pool", None, ROOT, ["prepare_data"], work_pool=POOL)
     assert deployment.work_pool_name == POOL

@@ -13,7 +13,7 @@ from conftest import ROOT
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from vlmrl.chunked_generation import BNB_PATCH_VERSIONS, allow_compiling_bnb_4bit
+from vlmrl.training.trainer.chunked_generation import BNB_PATCH_VERSIONS, allow_compiling_bnb_4bit
 
 DEVICE_TORCH = "2.11.0"  # /work/.library/device/KINDS.md: PyTorch 2.11.0+cu130 on the H100/H200
 CPU_TORCH = "2.13.0"
@@ -39,7 +39,7 @@ def test_torch_bounds_admit_the_device_stack_and_the_cpu_pin() -> None:
 @pytest.fixture
 def quantizer():
     """transformers' class, which deciding must leave as it was (the trainer copies a policy's
-    quantizer instead: vlmrl.chunked_generation.compileable_quantizer)."""
+    quantizer instead: vlmrl.training.trainer.chunked_generation.compileable_quantizer)."""
     from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
 
     before = dict(Bnb4BitHfQuantizer.__dict__)

@@ -1,4 +1,4 @@
-"""The decode loop of `vlmrl.rollout.graph_decode` (the GPU rollout path) run eagerly on a
+"""The decode loop of `vlmrl.training.rollout.graph_decode` (the GPU rollout path) run eagerly on a
 CPU: under greedy decoding it must produce exactly transformers' `generate` tokens, with left
 padding, images (multimodal RoPE) and text-only models; its draw must carry the warpers'
 distribution; what it does not serve must fall back to transformers."""
@@ -16,17 +16,17 @@ from vlmrl.models.embedded import ensure_embedded_model
 from vlmrl.models.loading import checkpoint_class
 from vlmrl.models.processor import load_processor
 from vlmrl.models.sampling import SamplingSettings, candidate_probs
-from vlmrl.rollout import graph_decode
-from vlmrl.rollout.decode_attention import grouped_decode_attention
-from vlmrl.rollout.generation import rollout_class
-from vlmrl.rollout.graph_decode import (
+from vlmrl.training.rollout import graph_decode
+from vlmrl.training.rollout.decode_attention import grouped_decode_attention
+from vlmrl.training.rollout.generation import rollout_class
+from vlmrl.training.rollout.graph_decode import (
     GraphDecoder,
     GraphDecoding,
     install_graph_decoding,
     sample_next,
     served,
 )
-from vlmrl.rollout.shared_prompts import distinct_rows
+from vlmrl.training.rollout.shared_prompts import distinct_rows
 
 
 def vl_inputs(processor, questions: list[str]) -> dict:
@@ -272,7 +272,7 @@ def test_grouped_attention_equals_sdpa_with_padding_mask() -> None:
 def test_merged_copies_fold_the_adapter_in_and_follow_it() -> None:
     from peft import LoraConfig, get_peft_model
 
-    from vlmrl.rollout.graph_decode import MergedLoRA
+    from vlmrl.training.rollout.graph_decode import MergedLoRA
 
     path = ensure_embedded_model("embedded:tiny-qwen3", seed=0)
     base = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
@@ -302,7 +302,7 @@ def test_merged_copies_fold_the_adapter_in_and_follow_it() -> None:
 
 
 def test_merged_copies_refuse_quantized_or_adapterless_models() -> None:
-    from vlmrl.rollout.graph_decode import MergedLoRA
+    from vlmrl.training.rollout.graph_decode import MergedLoRA
 
     path = ensure_embedded_model("embedded:tiny-qwen3", seed=0)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16)
@@ -315,7 +315,7 @@ def test_fp8_cache_keeps_the_prefill_in_float8_and_decodes(vl_model) -> None:
     """`kv_cache_dtype: fp8`: the static cache's layers are float8; the prompt's slots hold the
     model-dtype prefill's keys and values clamped and rounded (`stored`), the first token is the
     prefill's own, and decode steps run over the float8 cache (converted on a CPU)."""
-    from vlmrl.rollout.decode_attention import FP8, FP8_MAX, stored
+    from vlmrl.training.rollout.decode_attention import FP8, FP8_MAX, stored
 
     model, processor = vl_model
     inputs = vl_inputs(processor, ["What is 2 + 2?", "Name the largest value in the chart now."] * 2)
@@ -363,8 +363,8 @@ def test_compiled_step_over_a_float8_cache_decodes_as_the_eager_step(vl_model) -
 
 def test_fp8_cache_needs_the_grouped_attention_and_graph_decoding(vl_model) -> None:
     from vlmrl.params import ParamsError
-    from vlmrl.rollout.decode_attention import static_cache
-    from vlmrl.training import make_trainer
+    from vlmrl.training.rollout.decode_attention import static_cache
+    from vlmrl.training.gspo import make_trainer
 
     model, processor = vl_model
     inputs = vl_inputs(processor, ["What is 2 + 2?"])
@@ -390,7 +390,7 @@ def test_grouped_attention_is_the_language_models_registered_implementation(vl_m
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from vlmrl.rollout.decode_attention import GROUPED, attention_implementation
+    from vlmrl.training.rollout.decode_attention import GROUPED, attention_implementation
 
     model, processor = vl_model
     inputs = vl_inputs(processor, ["What is 2 + 2?", "Name the largest value in the chart now."])

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, load_benchmark
 
-from vlmrl.rollout.nf4_decode import TILES, Tiles
+from vlmrl.training.rollout.nf4_decode import TILES, Tiles
 
 
 @pytest.fixture(scope="module")

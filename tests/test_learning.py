@@ -5,7 +5,7 @@ measured the same way, after training, without sampling, so the test fails when 
 reversed), not only when the log looks odd.
 
 The reward is dense on purpose: the share of high digits (5-9) among the digits a completion
-writes. The policy is first primed by a short cold-start SFT (`vlmrl.sft`), after which it
+writes. The policy is first primed by a short cold-start SFT (`vlmrl.training.sft`), after which it
 writes `The answer is N.` with varied digits, so the reward varies within every group from the
 first step. A random model cannot serve: its 151,936 random embeddings carry no structure a few
 updates could exploit, so any reward it is trained on stays flat on fresh samples (measured).
@@ -20,12 +20,12 @@ from pathlib import Path
 import pytest
 from datasets import load_from_disk
 
-from vlmrl.data import load_raw_records, prepare, to_dataset
+from vlmrl.data.prepare import load_raw_records, prepare, to_dataset
 from vlmrl.models.loading import load_policy, starting_adapter
 from vlmrl.params import DataParams, Params
-from vlmrl.rollout.generation import rollout_class
-from vlmrl.sft import run_sft
-from vlmrl.training import build_grpo_config, make_trainer
+from vlmrl.training.rollout.generation import rollout_class
+from vlmrl.training.sft import run_sft
+from vlmrl.training.gspo import build_grpo_config, make_trainer
 
 MODEL = {"name": "embedded:tiny-qwen3-vl"}
 LORA = {"r": 8, "alpha": 16, "dropout": 0.0,
@@ -80,8 +80,8 @@ def measured_high_digit_share(model, processor, rows) -> float:
     so no sampling noise can fake or hide a change."""
     import torch
 
-    from vlmrl.evaluation import render_prompt
-    from vlmrl.scoring import OPEN_REASONING
+    from vlmrl.evaluation.evaluate import render_prompt
+    from vlmrl.rewards.scoring import OPEN_REASONING
 
     texts = [render_prompt(processor, row) + OPEN_REASONING + "The answer is " for row in rows]
     processor.tokenizer.padding_side = "left"

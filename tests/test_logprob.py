@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vlmrl.logprob_fallback import TorchChunkedLogProb, _autograd_outputs
+from vlmrl.training.trainer.logprob_fallback import TorchChunkedLogProb, _autograd_outputs
 
 OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
@@ -62,7 +62,7 @@ def test_soft_capped_logits_take_the_autograd_path() -> None:
 
 
 def test_gradients_match_when_the_logits_are_recomputed(monkeypatch) -> None:
-    import vlmrl.logprob_fallback as compat
+    import vlmrl.training.trainer.logprob_fallback as compat
 
     hidden, weight, _, targets = inputs(300, 3000, False)
     kept = torch.autograd.grad(TorchChunkedLogProb.apply(hidden, weight, None, targets, 1.0, 256,

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from vlmrl.merged_weights import (
+from vlmrl.models.merged_weights import (
     MergeCheckError,
     canonical_name,
     compare_merged_weights,
@@ -177,7 +177,7 @@ def test_merged_checkpoint_in_another_dtype_fails(merged_case) -> None:
 
 
 def test_cast_floating_tensors_rewrites_a_float32_checkpoint(tmp_path: Path) -> None:
-    from vlmrl.merged_weights import cast_floating_tensors
+    from vlmrl.models.merged_weights import cast_floating_tensors
 
     weights = {"a.weight": torch.randn(4, 4), "b.ids": torch.arange(3)}
     save_file(weights, str(tmp_path / "model.safetensors"))

@@ -170,7 +170,7 @@ def test_dvc_repro_upload_writes_the_card(pipeline_repo: Path) -> None:
 def test_the_whole_release_names_nothing_of_this_machine(pipeline_repo: Path) -> None:
     """Every byte of what the pipeline ships: the trained adapter, the export's and the upload's
     outputs (the cards the release carries as README.md)."""
-    from vlmrl.portable import machine_values_in
+    from vlmrl.models.portable import machine_values_in
 
     dvc_repro(pipeline_repo, "upload")
     data = pipeline_repo / "data"
@@ -273,7 +273,7 @@ def test_adapter_card_code_loads_the_released_adapter(tmp_path: Path, name: str,
 
 
 def test_gguf_readme_and_modelfile_carry_the_training_system_prompt(tmp_path: Path) -> None:
-    from vlmrl.gguf_release import write_gguf_consumer_files
+    from vlmrl.export.gguf_release import write_gguf_consumer_files
 
     (tmp_path / "model-f16.gguf").write_bytes(b"GGUF")
     system = "You solve maths. Answer between <SOLUTION> and </SOLUTION>."

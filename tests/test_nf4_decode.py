@@ -1,4 +1,4 @@
-"""`vlmrl.rollout.nf4_decode` on the CPU: how K is split over the SMs, when the kernel is taken,
+"""`vlmrl.training.rollout.nf4_decode` on the CPU: how K is split over the SMs, when the kernel is taken,
 the code lookup's PTX (run by a small interpreter of its instructions), and the kernels under
 Triton's interpreter with the lookup by selects. Speed and the real lookup on a GPU:
 tests/gpu/test_graph_decode_gpu.py."""
@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vlmrl.rollout.nf4_decode import TILES, Tiles, k_splits, kernel_available, step_blocks
-from vlmrl.rollout.nf4_projections import servable
+from vlmrl.training.rollout.nf4_decode import TILES, Tiles, k_splits, kernel_available, step_blocks
+from vlmrl.training.rollout.nf4_projections import servable
 
 
 @pytest.mark.parametrize(("out_features", "in_features"),
@@ -83,8 +83,8 @@ def lora_model(monkeypatch):
     that records what the operator passes it and returns zeros."""
     from peft import LoraConfig, get_peft_model
 
-    from vlmrl.rollout import nf4_decode
-    from vlmrl.rollout.nf4_projections import NF4Decode
+    from vlmrl.training.rollout import nf4_decode
+    from vlmrl.training.rollout.nf4_projections import NF4Decode
 
     torch.manual_seed(0)
     model = get_peft_model(TwoProjections(), LoraConfig(r=4, lora_alpha=8, target_modules=["up"]))
@@ -104,7 +104,7 @@ def lora_model(monkeypatch):
 
 
 def test_active_puts_wrappers_in_the_layers_places_and_restores_them(lora_model):
-    from vlmrl.rollout.nf4_projections import NF4DecodeLinear
+    from vlmrl.training.rollout.nf4_projections import NF4DecodeLinear
 
     model, nf4, calls = lora_model
     paths = ("base_model.model.up", "base_model.model.down")
@@ -201,7 +201,7 @@ def run_ptx(asm: str, registers: dict[str, int]) -> dict[str, int]:
 def test_the_nf4_lookup_gives_every_bytes_two_fp16_values():
     """Every byte value in each of the four places of the packed word: the high nibble's NF4 value
     lands in the first output's fp16 of that place, the low nibble's in the second's."""
-    from vlmrl.rollout.nf4_codes import NF4_CODES, nf4_lookup_asm
+    from vlmrl.training.rollout.nf4_codes import NF4_CODES, nf4_lookup_asm
 
     asm = nf4_lookup_asm()
     fp16_bits = [int(v) & 0xFFFF for v in
@@ -222,8 +222,8 @@ def test_the_nf4_lookup_gives_every_bytes_two_fp16_values():
 def random_nf4(out_features: int, in_features: int, nested: bool, generator: torch.Generator,
                offset: float = 0.01):
     """A PackedNF4 of random codes and block scales, and its float64 dense weight."""
-    from vlmrl.rollout.nf4_codes import NF4_CODES
-    from vlmrl.rollout.nf4_decode import PackedNF4
+    from vlmrl.training.rollout.nf4_codes import NF4_CODES
+    from vlmrl.training.rollout.nf4_decode import PackedNF4
 
     blocks = out_features * in_features // 64
     packed = torch.randint(0, 256, (out_features * in_features // 2, 1), dtype=torch.uint8,
@@ -372,8 +372,8 @@ def grouped_model(monkeypatch, **attention):
     each call and returns each column's index."""
     from peft import LoraConfig, get_peft_model
 
-    from vlmrl.rollout import nf4_decode
-    from vlmrl.rollout.nf4_projections import NF4Decode
+    from vlmrl.training.rollout import nf4_decode
+    from vlmrl.training.rollout.nf4_projections import NF4Decode
 
     torch.manual_seed(0)
     model = get_peft_model(Attention(**attention), LoraConfig(
@@ -458,7 +458,7 @@ def packed_group(widths: list[int], generator: torch.Generator) -> list:
 
 
 def test_groupable_asks_for_adjacent_codes_alike_adapters_and_whole_tiles():
-    from vlmrl.rollout.nf4_decode import groupable, side_by_side
+    from vlmrl.training.rollout.nf4_decode import groupable, side_by_side
 
     generator = torch.Generator().manual_seed(0)
     tiles = Tiles(block_n=64)

@@ -1,4 +1,4 @@
-"""`vlmrl.nf4_linear` on a stand-in for bitsandbytes' Linear4bit (its packed codes and
+"""`vlmrl.training.trainer.nf4_linear` on a stand-in for bitsandbytes' Linear4bit (its packed codes and
 quant state, made up; bitsandbytes itself is GPU-only here and compared on the device by
 tests/gpu/test_compiled_layers_gpu.py): the dense weight is the codes times their block scales,
 the product and its input gradient are a dense Linear's, it traces into one graph, keeps no dense
@@ -13,10 +13,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vlmrl.compiled_layers import CompiledLayers
+from vlmrl.training.trainer.compiled_layers import CompiledLayers
 from vlmrl.errors import ParamsError
-from vlmrl.nf4_linear import is_nf4_linear, nf4_linear, nf4_weight
-from vlmrl.rollout.nf4_codes import NF4_CODES
+from vlmrl.training.trainer.nf4_linear import is_nf4_linear, nf4_linear, nf4_weight
+from vlmrl.training.rollout.nf4_codes import NF4_CODES
 
 
 class FakeLinear4bit(torch.nn.Module):
@@ -181,7 +181,7 @@ def test_layers_serving_nf4_projections_share_one_trace() -> None:
 
 
 def test_the_param_needs_compiled_layers_and_nf4_projections() -> None:
-    from vlmrl.training import make_trainer
+    from vlmrl.training.gspo import make_trainer
 
     with pytest.raises(ParamsError, match=r"^params\.yaml train\.nf4_linears: true needs "
                                           r"train\.compile_layers: true"):

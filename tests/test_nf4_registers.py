@@ -12,7 +12,7 @@ import sys
 import pytest
 from conftest import ROOT, load_benchmark
 
-from vlmrl.rollout.nf4_decode import TILES, k_splits
+from vlmrl.training.rollout.nf4_decode import TILES, k_splits
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_nf4_decode import largest_row_error, product_case, random_nf4
 
-from vlmrl.rollout.nf4_decode import PackedNF4, Tiles, k_splits, step_blocks
+from vlmrl.training.rollout.nf4_decode import PackedNF4, Tiles, k_splits, step_blocks
 
 
 @pytest.mark.parametrize(("in_features", "asked", "taken"),
@@ -67,7 +67,7 @@ def test_the_wide_kernel_matches_a_float64_product(interpreted_kernel, rows, out
 def test_lane_order_puts_each_lanes_columns_in_one_quarter_of_the_step():
     """Columns 2l, 2l + 1, 2l + 8 and 2l + 9 of every 16 come from quarter l, in order, and
     each step is a permutation of its own columns; without `lane_order`, x keeps its order."""
-    from vlmrl.rollout.nf4_decode import fp16_rows, lane_order_index, lane_step
+    from vlmrl.training.rollout.nf4_decode import fp16_rows, lane_order_index, lane_step
 
     index = lane_order_index(512, 128, torch.device("cpu"))
     assert index[:18].tolist() == [0, 1, 32, 33, 64, 65, 96, 97, 2, 3, 34, 35, 66, 67, 98, 99,
@@ -115,7 +115,7 @@ def test_a_wide_group_matches_its_projections(interpreted_kernel, lane_order):
 def far_apart_scales(ratio: float) -> tuple[PackedNF4, torch.Tensor, torch.Tensor]:
     """A weight whose block scales alternate 1 and `ratio` along each row, its float64 dense
     weight, and x that is non-zero only on the small blocks."""
-    from vlmrl.rollout.nf4_codes import NF4_CODES
+    from vlmrl.training.rollout.nf4_codes import NF4_CODES
 
     generator = torch.Generator().manual_seed(7)
     out_features, in_features = 64, 512
@@ -171,7 +171,7 @@ def test_the_operators_fake_gives_bf16_rows_of_the_groups_width():
     sum."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    import vlmrl.rollout.nf4_decode  # noqa: F401  (registers the operator)
+    import vlmrl.training.rollout.nf4_decode  # noqa: F401  (registers the operator)
 
     with FakeTensorMode():
         x16 = torch.empty(3, 1, 128, dtype=torch.float16)

@@ -1,5 +1,5 @@
 """A step whose loss or gradient is not finite is skipped, counted, and never reaches the weights;
-too many in a row stop the stage with one line and nothing recorded as done (vlmrl.nonfinite)."""
+too many in a row stop the stage with one line and nothing recorded as done (vlmrl.training.trainer.nonfinite)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from conftest import dvc_repro, make_project_repo, run
 from safetensors.torch import load_file
 
 from vlmrl.models.loading import load_policy
-from vlmrl.nonfinite import NonFiniteTrainingError
+from vlmrl.training.trainer.nonfinite import NonFiniteTrainingError
 from vlmrl.params import Params
-from vlmrl.rollout.generation import rollout_class
-from vlmrl.training import build_grpo_config, make_trainer
+from vlmrl.training.rollout.generation import rollout_class
+from vlmrl.training.gspo import build_grpo_config, make_trainer
 
 LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
 PARAMS = Params({"model": {"name": "embedded:tiny-qwen3-vl"},
@@ -123,7 +123,7 @@ SMALL = {"data.synthetic_size": 16, "data.synthetic_read_size": 4, "data.eval_si
 
 
 def poisoned_env(tmp_path: Path, forward_passes: str) -> dict[str, str]:
-    from vlmrl.dvc_env import dvc_env
+    from vlmrl.pipeline.dvc_env import dvc_env
 
     site = tmp_path / "site"
     site.mkdir()
@@ -186,8 +186,8 @@ def test_a_nonfinite_weight_stops_training(train_set, tmp_path) -> None:
 
 
 def test_sft_skips_a_nonfinite_step(train_set, tmp_path) -> None:
-    from vlmrl.sft import build_sft_config, sft_dataset
-    from vlmrl.trainers import sft_trainer
+    from vlmrl.training.sft import build_sft_config, sft_dataset
+    from vlmrl.training.trainer.trainers import sft_trainer
 
     params = Params({"model": {"name": "embedded:tiny-qwen3-vl"},
                      "sft": {"enabled": True, "args": {"max_steps": 3, "learning_rate": 1e-2,
@@ -210,7 +210,7 @@ def _check_shards(rank: int, init_file: str, results) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from vlmrl.nonfinite import agree, all_finite, first_nonfinite
+    from vlmrl.training.trainer.nonfinite import agree, all_finite, first_nonfinite
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:

@@ -1,4 +1,4 @@
-"""`vlmrl.pixel_values` on the tiny Qwen3-VL: the model casts pixel values to its vision
+"""`vlmrl.training.trainer.pixel_values` on the tiny Qwen3-VL: the model casts pixel values to its vision
 tower's dtype first, so a bfloat16 policy gives the same logits from pixel values kept in
 bfloat16 as from the processor's float32; the GRPO subclass keeps a generation batch's that way,
 and leaves other models' and other fields alone."""
@@ -11,8 +11,8 @@ import pytest
 import torch
 from tiny_batches import padded_vl_batch, tiny_lora_policy
 
-from vlmrl.pixel_values import pixels_in, tower_dtype
-from vlmrl.trainers import PixelValuesInTowerDtype
+from vlmrl.training.trainer.pixel_values import pixels_in, tower_dtype
+from vlmrl.training.trainer.trainers import PixelValuesInTowerDtype
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from conftest import ROOT, run
 from project_repo import make_project_repo
 from test_ui_browser import CHROMIUM, CHROMIUM_ARGS, TIMEOUT_MS
 
-from vlmrl.eval_report import grouped_bars
+from vlmrl.evaluation.report import grouped_bars
 
 pytestmark = pytest.mark.skipif(
     not CHROMIUM.exists(),
@@ -41,7 +41,7 @@ def write_json(path: Path, rows: list[dict]) -> None:
 
 
 def write_plot_inputs(repo: Path) -> None:
-    from vlmrl.training import plot_training_curves
+    from vlmrl.training.gspo import plot_training_curves
 
     train_log = [{"step": step, "reward": 0.1 * step, "reward_std": 0.5, "loss": 0.01 * step,
                   "grad_norm": 1.0 / step, "clip_ratio_region_mean": 0.05,

@@ -13,7 +13,7 @@ from test_verify import make_adapter
 
 from vlmrl.cache import cache_root
 from vlmrl.models.unsloth import adapter_with_base
-from vlmrl.portable import (
+from vlmrl.models.portable import (
     machine_values,
     machine_values_in,
     make_adapter_portable,

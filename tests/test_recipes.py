@@ -14,14 +14,14 @@ import pytest
 import yaml
 from conftest import ROOT, dvc_repro, run
 
-from vlmrl.answer_format import answer_format
-from vlmrl.data_parallel import split_global_batch
-from vlmrl.launch import DistributedParams, resolve
+from vlmrl.rewards.answer_format import answer_format
+from vlmrl.distributed.data_parallel import split_global_batch
+from vlmrl.distributed.launch import DistributedParams, resolve
 from vlmrl.params import ParamsError
-from vlmrl.recipes import RecipeError, available, check_recipe, cli_recipe, recipe_path, summary
-from vlmrl.rewards import build_rewards
-from vlmrl.sft import build_sft_config
-from vlmrl.training import build_grpo_config, local_generation_rows, split_batch
+from vlmrl.pipeline.recipes import RecipeError, available, check_recipe, cli_recipe, recipe_path, summary
+from vlmrl.rewards.functions import build_rewards
+from vlmrl.training.sft import build_sft_config
+from vlmrl.training.gspo import build_grpo_config, local_generation_rows, split_batch
 
 RECIPES = available(ROOT)
 # Short enough for the test suite; every stage still does its real work.

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from conftest import dvc_repro, update_params
 
-from vlmrl.checkpoints import (
+from vlmrl.training.checkpoints import (
     IO_ONLY,
     MEMORY_ONLY,
     changed_settings,

@@ -1,4 +1,4 @@
-"""Tests for vlmrl.rewards: TRL-shaped reward functions, the registry and score_completion."""
+"""Tests for vlmrl.rewards.functions: TRL-shaped reward functions, the registry and score_completion."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from vlmrl.params import ParamsError, RewardsParams
 from vlmrl.params_checks import BUILTIN_REWARDS
-from vlmrl.rewards import (
+from vlmrl.rewards.functions import (
     MODEL_REWARDS,
     REWARD_FUNCS,
     build_rewards,

@@ -1,5 +1,5 @@
 """Training's rollouts reach their own decoding through the class the policy is loaded as
-(`vlmrl.rollout.generation.rollout_class`): TRL's call on the PEFT model must arrive at the
+(`vlmrl.training.rollout.generation.rollout_class`): TRL's call on the PEFT model must arrive at the
 decoding that was set, the plain class must keep transformers' `generate`, and the top-k sampler
 on a CPU must give what `generate` gives with the sampler's keyword arguments."""
 
@@ -13,7 +13,7 @@ from vlmrl.models.embedded import resolve_model_path
 from vlmrl.models.loading import load_policy, load_transformers_model
 from vlmrl.models.sampling import SamplingSettings, sampling_kwargs
 from vlmrl.params import LoraParams, ModelParams
-from vlmrl.rollout.generation import (
+from vlmrl.training.rollout.generation import (
     RolloutGeneration,
     rollout_class,
     rollout_model,
@@ -92,7 +92,7 @@ def test_top_k_on_cpu_samples_as_generate_with_the_samplers_arguments(policy) ->
 
 def test_a_plain_class_is_refused_with_the_fix_named() -> None:
     plain, _, _ = load_policy(MODEL, LORA, 0)
-    with pytest.raises(TypeError, match=r"model_class=vlmrl.rollout.generation.rollout_class"):
+    with pytest.raises(TypeError, match=r"model_class=vlmrl.training.rollout.generation.rollout_class"):
         sample_top_k_on_cpu(plain, SamplingSettings(1.0, 20))
 
 

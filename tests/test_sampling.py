@@ -11,7 +11,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from vlmrl.evaluation import generation_kwargs
+from vlmrl.evaluation.evaluate import generation_kwargs
 from vlmrl.models.processor import vision_token_ids
 from vlmrl.models.sampling import (
     SamplingSettings,
@@ -21,7 +21,7 @@ from vlmrl.models.sampling import (
     top_k_settings,
 )
 from vlmrl.params import EvalParams
-from vlmrl.rollout.generation import rollout_class, sample_top_k_on_cpu
+from vlmrl.training.rollout.generation import rollout_class, sample_top_k_on_cpu
 
 
 def transformers_probs(scores: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:

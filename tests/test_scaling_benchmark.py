@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, load_benchmark, run
 
-from vlmrl.launch import DistributedParams, resolve
+from vlmrl.distributed.launch import DistributedParams, resolve
 from vlmrl.params import Params
-from vlmrl.training import local_generation_rows, split_batch
+from vlmrl.training.gspo import local_generation_rows, split_batch
 
 
 @pytest.fixture(scope="module")

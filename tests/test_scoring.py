@@ -1,4 +1,4 @@
-"""Tests for vlmrl.scoring: literal rules first, then every real MathVista testmini record."""
+"""Tests for vlmrl.rewards.scoring: literal rules first, then every real MathVista testmini record."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from vlmrl.scoring import (
+from vlmrl.rewards.scoring import (
     MAX_ANSWER_CHARS,
     Score,
     extract_solution,

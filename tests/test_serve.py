@@ -25,17 +25,17 @@ from leftover_processes import descendants
 from s3_server import free_port, start_moto_server
 
 from vlmrl import publish as pub
-from vlmrl.gguf_release import write_gguf_consumer_files
-from vlmrl.gguf_tools import convert_hf_to_gguf, image_chat, image_data_url
+from vlmrl.export.gguf_release import write_gguf_consumer_files
+from vlmrl.export.gguf import convert_hf_to_gguf, image_chat, image_data_url
 from vlmrl.models.embedded import ensure_embedded_model
-from vlmrl.serve import ServeError, serve_command
+from vlmrl.serve.command import ServeError, serve_command
 
 QUESTION = "What number is shown?"
 MAX_TOKENS = 3
 
 
 def test_imports_nothing_it_cannot_find() -> None:
-    from vlmrl.serve import check_server_installed
+    from vlmrl.serve.command import check_server_installed
 
     check_server_installed()  # the gguf extra brings llama-cpp-python[server]
 
@@ -169,7 +169,7 @@ def test_served_chat_answers_with_and_without_an_image(server_url: str, pulled_g
 def test_serve_command_uses_the_projector_and_names_a_missing_file(pulled_gguf: Path,
                                                                    tmp_path: Path) -> None:
     command = serve_command(pulled_gguf, port=9000)
-    assert command[1:5] == ["-m", "vlmrl.serve_app", "--model",
+    assert command[1:5] == ["-m", "vlmrl.serve.app", "--model",
                             str(pulled_gguf / "model-f16.gguf")]
     assert command[command.index("--clip_model_path") + 1] == str(pulled_gguf / "mmproj-f16.gguf")
     assert command[command.index("--host") + 1] == "127.0.0.1"

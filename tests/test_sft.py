@@ -10,9 +10,9 @@ import pytest
 
 from vlmrl.models.loading import START_MARKER, starting_adapter
 from vlmrl.params import Params, ParamsError, SftParams
-from vlmrl.rewards import score_completion
-from vlmrl.scoring import format_ok
-from vlmrl.sft import build_sft_config, run_sft, sft_completion
+from vlmrl.rewards.functions import score_completion
+from vlmrl.rewards.scoring import format_ok
+from vlmrl.training.sft import build_sft_config, run_sft, sft_completion
 
 RECORD = {"answer": "12.35", "question_type": "free_form", "answer_type": "float",
           "precision": 2.0, "choices": None, "unit": None}
@@ -61,9 +61,9 @@ def test_sft_rows_leave_the_prepared_set_untouched(tmp_path: Path) -> None:
     and rerun the whole pipeline on the next `dvc repro`."""
     from datasets import load_from_disk
 
-    from vlmrl.data import load_raw_records, prepare, to_dataset
+    from vlmrl.data.prepare import load_raw_records, prepare, to_dataset
     from vlmrl.params import DataParams
-    from vlmrl.sft import sft_dataset
+    from vlmrl.training.sft import sft_dataset
 
     settings = DataParams(synthetic_size=8, eval_size=2, image_size=64)
     to_dataset(prepare(load_raw_records(settings), settings).train).save_to_disk(str(tmp_path))

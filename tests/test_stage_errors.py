@@ -14,7 +14,7 @@ import pytest
 from conftest import TEST_PARAMS
 from project_repo import copy_project, run, stage_command, update_params
 
-from vlmrl.dvc_env import dvc_env
+from vlmrl.pipeline.dvc_env import dvc_env
 from vlmrl.errors import USER_ERROR_STATUS, json_source, one_line, run_stage
 from vlmrl.params import ParamsError
 
@@ -196,7 +196,7 @@ def test_json_error_names_the_path_its_reader_held(tmp_path) -> None:
 def test_trl_config_values_are_checked_against_the_field_types() -> None:
     import trl
 
-    from vlmrl.trainer_config import config_values
+    from vlmrl.training.trainer.config import config_values
 
     checked = config_values(trl.GRPOConfig, {"learning_rate": "5e-06", "max_steps": 4,
                                              "report_to": ["tensorboard"], "top_k": 20},
@@ -218,7 +218,7 @@ def test_numeric_text_stays_text_where_the_field_is_text() -> None:
     "001", and a refused value is named as written."""
     import trl
 
-    from vlmrl.trainer_config import config_values
+    from vlmrl.training.trainer.config import config_values
 
     assert config_values(trl.GRPOConfig, {"run_name": "001"}, "train.grpo") == {"run_name": "001"}
     with pytest.raises(ParamsError, match=r"^params\.yaml train\.grpo\.max_steps: must be a valid "

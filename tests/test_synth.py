@@ -1,4 +1,4 @@
-"""Tests for vlmrl.synth: determinism, MathVista's schema, and answers recomputed from the drawn data."""
+"""Tests for vlmrl.data.synth: determinism, MathVista's schema, and answers recomputed from the drawn data."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vlmrl import synth
-from vlmrl.scoring import gold_parseable, score
+from vlmrl.data import synth
+from vlmrl.rewards.scoring import gold_parseable, score
 
 TESTMINI = Path(__file__).resolve().parents[1].parent / "shared" / "mathvista" / "testmini.json"
 SIZE = 256

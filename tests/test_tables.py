@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vlmrl.tables import markdown_cell, markdown_table
+from vlmrl.reporting.tables import markdown_cell, markdown_table
 
 
 def test_cells_escape_what_would_break_a_table() -> None:

@@ -10,14 +10,14 @@ import re
 import pytest
 import torch
 
-from vlmrl.data import load_raw_records, prepare, render_report
-from vlmrl.evaluation import generate_responses, render_prompt
+from vlmrl.data.prepare import load_raw_records, prepare, render_report
+from vlmrl.evaluation.evaluate import generate_responses, render_prompt
 from vlmrl.models.embedded import ensure_embedded_model
 from vlmrl.models.loading import load_model, load_policy
 from vlmrl.models.processor import chat_messages, has_vision, is_text_checkpoint, model_inputs
 from vlmrl.params import DataParams, EvalParams, LoraParams, ModelParams
-from vlmrl.synth.arithmetic import generate_arithmetic
-from vlmrl.verify import LoraModule, check_language_model_only
+from vlmrl.data.synth.arithmetic import generate_arithmetic
+from vlmrl.verification.lora import LoraModule, check_language_model_only
 
 TEXT_MODEL = ModelParams(name="embedded:tiny-qwen3")
 ARITHMETIC = DataParams(source="embedded:arithmetic", answer_pattern="after_hashes",
@@ -107,7 +107,7 @@ def test_text_policy_adapts_the_decoder_layers_only() -> None:
 def test_eval_browser_lists_text_items_and_says_they_have_no_image(tmp_path) -> None:
     from starlette.testclient import TestClient
 
-    from vlmrl.data import to_dataset
+    from vlmrl.data.prepare import to_dataset
     from vlmrl.ui.app import create_app
 
     prepared = prepare(load_raw_records(ARITHMETIC), ARITHMETIC)

@@ -1,4 +1,4 @@
-"""The trainer subclasses (vlmrl.trainers): the private TRL and transformers names they rely on
+"""The trainer subclasses (vlmrl.training.trainer.trainers): the private TRL and transformers names they rely on
 are checked when a trainer is made, and fail in one line where upstream removed or re-signed
 one; TRL's sample completions table goes to a file while the progress lines stay on stdout; a
 bitsandbytes 4-bit policy's quantizer is copied, not its class changed."""
@@ -16,7 +16,7 @@ from transformers.generation.utils import GenerationMixin
 from vlmrl.errors import UserError, one_line
 from vlmrl.models.loading import load_policy
 from vlmrl.params import Params
-from vlmrl.private_names import (
+from vlmrl.training.trainer.private_names import (
     GRPO_NAMES,
     OLD_LOGPS_NAMES,
     SFT_NAMES,
@@ -24,14 +24,14 @@ from vlmrl.private_names import (
     UpstreamChangedError,
     check_private_names,
 )
-from vlmrl.trainers import (
+from vlmrl.training.trainer.trainers import (
     OldLogProbsWhereNeeded,
     grpo_class,
     grpo_trainer,
     sft_class,
     sft_trainer,
 )
-from vlmrl.training import build_grpo_config, make_trainer
+from vlmrl.training.gspo import build_grpo_config, make_trainer
 
 LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
 PARAMS = Params({"model": {"name": "embedded:tiny-qwen3-vl"},
@@ -187,7 +187,7 @@ def test_a_bnb_4bit_quantizer_is_copied_with_compiling_allowed() -> None:
     from transformers import BitsAndBytesConfig
     from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
 
-    from vlmrl.chunked_generation import compileable_quantizer
+    from vlmrl.training.trainer.chunked_generation import compileable_quantizer
 
     original = Bnb4BitHfQuantizer(BitsAndBytesConfig(load_in_4bit=True))
     copy = compileable_quantizer(original)
@@ -228,7 +228,7 @@ def test_completions_table_goes_to_the_file_and_progress_to_stdout(train_set, tm
 @pytest.mark.parametrize("compile_layers", [False, True])
 def test_compiled_runs_freeze_the_heap_after_their_first_step(train_set, tmp_path: Path,
                                                               compile_layers) -> None:
-    from vlmrl.compiled_layers import FrozenHeapAfterFirstStep
+    from vlmrl.training.trainer.compiled_layers import FrozenHeapAfterFirstStep
 
     grpo = {"max_steps": 1, "per_device_train_batch_size": 4, "num_generations": 4,
             "max_completion_length": 4, "seed": 3, "report_to": "none"}

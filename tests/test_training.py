@@ -21,8 +21,8 @@ from conftest import (
 
 from vlmrl.models.loading import language_model_targets
 from vlmrl.params import ModelParams, Params, ParamsError, TrainParams
-from vlmrl.train_logs import step_log_rows
-from vlmrl.training import build_grpo_config, vllm_installed
+from vlmrl.training.trainer.logs import step_log_rows
+from vlmrl.training.gspo import build_grpo_config, vllm_installed
 
 
 def read_log(path: Path) -> list[dict]:
@@ -153,7 +153,7 @@ def test_step_log_rows_flatten_trainer_keys() -> None:
 
 
 def test_generation_rows_must_divide_the_generation_batch() -> None:
-    from vlmrl.training import generation_rows
+    from vlmrl.training.gspo import generation_rows
 
     config = build_grpo_config({"per_device_train_batch_size": 4, "steps_per_generation": 2,
                                 "num_generations": 4}, output_dir=Path("/tmp/x"), save_steps=2,
@@ -180,7 +180,7 @@ def test_generation_chunks_hold_exactly_their_prompts_images() -> None:
     import numpy as np
     from PIL import Image
 
-    from vlmrl.chunked_generation import split_generation_inputs
+    from vlmrl.training.trainer.chunked_generation import split_generation_inputs
 
     processor = tiny_processor()
     sizes = [(64, 64), (128, 96), (96, 160), (64, 128), (160, 64)]
@@ -215,7 +215,7 @@ def test_generation_chunks_hold_exactly_their_prompts_images() -> None:
 def test_unsplittable_field_is_a_clear_error() -> None:
     import torch
 
-    from vlmrl.chunked_generation import split_generation_inputs
+    from vlmrl.training.trainer.chunked_generation import split_generation_inputs
 
     with pytest.raises(ValueError, match=r"max_generation_rows.*`pixel_attention_mask`"):
         list(split_generation_inputs([[1], [2], [3]], None,
@@ -223,7 +223,7 @@ def test_unsplittable_field_is_a_clear_error() -> None:
 
 
 def test_generation_in_chunks_keeps_the_row_order() -> None:
-    from vlmrl.trainers import ChunkedGeneration
+    from vlmrl.training.trainer.trainers import ChunkedGeneration
 
     class Generator:  # GRPOTrainer's `_generate_single_turn` contract
         def __init__(self) -> None:
@@ -348,7 +348,7 @@ def test_readme_gpu_profile_is_the_benchmarked_one_and_valid(gspo_step) -> None:
     import yaml
     from conftest import ROOT
 
-    from vlmrl.training import generation_rows
+    from vlmrl.training.gspo import generation_rows
 
     overrides = readme_gpu_overrides()
     assert_recipe_is_profile(overrides, gspo_step.CONFIGS[gspo_step.RECIPE_8B_PROFILE])
@@ -404,9 +404,9 @@ def test_use_vllm_without_vllm_names_the_param() -> None:
 def test_use_vllm_colocate_reaches_grpo_config(monkeypatch) -> None:
     """Where vllm is installed the switches pass through to TRL as they are (vllm itself is
     faked as present: it cannot be installed here; TRL imports it only in the trainer)."""
-    import vlmrl.training
+    import vlmrl.training.gspo
 
-    monkeypatch.setattr(vlmrl.training, "vllm_installed", lambda: True)
+    monkeypatch.setattr(vlmrl.training.gspo, "vllm_installed", lambda: True)
     config = build_grpo_config({"use_vllm": True, "vllm_mode": "colocate",
                                 "vllm_gpu_memory_utilization": 0.3},
                                output_dir=Path("/tmp/x"), save_steps=50, reward_weights=[1.0],
@@ -462,8 +462,8 @@ def test_cpu_log_prob_fallback_where_the_kernel_cannot_run(monkeypatch, kernel, 
     import torch
     import trl.trainer.utils as trl_utils
 
-    from vlmrl.logprob_fallback import TorchChunkedLogProb, kernel_cannot_run
-    from vlmrl.trainers import log_prob_kernel_for_this_machine
+    from vlmrl.training.trainer.logprob_fallback import TorchChunkedLogProb, kernel_cannot_run
+    from vlmrl.training.trainer.trainers import log_prob_kernel_for_this_machine
 
     sentinel = object() if kernel else None
     monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", sentinel)
@@ -487,7 +487,7 @@ def test_cpu_log_prob_fallback_where_the_kernel_cannot_run(monkeypatch, kernel, 
      {"PYTORCH_ALLOC_CONF": "garbage_collection_threshold:0.6,expandable_segments:True"}),
 ])
 def test_expandable_segments_go_to_the_allocator_environment(before, enabled, after) -> None:
-    from vlmrl.launch import use_expandable_segments
+    from vlmrl.distributed.launch import use_expandable_segments
 
     environ = dict(before)
     assert use_expandable_segments(enabled, environ) is (after != before)
@@ -506,11 +506,11 @@ def test_train_gspo_sets_the_allocator_before_torch(tmp_path: Path) -> None:
     from conftest import ROOT
 
     probe = ("import os, runpy, sys\n"
-             "import vlmrl.launch\n"
+             "import vlmrl.distributed.launch\n"
              "def stop(*args, **kwargs):\n"
              "    print('torch' in sys.modules, os.environ.get('PYTORCH_CUDA_ALLOC_CONF'))\n"
              "    raise SystemExit(0)\n"
-             "vlmrl.launch.training_plan = stop\n"
+             "vlmrl.distributed.launch.training_plan = stop\n"
              "sys.argv[0] = 'train_gspo.py'\n"
              f"runpy.run_path({str(ROOT / 'stages' / 'train_gspo.py')!r}, run_name='__main__')\n")
     flags = [part for name in ("train-set", "out", "checkpoints", "metrics", "details", "log",
@@ -544,7 +544,7 @@ def test_graph_decoding_needs_the_transformers_backend() -> None:
     """Unsloth loads its own model classes, which graph decoding cannot route: one line before
     anything loads instead of a TypeError from the rollout package."""
     from vlmrl.params import ParamsError
-    from vlmrl.training import check_graph_backend
+    from vlmrl.training.gspo import check_graph_backend
 
     check_graph_backend("eager", "unsloth")
     check_graph_backend("graph", "transformers")
@@ -565,7 +565,7 @@ def test_training_switches_need_the_transformers_backend(setting: dict, message:
     import yaml
     from conftest import ROOT
 
-    from vlmrl.training import check_training_switches
+    from vlmrl.training.gspo import check_training_switches
 
     section = yaml.safe_load((ROOT / "params.yaml").read_text())["train"]
     check_training_switches(TrainParams.from_params(section), "unsloth")
@@ -584,7 +584,7 @@ def test_train_sets_the_allocator_before_building_the_config(tmp_path: Path, mon
     import yaml
     from conftest import ROOT
 
-    from vlmrl import training
+    from vlmrl.training import gspo as training
     from vlmrl.params import Params
 
     seen: list[str | None] = []

@@ -14,7 +14,7 @@ import yaml
 from PIL import Image
 
 from vlmrl.params import load_params
-from vlmrl.rewards import score_completion
+from vlmrl.rewards.functions import score_completion
 from vlmrl.ui.app import MAX_BODY_BYTES, cli_ui, create_app
 from vlmrl.ui.requests import MAX_COMPLETION_BYTES
 
@@ -338,8 +338,8 @@ IMAGE_COLOURS = {"p1": (200, 30, 30), "p2": (30, 200, 30)}
 def save_eval_set(target: Path) -> None:
     from datasets import disable_progress_bars
 
-    from vlmrl.data import to_dataset, to_row
-    from vlmrl.prompts import SYSTEM_PROMPT
+    from vlmrl.data.prepare import to_dataset, to_row
+    from vlmrl.data.prompts import SYSTEM_PROMPT
 
     disable_progress_bars()
 

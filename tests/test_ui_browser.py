@@ -26,7 +26,7 @@ from test_ui import (
     write_params,
 )
 
-from vlmrl.rewards import score_completion
+from vlmrl.rewards.functions import score_completion
 from vlmrl.ui.example import worked_example
 
 CHROMIUM = Path("/usr/bin/chromium")

@@ -12,7 +12,7 @@ import pytest
 from conftest import ROOT, run, stage_command, update_params
 
 from vlmrl.params import LoraParams, ModelParams, ParamsError
-from vlmrl.verify import (
+from vlmrl.verification.lora import (
     check_language_model_only,
     check_target_modules,
     delta_w_squared_norm,

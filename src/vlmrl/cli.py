@@ -36,12 +36,12 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         "create the S3 bucket the upload stage publishes to",
     ),
     "run": Subcommand(
-        "vlmrl.orchestration",
+        "vlmrl.pipeline.orchestration",
         "cli_run",
         "run the DVC pipeline once as a Prefect flow and report each stage",
     ),
     "schedule": Subcommand(
-        "vlmrl.orchestration",
+        "vlmrl.pipeline.orchestration",
         "cli_schedule",
         "serve the pipeline on a cron schedule with Prefect (blocks), or register it on a work pool",
     ),
@@ -49,12 +49,12 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         "vlmrl.ui.app", "cli_ui", "open the reward playground and eval browser on 127.0.0.1"
     ),
     "serve": Subcommand(
-        "vlmrl.serve",
+        "vlmrl.serve.command",
         "cli_serve",
         "serve a pulled GGUF folder (with its projector) as an OpenAI chat API on 127.0.0.1",
     ),
     "recipe": Subcommand(
-        "vlmrl.recipes",
+        "vlmrl.pipeline.recipes",
         "cli_recipe",
         "list the checked-in recipes, or check one and write it over params.yaml",
     ),

@@ -7,9 +7,9 @@ choice, the allowed values: `params.yaml model.backend: 'foo' is not one of auto
 unsloth`. A section is validated when a stage first asks for it, so a stage checks exactly the
 sections dvc.yaml lists for it (a bad `rewards` section must fail train_gspo, not prepare_data).
 Checks that need a runtime stay with the code that has it: `sft.args` and `train.grpo`
-against the fields of `trl.SFTConfig` and `trl.GRPOConfig` (vlmrl.trainer_config),
-`export.quantize` against llama.cpp (vlmrl.export), reward options against the registry
-(vlmrl.rewards). Reward names, which a typo breaks, are checked here, before a stage loads a
+against the fields of `trl.SFTConfig` and `trl.GRPOConfig` (vlmrl.training.trainer.config),
+`export.quantize` against llama.cpp (vlmrl.export.exporter), reward options against the registry
+(vlmrl.rewards.functions). Reward names, which a typo breaks, are checked here, before a stage loads a
 model (vlmrl.params_checks)."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ QUESTION_TYPES: tuple[str, ...] = get_args(QuestionType)
 ANSWER_TYPES: tuple[str, ...] = get_args(AnswerType)
 CONVERTER_OUTTYPES: tuple[str, ...] = get_args(ConverterOuttype)
 EMBEDDED_SOURCE = "embedded:synthetic"
-EMBEDDED_TEXT_SOURCE = "embedded:arithmetic"  # GSM8K-style word problems (vlmrl.synth.arithmetic)
+EMBEDDED_TEXT_SOURCE = "embedded:arithmetic"  # GSM8K-style word problems (vlmrl.data.synth.arithmetic)
 LOCAL_SOURCE, LOCAL_DATA_DIR = "local", "data/local"  # data.source: local reads data.path
 RecordField = Literal["id", "question", "answer", "image", "choices", "question_type",
                       "answer_type", "precision", "unit", "source", "category"]  # data.columns
@@ -58,7 +58,7 @@ def _integer(value: Any) -> int:
 
 
 def _positive_integer(value: Any, auto: bool = False) -> int | str:
-    """A positive integer; with `auto`, also the word auto (a process count: vlmrl.launch)."""
+    """A positive integer; with `auto`, also the word auto (a process count: vlmrl.distributed.launch)."""
     if auto and value == "auto":
         return value
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -101,7 +101,7 @@ def _list(value: Any) -> Any:
 
 
 # Trainer-config keys the pipeline sets itself, from dvc.yaml's paths and other params sections
-# (vlmrl.trainer_config builds the configs with them), so params.yaml may not set them.
+# (vlmrl.training.trainer.config builds the configs with them), so params.yaml may not set them.
 PIPELINE_KEYS: dict[str, frozenset[str]] = {
     "sft.args": frozenset({"output_dir", "use_cpu", "completion_only_loss", "max_length",
                            "remove_unused_columns", "save_strategy"}),
@@ -113,7 +113,7 @@ PIPELINE_KEYS: dict[str, frozenset[str]] = {
 def _trainer_args(key_path: str) -> Callable[[Any], Any]:
     """The check of a trainer config's args (`sft.args`, `train.grpo`): a mapping (None, an empty
     YAML value, is an empty one) without the keys the pipeline sets. Their types are checked
-    against the config's fields when it is built (vlmrl.trainer_config)."""
+    against the config's fields when it is built (vlmrl.training.trainer.config)."""
 
     def check(value: Any) -> Any:
         value = {} if value is None else value
@@ -175,8 +175,8 @@ class DataParams(Section):
     config: str | None = None
     split: str = "testmini"
     revision: str | None = None
-    columns: dict[RecordField, str] = {}  # record field -> the data's column (vlmrl.data_columns)
-    answer_pattern: str | None = None  # checked by vlmrl.data_columns
+    columns: dict[RecordField, str] = {}  # record field -> the data's column (vlmrl.data.columns)
+    answer_pattern: str | None = None  # checked by vlmrl.data.columns
     synthetic_size: PositiveInteger = 160
     synthetic_read_size: Annotated[int, BeforeValidator(_integer), Field(ge=0)] = 0  # tier "read"
     seed: Integer = 42
@@ -209,7 +209,7 @@ class RewardsParams(Section):
     """`weights` (name -> weight; a list of names means weight 1 each) and, beside it in
     params.yaml, one mapping of keyword options per reward (`length_penalty: {min_chars: 50}`).
     Names are checked here (a built-in name or an import path); options against the registry
-    by `vlmrl.rewards.build_rewards`."""
+    by `vlmrl.rewards.functions.build_rewards`."""
 
     SECTION = "rewards"
     weights: dict[str, Number]
@@ -245,12 +245,12 @@ class EvalParams(Section):
     top_p: Annotated[float, BeforeValidator(_number), Field(gt=0, le=1)] = 1.0
     top_k: Annotated[int, BeforeValidator(_integer), Field(ge=0)] = 0  # 0: no top-k cut
     seed: Integer = 0
-    num_processes: ProcessCount = "auto"  # auto: one process per GPU (vlmrl.launch)
+    num_processes: ProcessCount = "auto"  # auto: one process per GPU (vlmrl.distributed.launch)
 
 
 class SftParams(Section):
-    """The cold-start SFT (vlmrl.sft). `args` is passed to `trl.SFTConfig`;
-    vlmrl.trainer_config checks its keys against SFTConfig's fields. Off (`enabled: false`, or
+    """The cold-start SFT (vlmrl.training.sft). `args` is passed to `trl.SFTConfig`;
+    vlmrl.training.trainer.config checks its keys against SFTConfig's fields. Off (`enabled: false`, or
     `args.max_steps: 0`) the stage is a pass-through and GSPO starts from the base model."""
 
     SECTION = "sft"
@@ -269,7 +269,7 @@ class SftParams(Section):
 
     @property
     def trains(self) -> bool:
-        return self.enabled and self.args.get("max_steps", -1) != 0  # checked: vlmrl.trainer_config
+        return self.enabled and self.args.get("max_steps", -1) != 0  # checked: vlmrl.training.trainer.config
 
 
 class LoraParams(Section):
@@ -284,20 +284,20 @@ class LoraParams(Section):
 
 
 class TrainParams(Section):
-    """`train.grpo` is passed to `trl.GRPOConfig` as is; vlmrl.trainer_config checks its keys
+    """`train.grpo` is passed to `trl.GRPOConfig` as is; vlmrl.training.trainer.config checks its keys
     against GRPOConfig's fields."""
 
     SECTION = "train"
     save_steps: PositiveInteger
     resume: Boolean = True
     max_generation_rows: PositiveInteger | None = None
-    distributed: dict[str, Any] = {}  # checked by vlmrl.launch.DistributedParams
-    graph_decoding: Literal["eager", "graph", "merged"] = "eager"  # GPU rollouts: vlmrl.rollout.graph_decode
-    expandable_segments: Boolean = True  # the CUDA allocator's: vlmrl.launch.use_expandable_segments
-    kv_cache_dtype: Literal["auto", "fp8"] = "auto"  # graph decoding's cache: vlmrl.rollout.decode_attention
-    training_attention: Literal["sdpa", "rolled"] = "sdpa"  # vlmrl.training_attention
-    compile_layers: Boolean = False  # text decoder layers compiled outside generation: vlmrl.compiled_layers
-    nf4_linears: Boolean = False  # the compiled layers' NF4 projections through vlmrl.nf4_linear
+    distributed: dict[str, Any] = {}  # checked by vlmrl.distributed.launch.DistributedParams
+    graph_decoding: Literal["eager", "graph", "merged"] = "eager"  # GPU rollouts: vlmrl.training.rollout.graph_decode
+    expandable_segments: Boolean = True  # the CUDA allocator's: vlmrl.distributed.launch.use_expandable_segments
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"  # graph decoding's cache: vlmrl.training.rollout.decode_attention
+    training_attention: Literal["sdpa", "rolled"] = "sdpa"  # vlmrl.training.trainer.attention
+    compile_layers: Boolean = False  # text decoder layers compiled outside generation: vlmrl.training.trainer.compiled_layers
+    nf4_linears: Boolean = False  # the compiled layers' NF4 projections through vlmrl.training.trainer.nf4_linear
     keep_image_features: Boolean = False  # each image through the vision tower once a generation: vlmrl.models.image_features
     max_nonfinite_steps: PositiveInteger = 3  # skipped non-finite steps in a row that stop it
     lora: LoraParams

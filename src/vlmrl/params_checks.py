@@ -1,6 +1,6 @@
 """How params problems are told, in one line that names the key path: pydantic's validation
 errors of a section (`describe`), and the checks of values whose rules live outside the section's
-field types: the built-in reward names (vlmrl.rewards' registry, which cannot be imported here
+field types: the built-in reward names (vlmrl.rewards.functions' registry, which cannot be imported here
 without an import circle) and GRPO's group size."""
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from pydantic import BaseModel, ValidationError
 
 from vlmrl.errors import ParamsError
 
-# vlmrl.rewards' built-in rewards (tests/test_rewards.py keeps the two lists equal).
+# vlmrl.rewards.functions' built-in rewards (tests/test_rewards.py keeps the two lists equal).
 BUILTIN_REWARDS = ("format_reward", "correctness_reward", "length_penalty", "rouge_reward",
                    "bertscore_reward")
 
 
 def check_reward_names(section: Mapping[str, Any]) -> None:
     """Every reward the `rewards` section weighs or gives options to is a built-in reward or an
-    import path (`package.module:function`, imported by vlmrl.rewards); a typo fails here."""
+    import path (`package.module:function`, imported by vlmrl.rewards.functions); a typo fails here."""
     weights = section.get("weights")
     named = [("rewards.weights", name) for name in
              (weights if isinstance(weights, (Mapping, list, tuple)) else ())]
@@ -35,7 +35,7 @@ def check_reward_names(section: Mapping[str, Any]) -> None:
 def check_group_size(grpo: Mapping[str, Any]) -> None:
     """GRPO compares the completions of one prompt with each other, so a group needs two or
     more; TRL divides by the group size before it checks that (0 is a ZeroDivisionError there).
-    Other types are left to the check against GRPOConfig's field types (vlmrl.trainer_config)."""
+    Other types are left to the check against GRPOConfig's field types (vlmrl.training.trainer.config)."""
     value = grpo.get("num_generations")
     if isinstance(value, int) and not isinstance(value, bool) and value < 2:
         raise ParamsError("params.yaml train.grpo.num_generations: must be an integer of at "

@@ -17,7 +17,7 @@
 # llama_cpp package installed in $LLAMA_PY's environment (default: .venv/bin/python, where
 # `pip install -e '.[gguf]'` built it) as .whl/llama_cpp.tgz, its shared libraries once each (the
 # .so.0 files; run_on_device.sh recreates the .so links), and llama.cpp's converter
-# (vlmrl.gguf_tools.converter_source) as .whl/llama.cpp-src.tgz. It is loaded through ctypes, so a
+# (vlmrl.export.gguf.converter_source) as .whl/llama.cpp-src.tgz. It is loaded through ctypes, so a
 # build for this machine's Python runs under the device's 3.12; it needs glibc >= 2.34.
 #
 # Usage: tests/gpu/make_wheels.sh            (about 14 MB of wheels + 5 MB for GGUF in .whl/)
@@ -84,7 +84,7 @@ if [ -x "$LLAMA_PY" ] && "$LLAMA_PY" -c 'import llama_cpp' 2>/dev/null; then
     find "$STAGE/llama_cpp/lib" -type l -delete
     tar czf "$DEST/llama_cpp.tgz" -C "$STAGE" llama_cpp
     SRC="$(cd "$ROOT" && PYTHONPATH="$ROOT/src" "$LLAMA_PY" -c \
-        'from vlmrl.gguf_tools import converter_source; print(converter_source())')"
+        'from vlmrl.export.gguf import converter_source; print(converter_source())')"
     tar czf "$DEST/llama.cpp-src.tgz" -C "$(dirname "$SRC")" "$(basename "$SRC")"
 else
     echo "no llama_cpp in $LLAMA_PY's environment: the export stage will fail on the device" >&2

@@ -1,10 +1,10 @@
-"""`vlmrl.compiled_layers` on a GPU, on the model with Qwen3-VL-2B's shapes in NF4 with a LoRA
+"""`vlmrl.training.trainer.compiled_layers` on a GPU, on the model with Qwen3-VL-2B's shapes in NF4 with a LoRA
 adapter and gradient checkpointing, as train_gspo trains it but computing in float32: with the
 text decoder layers compiled by inductor, the loss and every adapter gradient equal eager's
 within float32 rounding (in bf16 the rounding of 28 layers' backward moves single gradients by
 several percent either way, too much to tell a wrong layer from noise), and a batch of another
 length runs without error; the same with the NF4 projections multiplied through
-`vlmrl.nf4_linear`, and that product against bitsandbytes' Linear4bit itself in bf16."""
+`vlmrl.training.trainer.nf4_linear`, and that product against bitsandbytes' Linear4bit itself in bf16."""
 
 from __future__ import annotations
 
@@ -38,9 +38,9 @@ def loss_and_grads(model, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Te
 
 @pytest.mark.parametrize("nf4_linears", [False, True], ids=["bitsandbytes", "nf4-linears"])
 def test_compiled_layers_train_within_float32_rounding_of_eager_ones(monkeypatch, nf4_linears):
-    """With `nf4_linears` the NF4 projections multiply through `vlmrl.nf4_linear` inside
+    """With `nf4_linears` the NF4 projections multiply through `vlmrl.training.trainer.nf4_linear` inside
     the compiled layers, against bitsandbytes' own eager ones."""
-    from vlmrl.compiled_layers import CompiledLayers, text_decoder_layers
+    from vlmrl.training.trainer.compiled_layers import CompiledLayers, text_decoder_layers
 
     model, processor = load(four_bit=True, dtype=torch.float32)
     model.train()
@@ -78,7 +78,7 @@ def test_nf4_linear_is_bitsandbytes_product_in_bf16(nested: bool) -> None:
     a launch of its own, where a fused kernel may round the scale's multiply-add once."""
     import bitsandbytes as bnb
 
-    from vlmrl.nf4_linear import nf4_linear
+    from vlmrl.training.trainer.nf4_linear import nf4_linear
 
     torch.manual_seed(0)
     dense = torch.nn.Linear(1024, 768, bias=True, dtype=torch.bfloat16)

@@ -20,8 +20,8 @@ def test_transformers_merge_stays_16_bit_on_the_gpu(model_dir, known_adapter, ev
                                                     tmp_path: Path) -> None:
     import torch
 
-    from vlmrl.export_checks import checkpoint_parameters
-    from vlmrl.merged_weights import compare_merged_weights
+    from vlmrl.export.checks import checkpoint_parameters
+    from vlmrl.models.merged_weights import compare_merged_weights
     from vlmrl.models.loading import merge_adapter
     from vlmrl.params import ModelParams
 
@@ -46,7 +46,7 @@ def test_device_stack_is_inside_the_bounds() -> None:
     from packaging.requirements import Requirement
     from packaging.version import Version
 
-    from vlmrl.chunked_generation import allow_compiling_bnb_4bit
+    from vlmrl.training.trainer.chunked_generation import allow_compiling_bnb_4bit
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     torch_bound = next(Requirement(r) for r in project["dependencies"] if r.startswith("torch"))

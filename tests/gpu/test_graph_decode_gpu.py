@@ -1,4 +1,4 @@
-"""Graph decoding (`train.graph_decoding`, vlmrl.rollout.graph_decode) on the GPU, on the model with
+"""Graph decoding (`train.graph_decoding`, vlmrl.training.rollout.graph_decode) on the GPU, on the model with
 Qwen3-VL-2B's shapes and a LoRA adapter whose B matrices are random (so the adapter changes every
 logit, as after training): under greedy decoding and deterministic kernels the tokens must equal
 transformers' `model.generate` on the same inputs with the same static cache (bf16); in NF4 the
@@ -31,7 +31,7 @@ def load(four_bit: bool, attention: str = "sdpa", dtype: torch.dtype = torch.bfl
     from vlmrl.models.embedded import ensure_embedded_model
     from vlmrl.models.loading import checkpoint_class
     from vlmrl.models.processor import load_processor
-    from vlmrl.rollout.generation import rollout_class
+    from vlmrl.training.rollout.generation import rollout_class
 
     path = str(ensure_embedded_model(MODEL, seed=0, device="cuda"))
     model = rollout_class(checkpoint_class(path)).from_pretrained(  # as train_gspo loads the policy
@@ -74,8 +74,8 @@ def greedy(model, compiled: bool = False):
 def decode_and_record(model, batch: dict, runs: dict[str, tuple[dict, bool]]):
     """Each run's greedy tokens (a GraphDecoding with these fields, its step compiled or not, a
     new cache and graph per call) and the float32 logits of its every draw (the prefill's first)."""
-    from vlmrl.rollout import graph_decode
-    from vlmrl.rollout.graph_decode import GraphDecoding
+    from vlmrl.training.rollout import graph_decode
+    from vlmrl.training.rollout.graph_decode import GraphDecoding
 
     tokens, logits = {}, {}
     original = graph_decode.sample_next
@@ -113,7 +113,7 @@ def test_bf16_greedy_tokens_equal_generate(deterministic):
     equal tokens are expected to the last one. The prefill of each distinct prompt once is off
     here: it runs the prefill on fewer rows, for which cuBLAS picks other kernels (0.86 of the
     tokens equal on the H100; its equality with `generate` is tested on the CPU)."""
-    from vlmrl.rollout.graph_decode import install_graph_decoding
+    from vlmrl.training.rollout.graph_decode import install_graph_decoding
 
     model, processor = load(four_bit=False, attention="eager")
     batch = inputs(processor)
@@ -155,7 +155,7 @@ def test_compiled_nf4_step_is_traced_once_and_close_to_the_eager_step():
 
 
 def test_nf4_graph_replays_equal_the_eager_loop():
-    from vlmrl.rollout.graph_decode import GraphDecoding
+    from vlmrl.training.rollout.graph_decode import GraphDecoding
 
     model, processor = load(four_bit=True)
     batch = inputs(processor)
@@ -174,7 +174,7 @@ def test_graph_mode_captures_every_call_into_one_pool_without_emptying_the_cache
     captures share one memory pool, kept live by one small graph, and leave the allocator's
     cached blocks alone (`torch.cuda.graph` would empty them each time): the later calls free
     no segment, and every call's tokens are the eager loop's."""
-    from vlmrl.rollout.graph_decode import GraphDecoding
+    from vlmrl.training.rollout.graph_decode import GraphDecoding
 
     model, processor = load(four_bit=True)
     batch = inputs(processor)
@@ -209,7 +209,7 @@ def test_grouped_attention_matches_sdpa_in_bf16(heads, span, mask_kind):
     never written), over the whole cache or a shorter span of it (mode "merged")."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from vlmrl.rollout.decode_attention import grouped_decode_attention
+    from vlmrl.training.rollout.decode_attention import grouped_decode_attention
 
     class Module:
         num_key_value_groups = heads // 8
@@ -233,12 +233,12 @@ def test_grouped_attention_matches_sdpa_in_bf16(heads, span, mask_kind):
 
 @pytest.mark.parametrize("heads", [16, 32])
 def test_fp8_cache_attention_matches_sdpa_over_its_values(heads):
-    """The float8 cache's kernel (vlmrl.rollout.decode_attention) on 32 rows with a step's mask,
+    """The float8 cache's kernel (vlmrl.training.rollout.decode_attention) on 32 rows with a step's mask,
     against SDPA in float32 over the same float8 values: the error of a bf16 output. Beside it,
     how far the float8 cache moves the attention from the bf16 cache's (printed)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from vlmrl.rollout.decode_attention import FP8, grouped_decode_attention, stored
+    from vlmrl.training.rollout.decode_attention import FP8, grouped_decode_attention, stored
 
     class Module:
         num_key_value_groups = heads // 8
@@ -271,8 +271,8 @@ def test_fp8_cache_attention_reads_each_rows_span_in_shares(monkeypatch, splits,
     of two runs of slots far apart, against SDPA in float32 over the same values."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from vlmrl.rollout import decode_attention
-    from vlmrl.rollout.decode_attention import FP8, stored
+    from vlmrl.training.rollout import decode_attention
+    from vlmrl.training.rollout.decode_attention import FP8, stored
 
     class Module:
         num_key_value_groups = 2
@@ -317,7 +317,7 @@ def test_fp8_cache_graph_replays_equal_the_eager_loop_and_stay_near_bf16():
 
 
 def test_merged_copies_decode_like_the_adapter():
-    from vlmrl.rollout.graph_decode import GraphDecoding
+    from vlmrl.training.rollout.graph_decode import GraphDecoding
 
     model, processor = load(four_bit=False)
     batch = inputs(processor)
@@ -351,7 +351,7 @@ def test_merged_copies_decode_like_the_adapter():
 
 @pytest.mark.parametrize("rows", [1, 16, 33])
 def test_nf4_kernel_is_as_exact_as_bitsandbytes_and_peft(rows):
-    """`vlmrl.rollout.nf4_decode` on the 2B shape's projections, with and without an adapter (the
+    """`vlmrl.training.rollout.nf4_decode` on the 2B shape's projections, with and without an adapter (the
     LoRA here covers q, v and down; k and the MLP's gate are bare), for the shipped tiles and
     another tile shape: the block scales it undoes in the kernel are bitsandbytes' own; against a
     float32 product of the NF4 values times their block scales (unrounded) and the adapter, its
@@ -360,9 +360,9 @@ def test_nf4_kernel_is_as_exact_as_bitsandbytes_and_peft(rows):
     `active()` computes `nf4_matmul` with the shipped tiles."""
     from bitsandbytes.functional import dequantize_blockwise
 
-    from vlmrl.rollout.nf4_codes import NF4_CODES
-    from vlmrl.rollout.nf4_decode import TILES, PackedNF4, Tiles, nf4_matmul
-    from vlmrl.rollout.nf4_projections import NF4Decode, _adapter
+    from vlmrl.training.rollout.nf4_codes import NF4_CODES
+    from vlmrl.training.rollout.nf4_decode import TILES, PackedNF4, Tiles, nf4_matmul
+    from vlmrl.training.rollout.nf4_projections import NF4Decode, _adapter
 
     model, _ = load(four_bit=True)
     nf4 = NF4Decode(model, groups=())  # each layer one call (groups: the test after)
@@ -429,14 +429,14 @@ def test_nf4_groups_are_as_exact_as_their_projections_one_by_one(rows):
     groups), with an adapter per projection: against a float32 product of the NF4 values times
     their block scales and the adapters, each projection's columns are as exact as its own
     `nf4_matmul`, for the shipped tiles and another tile shape."""
-    from vlmrl.rollout.nf4_decode import (
+    from vlmrl.training.rollout.nf4_decode import (
         TILES,
         Tiles,
         groupable,
         nf4_group_matmul,
         nf4_matmul,
     )
-    from vlmrl.rollout.nf4_projections import NF4Decode
+    from vlmrl.training.rollout.nf4_projections import NF4Decode
 
     model, _ = load(four_bit=True)
     nf4 = NF4Decode(model)
@@ -488,8 +488,8 @@ def test_pdl_launches_in_a_cuda_graph_give_the_bits_of_plain_launches():
     plain kernel), eager and replayed in a CUDA graph, gives the bits of plain launches."""
     import dataclasses
 
-    from vlmrl.rollout import nf4_kernels
-    from vlmrl.rollout.nf4_decode import TILES, PackedNF4, nf4_matmul
+    from vlmrl.training.rollout import nf4_kernels
+    from vlmrl.training.rollout.nf4_decode import TILES, PackedNF4, nf4_matmul
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch: Hopper and later")

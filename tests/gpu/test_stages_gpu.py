@@ -51,14 +51,14 @@ CONFIGS = {
                                 "train.graph_decoding": "graph",
                                 "train.grpo.generation_kwargs.disable_compile": False},
 }
-# the fastest profile: the graph profile over a float8 cache (vlmrl.rollout.decode_attention)
+# the fastest profile: the graph profile over a float8 cache (vlmrl.training.rollout.decode_attention)
 CONFIGS["transformers-4bit-graph-fp8"] = {**CONFIGS["transformers-4bit-graph"],
                                           "train.kv_cache_dtype": "fp8"}
 # the recipes' profile: the float8 cache, and the text decoder layers compiled for training
-# (vlmrl.compiled_layers)
+# (vlmrl.training.trainer.compiled_layers)
 CONFIGS["transformers-4bit-graph-fp8-compiled"] = {**CONFIGS["transformers-4bit-graph-fp8"],
                                                    "train.compile_layers": True}
-# the same with the training forward's rows rolled (vlmrl.training_attention), traced whole in the
+# the same with the training forward's rows rolled (vlmrl.training.trainer.attention), traced whole in the
 # compiled layers
 CONFIGS["transformers-4bit-graph-fp8-rolled-compiled"] = {
     **CONFIGS["transformers-4bit-graph-fp8-compiled"], "train.training_attention": "rolled"}
@@ -66,7 +66,7 @@ CONFIGS["transformers-4bit-graph-fp8-rolled-compiled"] = {
 # (vlmrl.models.image_features); named apart, so that `-k fp8-rolled-compiled` runs the recipes'
 CONFIGS["transformers-4bit-graph-fp8-kept-images"] = {
     **CONFIGS["transformers-4bit-graph-fp8-rolled-compiled"], "train.keep_image_features": True}
-# the same with the compiled layers' NF4 projections in their graphs (vlmrl.nf4_linear)
+# the same with the compiled layers' NF4 projections in their graphs (vlmrl.training.trainer.nf4_linear)
 CONFIGS["transformers-4bit-graph-fp8-nf4-linears"] = {
     **CONFIGS["transformers-4bit-graph-fp8-rolled-compiled"], "train.nf4_linears": True}
 DOWNSTREAM_CONFIGS = [name for name in CONFIGS if "-graph" not in name]

@@ -1,4 +1,4 @@
-"""`vlmrl.training_attention` on a GPU: at the 2B shape's training micro-batch in bfloat16, the
+"""`vlmrl.training.trainer.attention` on a GPU: at the 2B shape's training micro-batch in bfloat16, the
 rolled rows' causal attention against SDPA with transformers' padding mask (outputs and gradients
 on the real tokens), and the kernel SDPA takes for each (the masked one cannot take flash)."""
 
@@ -38,7 +38,7 @@ def attention_kernels(run) -> list[str]:
 def test_rolled_attention_matches_the_masked_one_and_takes_the_flash_kernel():
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from vlmrl.training_attention import rolled_causal_attention, row_runs
+    from vlmrl.training.trainer.attention import rolled_causal_attention, row_runs
 
     keys, mask = micro_batch()
     runs = row_runs(keys)  # what the mask function gives the rolled attention for these rows

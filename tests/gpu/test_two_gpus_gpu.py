@@ -25,7 +25,7 @@ from test_stages_gpu import (
     run_stage,
 )
 
-from vlmrl.launch import visible_gpus
+from vlmrl.distributed.launch import visible_gpus
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(visible_gpus() < 2, reason="needs two GPUs (nvidia-smi -L)")]

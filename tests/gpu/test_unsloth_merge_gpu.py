@@ -51,7 +51,7 @@ def known_adapter(model_dir: Path, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def eval_row():
-    from vlmrl.data import load_raw_records, prepare
+    from vlmrl.data.prepare import load_raw_records, prepare
     from vlmrl.params import DataParams
 
     settings = DataParams(synthetic_size=8, eval_size=2, image_size=512)
@@ -63,7 +63,7 @@ def differing_tensors(first: Path, second: Path) -> dict[str, str]:
     (`first` is cast to `second`'s dtype first: the embedded checkpoint may be float32)."""
     import torch
 
-    from vlmrl.merged_weights import open_checkpoint
+    from vlmrl.models.merged_weights import open_checkpoint
 
     found: dict[str, str] = {}
     with open_checkpoint(first) as a, open_checkpoint(second) as b:
@@ -92,7 +92,7 @@ def test_unsloth_base_is_the_checkpoint_and_merge_adds_the_adapter(model_dir, kn
                                                                      eval_row, tmp_path):
     import torch
 
-    from vlmrl.merged_weights import compare_merged_weights
+    from vlmrl.models.merged_weights import compare_merged_weights
     from vlmrl.models.forward import max_abs_diff
     from vlmrl.models.loading import merge_adapter
     from vlmrl.params import ModelParams
@@ -121,7 +121,7 @@ def test_export_stage_on_the_unsloth_path(model_dir, known_adapter, tmp_path):
     segmentation fault at interpreter exit, after its test had passed."""
     import yaml
 
-    from vlmrl.data import load_raw_records, prepare, to_dataset
+    from vlmrl.data.prepare import load_raw_records, prepare, to_dataset
     from vlmrl.params import DataParams, read_params_file
 
     root = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ sit above it as peers and never load a model any other way.
 - `forward`: the fixed input and the logits that verify and export compare.
 
 Decoding that only training runs (compiled rollouts, their attention and kernels) lives in
-`vlmrl.rollout`, so that editing it reruns no evaluation, verify or export.
+`vlmrl.training.rollout`, so that editing it reruns no evaluation, verify or export.
 
 It imports only the ground floor (`vlmrl.params`, `vlmrl.outputs`, `vlmrl.cache`,
-`vlmrl.merged_weights`), never a stage module."""
+`vlmrl.models.merged_weights`), never a stage module."""

@@ -26,7 +26,7 @@ from transformers import (
     set_seed,
 )
 
-from vlmrl.merged_weights import check_adapter_weights
+from vlmrl.models.merged_weights import check_adapter_weights
 from vlmrl.models.backend import (
     bnb_4bit_config,
     cuda_available,
@@ -41,7 +41,7 @@ from vlmrl.models.unsloth import UnslothBackend
 from vlmrl.params import LoraParams, ModelParams, ParamsError
 
 # A subclass factory applied to the model's transformers class before it is loaded (training's
-# `vlmrl.rollout.generation.rollout_class`).
+# `vlmrl.training.rollout.generation.rollout_class`).
 ModelClass = Callable[[type], type]
 
 

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from transformers import AutoModel, AutoTokenizer
 
-from vlmrl.answer_format import DEFAULT_FORMAT, AnswerFormat
-from vlmrl.text_rewards import solution_and_gold
+from vlmrl.rewards.answer_format import DEFAULT_FORMAT, AnswerFormat
+from vlmrl.rewards.text import solution_and_gold
 
 
 @functools.lru_cache(maxsize=2)
@@ -55,7 +55,7 @@ def bertscore_reward(completions: Sequence[Any], *, model: str, layer: int | Non
     """BERTScore-style F1 of the SOLUTION block against the gold answer, with `model`'s
     embeddings (`layer`: a hidden-state index, default the last); 0 without a SOLUTION block,
     None without a gold text."""
-    from vlmrl.rewards import completion_text
+    from vlmrl.rewards.functions import completion_text
 
     pairs = solution_and_gold([completion_text(c) for c in completions], columns.get("answer"),
                               answer_format)

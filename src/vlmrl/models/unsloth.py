@@ -16,7 +16,7 @@ from typing import Any
 
 from peft import PeftModel
 
-from vlmrl.merged_weights import cast_floating_tensors
+from vlmrl.models.merged_weights import cast_floating_tensors
 from vlmrl.models.backend import resolve_dtype
 from vlmrl.models.forward import adapter_and_base_logits, question_inputs
 from vlmrl.models.processor import (
@@ -112,7 +112,7 @@ class UnslothBackend:
 def adapter_with_base(adapter: Path | str, base_path: str, target: Path) -> Path:
     """A copy of the adapter whose adapter_config.json names `base_path` (the directory the base
     was resolved to): a released adapter names its base as a release does (`embedded:...`,
-    `vlmrl.portable`), which Unsloth, reading the config itself, could not load."""
+    `vlmrl.models.portable`), which Unsloth, reading the config itself, could not load."""
     shutil.copytree(adapter, target)
     config_path = target / "adapter_config.json"
     config = json.loads(config_path.read_text(encoding="utf-8"))

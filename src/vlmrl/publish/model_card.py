@@ -15,12 +15,12 @@ from typing import Any
 
 from huggingface_hub import EvalResult, ModelCardData
 
-from vlmrl.answer_format import answer_format
-from vlmrl.gguf_release import README_NAME
+from vlmrl.rewards.answer_format import answer_format
+from vlmrl.export.gguf_release import README_NAME
 from vlmrl.params import LOCAL_SOURCE, DataParams, SftParams
-from vlmrl.portable import EMBEDDED_PREFIX, release_base_name
+from vlmrl.models.portable import EMBEDDED_PREFIX, release_base_name
 from vlmrl.publish.errors import MissingInputError, PublishError
-from vlmrl.tables import markdown_table
+from vlmrl.reporting.tables import markdown_table
 
 CARD_METRICS = ("n", "accuracy", "format_compliance", "mean_reward", "mean_generated_tokens")
 PROJECTOR_PREFIX = "mmproj"  # llama.cpp's name for the vision projector's GGUF file

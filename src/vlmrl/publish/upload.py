@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmrl.params import UploadParams
-from vlmrl.portable import machine_values_in
+from vlmrl.models.portable import machine_values_in
 from vlmrl.publish.errors import IntegrityError, PublishError, VersionConflictError
 from vlmrl.publish.manifest import (
     LATEST_NAME,
@@ -322,7 +322,7 @@ def publish(
     """Hash the artifacts, build the manifest and, when a bucket is configured, upload them.
     `cards` (group -> file) are published as each group's README.md, replacing one the folder
     holds; `model_card` is the merged group's. A text file that names this machine (a local
-    path, `local_files_only`: `vlmrl.portable`) stops the upload before anything is sent."""
+    path, `local_files_only`: `vlmrl.models.portable`) stops the upload before anything is sent."""
     version = derive_version(params.version, params_digest, repo_dir)
     files = collect_artifacts(inputs)
     cards = {**({"merged": model_card} if model_card is not None else {}), **(cards or {})}

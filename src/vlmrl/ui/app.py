@@ -1,7 +1,7 @@
 """`vlmrl ui`: a local web app for iterating on reward design by looking at completions.
 
 What RL learns is decided by the rewards, so the page must show the numbers training sees, not
-a look-alike: every score comes from `vlmrl.rewards.score_completion` through a JSON endpoint,
+a look-alike: every score comes from `vlmrl.rewards.functions.score_completion` through a JSON endpoint,
 with the weights and options read from the repo's params.yaml on each request (edit params.yaml,
 and the next keystroke shows the effect). The page opens with params.yaml's weights shown and
 a worked example (`vlmrl.ui.example`) already scored. This module is the Starlette app, its
@@ -41,9 +41,9 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from vlmrl.answer_format import DEFAULT_FORMAT, AnswerFormat, answer_format
+from vlmrl.rewards.answer_format import DEFAULT_FORMAT, AnswerFormat, answer_format
 from vlmrl.params import ParamsError, load_params
-from vlmrl.rewards import build_rewards, score_completion
+from vlmrl.rewards.functions import build_rewards, score_completion
 from vlmrl.ui.browser import EVAL_SET_DIR, EvalSet, eval_view
 from vlmrl.ui.errors import ApiError
 from vlmrl.ui.example import worked_example

@@ -1,5 +1,5 @@
 """The eval browser's data: baseline and post_eval records paired by pid, each pair's change
-(a flip is a flip of `vlmrl.eval_report.find_flips`, as in the post_eval report), the headline
+(a flip is a flip of `vlmrl.evaluation.report.find_flips`, as in the post_eval report), the headline
 metrics, facets and filters; and the prepared eval set (images, questions, gold records).
 
 A missing or broken pipeline output is an `ApiError` that names the file and the `dvc repro`
@@ -18,9 +18,9 @@ from numbers import Real
 from pathlib import Path
 from typing import Any
 
-from vlmrl.eval_report import find_flips, headline_rows
-from vlmrl.prompts import prompt_question
-from vlmrl.rewards import RECORD_COLUMNS
+from vlmrl.evaluation.report import find_flips, headline_rows
+from vlmrl.data.prompts import prompt_question
+from vlmrl.rewards.functions import RECORD_COLUMNS
 from vlmrl.ui.errors import ApiError
 
 __all__ = ["CHANGES", "CHANGE_FILTERS", "EVAL_SET_DIR", "EvalSet", "eval_view", "paired_rows"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vlmrl.answer_format import DEFAULT_FORMAT, AnswerFormat
+from vlmrl.rewards.answer_format import DEFAULT_FORMAT, AnswerFormat
 
 EXAMPLE_QUESTION = "The bar chart shows 3 red apples and 4 green apples. How many apples in all?"
 EXAMPLE_REASONING = "There are 3 red and 4 green apples, so 3 + 4 = 7."

@@ -28,7 +28,7 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails, PydanticCustomError
 
-from vlmrl.rewards import RECORD_COLUMNS
+from vlmrl.rewards.functions import RECORD_COLUMNS
 from vlmrl.ui.errors import ApiError
 
 __all__ = ["ANSWER_TYPES", "MAX_COMPLETION_BYTES", "QUESTION_TYPES", "GoldRecord",

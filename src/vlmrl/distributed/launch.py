@@ -1,0 +1,351 @@
+"""Several processes through `accelerate launch`, behind one DVC command.
+
+A stage whose params ask for more than this one process (`train.distributed`, `eval.num_processes`)
+re-executes its own script under `accelerate launch` with the same arguments, waits for it and
+returns its exit code; the launched workers see `VLMRL_LAUNCHED` and do the work. So `dvc.yaml`'s
+command is the same for one process or eight, and the launched path is the ordinary stage script.
+`auto` (the default of both) means one process per visible GPU where there are several, and this
+one process otherwise; a stage that runs in its own process on a host with several GPUs keeps
+the first one (`keep_one_gpu`), since TRL's trainers refuse the nn.DataParallel that
+transformers' Trainer would otherwise wrap the model in. GPUs are counted with nvidia-smi
+(`visible_gpus`), so the decision is made before torch initialises CUDA.
+
+Rank 0 alone writes a stage's outputs; `is_main_process` reads the rank from the environment
+torchrun gives every worker, so a stage can decide before torch is imported. Every launch keeps
+NVLink multicast off (NCCL NVLS, torch symmetric memory, NVSHMEM): lent multi-GPU machines require
+it, and a launched worker inherits the launcher's environment.
+
+No torch here: the launcher process only decides and waits."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import MutableMapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Self
+
+from pydantic import model_validator
+
+from vlmrl.params import ModelParams, ParamsError, ProcessCount, Section, TrainParams
+
+ACCELERATE_CONFIGS = Path(__file__).parent / "assets" / "accelerate_configs"
+WORKER_ENV = "VLMRL_LAUNCHED"
+NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                    "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+# none runs in this process; the others relaunch the stage with the config file of that name;
+# auto picks one of them by the number of GPUs (`resolve`).
+Strategy = Literal["auto", "none", "ddp", "zero2", "zero3", "fsdp"]
+MultiProcessStrategy = Literal["ddp", "zero2", "zero3", "fsdp"]
+
+
+class DistributedParams(Section):
+    """`train.distributed`: how many processes train (sft_cold_start and train_gspo) and how.
+    `strategy: auto` with `num_processes: auto` trains with one process per visible GPU under
+    `multi_gpu_strategy` where there are several GPUs, in this process otherwise. The batch
+    sizes in `train.grpo` and `sft.args` are global: each of `num_processes` processes gets
+    `per_device_train_batch_size / num_processes` rows (as accelerate's `split_batches`), so the
+    optimizer and generation batches mean the same at any process count. (Here rather than in
+    vlmrl.params, which is at its length limit.)"""
+
+    SECTION = "train.distributed"
+    num_processes: ProcessCount = "auto"
+    strategy: Strategy = "auto"
+    # what auto launches with several processes: ddp where the model fits one GPU, zero3 or
+    # fsdp where it must be sharded
+    multi_gpu_strategy: MultiProcessStrategy = "ddp"
+    config_file: str | None = None  # an accelerate config of your own instead of the strategy's
+
+    @model_validator(mode="after")
+    def _strategy_for_processes(self) -> Self:
+        if self.num_processes not in (1, "auto") and self.strategy == "none":
+            raise ValueError(f"num_processes {self.num_processes} needs a strategy (auto, ddp, "
+                             "zero2, zero3 or fsdp); strategy none runs one process")
+        return self
+
+
+def visible_gpus() -> int:
+    """The CUDA GPUs this process would see, without importing torch (so CUDA is not initialised
+    before a stage has chosen its GPUs): the `GPU` lines of `nvidia-smi -L`, narrowed by
+    CUDA_VISIBLE_DEVICES as CUDA narrows them; 0 where nvidia-smi is missing or fails."""
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True,
+                                timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    if listed.returncode != 0:
+        return 0
+    physical = sum(1 for line in listed.stdout.splitlines() if line.startswith("GPU "))
+    chosen = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return physical if chosen is None else min(physical, len(listed_devices(chosen, physical)))
+
+
+def listed_devices(chosen: str, physical: int) -> list[str]:
+    """CUDA_VISIBLE_DEVICES' entries up to the first one CUDA would not accept (as CUDA reads
+    it): indices below `physical`, GPU or MIG UUIDs."""
+    entries = []
+    for entry in (part.strip() for part in chosen.split(",")):
+        valid = (entry.isdigit() and int(entry) < physical) or entry.startswith(("GPU-", "MIG-"))
+        if not valid:
+            break
+        entries.append(entry)
+    return entries
+
+
+def world_size() -> int | None:
+    """The process count torchrun gave a launched worker; None outside a launched run."""
+    size = os.environ.get("WORLD_SIZE", "")
+    return int(size) if launched_worker() and size.isdigit() else None
+
+
+def resolve(settings: DistributedParams, gpus: int,
+            world: int | None = None) -> DistributedParams:
+    """`settings` with a concrete strategy (none: this process) and process count. `auto`
+    processes: `world` in a launched worker, else one per GPU where there are several, else 1;
+    `auto` strategy: `multi_gpu_strategy` for more than one process, else none. More processes
+    than `gpus` (where there are any) is a params error."""
+    count = settings.num_processes
+    if count == "auto":
+        count = world or (gpus if gpus > 1 and settings.strategy != "none" else 1)
+    strategy = settings.strategy
+    if strategy == "auto":
+        strategy = settings.multi_gpu_strategy if count > 1 else "none"
+    if world is None and 0 < gpus < count:
+        raise ParamsError(f"params.yaml train.distributed.num_processes ({count}) is more than "
+                          f"the {gpus} GPUs visible here; one process per GPU at most (auto: "
+                          "one per GPU)")
+    return settings.model_copy(update={"strategy": strategy, "num_processes": count})
+
+
+def distributed_settings(train: TrainParams) -> DistributedParams:
+    """`train.distributed` resolved for this process: a launched worker takes its world size,
+    any other process the GPUs it sees (one, once a stage has kept one GPU)."""
+    world = world_size()
+    return resolve(DistributedParams.from_params(train.distributed),
+                   0 if world else visible_gpus(), world)
+
+
+def keep_one_gpu(gpus: int, why: str) -> None:
+    """Where a stage runs in this process on a host with several GPUs, shows it only the first
+    (CUDA_VISIBLE_DEVICES, before CUDA is initialised) and says so in one line: with several
+    GPUs visible, transformers' Trainer would wrap the model in nn.DataParallel, which TRL's
+    trainers refuse."""
+    if gpus <= 1:
+        return
+    chosen = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    first = chosen.split(",")[0].strip() if chosen else "0"
+    os.environ["CUDA_VISIBLE_DEVICES"] = first
+    print(f"{why}: one process on GPU {first} of the {gpus} visible "
+          f"(CUDA_VISIBLE_DEVICES={first})", flush=True)
+
+
+# The CUDA allocator's settings; torch reads the first of these that is set.
+ALLOC_CONF_ENVS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+def use_expandable_segments(enabled: bool,
+                            environ: MutableMapping[str, str] = os.environ) -> bool:
+    """`train.expandable_segments`: PyTorch's CUDA allocator maps memory into segments that grow
+    in place (what Unsloth sets on import). Without it, the first training micro-batch after a
+    generation took several times as long as the others on the H100, its forward and backward
+    both; with it, about what they take, at the same peak (`benchmarks/gspo_step.py`'s phase
+    table in docs/benchmarks.md). Set through the allocator's public setting, the environment
+    variable torch reads when CUDA initialises: a stage sets it before importing torch, and its
+    launched workers inherit it. A user's own entries stay, their `expandable_segments` too.
+    True if it changed the environment."""
+    if not enabled:
+        return False
+    name = next((name for name in ALLOC_CONF_ENVS if environ.get(name, "").strip()),
+                "PYTORCH_CUDA_ALLOC_CONF")
+    entries = [entry.strip() for entry in environ.get(name, "").split(",") if entry.strip()]
+    if any(entry.split(":")[0].strip() == "expandable_segments" for entry in entries):
+        return False
+    environ[name] = ",".join([*entries, "expandable_segments:True"])
+    return True
+
+
+def unsloth_chosen(requested: str) -> bool:
+    """Whether `model.backend` resolves to Unsloth: only where it names it (`auto` is
+    transformers, as vlmrl.models.backend.pick_backend decides)."""
+    return requested == "unsloth"
+
+
+def training_plan(train: TrainParams, model: ModelParams, stage: str) -> DistributedParams:
+    """What a training stage does, decided before torch initialises CUDA: `train.distributed`
+    resolved on this host and checked against the model. Where it runs in this process on
+    several GPUs it keeps one; Unsloth trains on one GPU, so `auto` keeps one for it too (an
+    explicit strategy or count with Unsloth is a params error). A launched worker only
+    resolves."""
+    if launched_worker():
+        return distributed_settings(train)
+    gpus = visible_gpus()
+    settings = DistributedParams.from_params(train.distributed)
+    resolved = resolve(settings, gpus)
+    unsloth = unsloth_chosen(model.backend)
+    if unsloth and resolved.strategy != "none" and settings.strategy == "auto" == (
+            settings.num_processes):
+        keep_one_gpu(gpus, f"{stage}: Unsloth trains on one GPU (model.backend: transformers "
+                           "trains on all)")
+        return resolved.model_copy(update={"strategy": "none", "num_processes": 1})
+    check_strategy(resolved, "unsloth" if unsloth else model.backend, model.load_in_4bit)
+    if resolved.strategy == "none":
+        keep_one_gpu(gpus, f"{stage}: train.distributed.strategy {settings.strategy}, "
+                           f"num_processes {settings.num_processes}")
+    return resolved
+
+
+def check_strategy(settings: DistributedParams, backend: str, load_in_4bit: bool) -> None:
+    """Settings the launched path does not support, named before anything loads."""
+    if settings.strategy == "none":
+        return
+    if backend == "unsloth":
+        raise ParamsError("params.yaml train.distributed.strategy "
+                          f"{settings.strategy}: Unsloth trains on one GPU; set "
+                          "model.backend: transformers (or strategy: none)")
+    if load_in_4bit and settings.strategy in ("zero3", "fsdp"):
+        raise ParamsError(f"params.yaml model.load_in_4bit with train.distributed.strategy "
+                          f"{settings.strategy}: sharding 4-bit weights is not supported "
+                          "here; use ddp or zero2")
+
+
+def check_world(world: int, num_processes: int, script: str) -> None:
+    """The trainer's process count against `train.distributed`'s: a run launched by hand with
+    another count would split the batch wrongly."""
+    if world != num_processes:
+        raise ParamsError(f"params.yaml train.distributed.num_processes is {num_processes} but "
+                          f"{world} processes were launched; let the stage launch itself "
+                          f"(python {script} ...)")
+
+
+def evaluation_processes(setting: int | str) -> int:
+    """`eval.num_processes` for the evaluation this process takes part in: `auto` is the world
+    size of a launched worker, and 1 in a process that was not launched (a stage that evaluates
+    in its own process, or a caller of vlmrl.evaluation.evaluate)."""
+    if setting != "auto":
+        return int(setting)
+    return world_size() or 1
+
+
+def evaluation_plan(setting: int | str, model: ModelParams, stage: str) -> int:
+    """The evaluation's process count on this host, decided before torch initialises CUDA; a
+    run of one process on several GPUs keeps one (`auto` with Unsloth, which runs on one GPU,
+    too)."""
+    if launched_worker():
+        return evaluation_processes(setting)
+    gpus = visible_gpus()
+    if setting == "auto" and gpus > 1 and unsloth_chosen(model.backend):
+        keep_one_gpu(gpus, f"{stage}: Unsloth runs on one GPU (model.backend: transformers "
+                           "evaluates on all)")
+        return 1
+    count = int(setting) if setting != "auto" else max(1, gpus)
+    if 0 < gpus < count:
+        raise ParamsError(f"params.yaml eval.num_processes ({count}) is more than the {gpus} "
+                          "GPUs visible here; one process per GPU at most (auto: one per GPU)")
+    if count == 1:
+        keep_one_gpu(gpus, f"{stage}: eval.num_processes {setting}")
+    return count
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What `accelerate launch` is given: the config file, the process count and the mixed
+    precision (from the model's dtype, as in one process; the config file's value is not used)."""
+
+    config_file: Path
+    num_processes: int
+    mixed_precision: str = "no"
+
+
+def launched_worker() -> bool:
+    """True in a worker of `run_launched`, or of an `accelerate launch`/torchrun run by hand."""
+    return os.environ.get(WORKER_ENV) == "1" or "LOCAL_RANK" in os.environ
+
+
+def die_with_launcher() -> None:
+    """torchrun starts each worker in a session of its own, so killing the stage (Ctrl-C on
+    `dvc repro`, a killed job) would leave the workers training and writing checkpoints beside
+    the next run; here a worker asks Linux to kill it when its launcher dies."""
+    if not launched_worker() or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    launcher = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != launcher:  # it died before the request
+        os._exit(1)
+
+
+def process_index() -> int:
+    """This process's global rank as torchrun (or an MPI launcher) set it; 0 when not launched."""
+    for name in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0
+
+
+def is_main_process() -> bool:
+    return process_index() == 0
+
+
+def config_for(settings: DistributedParams) -> Path:
+    """`train.distributed.config_file`, or the checked-in config of `strategy`."""
+    if settings.config_file:
+        path = Path(settings.config_file)
+        if not path.is_file():
+            raise ParamsError(f"params.yaml train.distributed.config_file: {path} is not a file")
+        return path
+    return ACCELERATE_CONFIGS / f"{settings.strategy}.yaml"
+
+
+def training_launch(settings: DistributedParams, mixed_precision: str) -> Launch | None:
+    """None where training runs in this process (resolved strategy none)."""
+    if settings.strategy == "none":
+        return None
+    return Launch(config_for(settings), settings.num_processes, mixed_precision)
+
+
+def evaluation_launch(num_processes: int) -> Launch | None:
+    """Evaluation is data-parallel inference: plain DDP processes, one model each."""
+    if num_processes == 1:
+        return None
+    return Launch(ACCELERATE_CONFIGS / "ddp.yaml", num_processes)
+
+
+def launch_command(launch: Launch, script: Path | str, argv: Sequence[str]) -> list[str]:
+    """`accelerate launch` on `script` with `argv`; port 0: accelerate picks a free one, so two
+    stages (or two test runs) can launch at once."""
+    return [sys.executable, "-m", "accelerate.commands.launch",
+            "--config_file", str(launch.config_file),
+            "--num_processes", str(launch.num_processes), "--num_machines", "1",
+            "--mixed_precision", launch.mixed_precision, "--main_process_port", "0",
+            str(script), *argv]
+
+
+def worker_env() -> dict[str, str]:
+    return {**os.environ, **NO_MULTICAST_ENV, WORKER_ENV: "1"}
+
+
+def launch_stage_workers(plan: DistributedParams, mixed_precision: str, script: Path | str,
+                         outputs: Sequence[Path]) -> int:
+    """Runs a stage script's workers under `accelerate launch` with this process's arguments and
+    returns their exit code; on failure the stage's outputs are removed (a killed worker cleaned
+    nothing up)."""
+    from vlmrl.outputs import remove_outputs
+
+    code = run_launched(training_launch(plan, mixed_precision), script, sys.argv[1:])
+    if code:
+        remove_outputs(*outputs)
+    return code
+
+
+def run_launched(launch: Launch, script: Path | str, argv: Sequence[str]) -> int:
+    """Runs the script's workers and returns their exit code (non-zero if any failed)."""
+    command = launch_command(launch, script, argv)
+    print(f"launching {launch.num_processes} process(es) with {launch.config_file.name}: "
+          + " ".join(command[1:]), flush=True)
+    return subprocess.run(command, env=worker_env(), check=False).returncode
