@@ -37,8 +37,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from vlmrl.training.trainer.logprob_fallback import TorchChunkedLogProb, _autograd_outputs
 from vlmrl.models.sampling import SamplingSettings, TopKSampler
+from vlmrl.training.trainer.logprob_fallback import TorchChunkedLogProb, _autograd_outputs
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB, HIDDEN, ROWS, TOKENS = 151_936, 256, 64, 800

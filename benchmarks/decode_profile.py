@@ -27,12 +27,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gspo_step  # the benchmark's model, data and LoRA settings
-from doc_blocks import render_results, write_doc_block
+import gspo_configs  # the GSPO step benchmark's model and LoRA settings
+from decode_tables import CALL_TOKENS, KERNEL_GROUPS, gap_table, kernel_table, replay_table
+from doc_blocks import write_doc_block
+from gspo_measure import copy_bandwidth, decode_weight_bytes, device_name, synced_timer
+from gspo_worker import ROOT, prepare_train_set
 
 from vlmrl.training.rollout.nf4_decode import Tiles
 
-MODEL = gspo_step.MODEL  # --model: another embedded shape
+MODEL = gspo_configs.MODEL  # --model: another embedded shape
 KV_CACHE_DTYPE = "auto"  # --kv-cache-dtype
 
 
@@ -40,11 +43,11 @@ def load(four_bit: bool):
     from vlmrl.models.loading import load_policy
     from vlmrl.params import LoraParams, ModelParams, load_params
 
-    params = load_params(gspo_step.ROOT / "params.yaml")
+    params = load_params(ROOT / "params.yaml")
     settings = ModelParams.from_params({**params.section("model"), "name": MODEL,
                                         "backend": "transformers", "load_in_4bit": four_bit,
                                         "dtype": "auto", "seed": 0})
-    model, processor, _ = load_policy(settings, LoraParams(**gspo_step.LORA), 0)
+    model, processor, _ = load_policy(settings, LoraParams(**gspo_configs.LORA), 0)
     return model.eval(), processor
 
 
@@ -54,8 +57,8 @@ def prompts(processor, train_set: Path, rows: int) -> dict:
     from vlmrl.evaluation.evaluate import render_prompt
 
     dataset = load_from_disk(str(train_set))
-    picked = [dataset[i] for i in range(rows // gspo_step.NUM_GENERATIONS)]
-    repeated = [row for row in picked for _ in range(gspo_step.NUM_GENERATIONS)]
+    picked = [dataset[i] for i in range(rows // gspo_configs.NUM_GENERATIONS)]
+    repeated = [row for row in picked for _ in range(gspo_configs.NUM_GENERATIONS)]
     processor.tokenizer.padding_side = "left"
     batch = processor(text=[render_prompt(processor, row) for row in repeated],
                       images=[row["image"] for row in repeated], return_tensors="pt",
@@ -177,7 +180,7 @@ def call_phases(model, batch, attention: str, new_tokens: int, cache_len: int, k
         records[-1][phase] = round(seconds, 4)
 
     def timed(phase_of, function):
-        return gspo_step.synced_timer(function, phase_of, record)
+        return synced_timer(function, phase_of, record)
 
     class TimedDecoder(graph_decode.GraphDecoder):
         def prefill(self, *args):
@@ -341,163 +344,6 @@ def kernel_sweep(model, rows_list: list[int], bandwidth: float,
     return found
 
 
-KERNEL_GROUPS = (("NF4 projections", ("nf4_lora_matmul",)), ("sum of the splits", ("sum_splits",)),
-                 ("attention over the cache", ("partial_attention", "merge_shares")),
-                 ("LM head", ("nvjet",)))
-EXTRA_COLUMNS = ("other kernels", "between kernels")
-
-
-def tiles_note(results: dict) -> str:
-    """The decode tiles of a `--decode-tiles` run where they are not the shipped ones."""
-    from vlmrl.training.rollout.nf4_decode import TILES
-
-    chosen = results.get("decode_tiles") or {}
-    changed = [f"{name}={value}" for name, value in chosen.items()
-               if getattr(TILES, name) != value]
-    return f" (tiles: {', '.join(changed)})" if changed else ""
-
-
-def short_device(name: str) -> str:
-    """"NVIDIA H100 80GB HBM3 (79 GiB)" as "H100 80GB HBM3"."""
-    return name.removeprefix("NVIDIA ").split(" (")[0]
-
-
-def kernel_rows(results: dict) -> list[str]:
-    """One row per profiled run of a results file: milliseconds per decode step, and each group of
-    KERNEL_GROUPS' kernel time per step with its share of the step (the rest: the other kernels
-    and the gaps between them)."""
-    rows = []
-    for run in results["runs"]:
-        if "kernels" not in run:
-            continue
-        total = run["ms_per_step"]
-        grouped = [sum(k["ms_per_step"] for k in run["kernels"] if k["kernel"].startswith(prefixes))
-                   for _, prefixes in KERNEL_GROUPS]
-        every = run.get("all_kernels")  # EXTRA_COLUMNS: where the run kept every kernel's total
-        extra = [every["ms_per_step"] - sum(grouped), total - every["ms_per_step"]] if every \
-            else [None] * len(EXTRA_COLUMNS)
-        shares = [f"{ms:.2f} ({100 * ms / total:.0f}%)" if ms is not None else "-"
-                  for ms in grouped + extra]
-        label = " (a launch per projection)" if run.get("nf4_groups") == "off" else ""
-        label += {"on": " (PDL)", "off": " (no PDL)"}.get(run.get("pdl"), "")
-        label += {"on": " (prompt reads)", "off": " (own reads)"}.get(run.get("prompt_reads"), "")
-        label += {"on": " (fused sums)", "off": " (two launches)"}.get(run.get("fused_sums"), "")
-        rows.append(f"| {results['model'].removeprefix('embedded:')}{tiles_note(results)}"
-                    f"{label} | {short_device(results['device'])} | "
-                    f"{run['rows']} | "
-                    f"{results['kv_cache_dtype']} | {run['ms_per_step']:.2f} | "
-                    f"{run['tokens_per_s']} | {100 * run['bound_fraction']:.1f} | "
-                    + " | ".join(shares) + " |")
-    return rows
-
-
-def kernel_table(files: list[Path]) -> str:
-    header = " | ".join(f"{name}, ms (share)" for name in
-                        [*(name for name, _ in KERNEL_GROUPS), *EXTRA_COLUMNS])
-    lines = [("Written by `benchmarks/decode_profile.py --from-json ... --doc`: one decode step "
-             "of the compiled graph (NF4 kernel, grouped attention), timed over 256 steps, its "
-             "kernels profiled over 8 replayed steps (share: of the step); % of bound: the weights' bytes per step against the copy "
-             "bandwidth measured in the same call; other kernels: every other kernel of the "
-             "step, between kernels: the step's time outside any kernel (runs that kept "
-             "every kernel's total: `--top`)."), "",
-             (f"| model | device | rows | KV cache | ms / step | tok/s | % of bound | {header} "
-              "| results file |"),
-             "| --- | --- | ---: | --- | ---: | ---: | ---: |"
-             + " ---: |" * (len(KERNEL_GROUPS) + len(EXTRA_COLUMNS))
-             + " --- |"]
-    return table_of(lines, files, kernel_rows)
-
-
-def table_of(lines: list[str], files: list[Path], rows) -> str:
-    """A table's caption and header (`lines`), then `rows` of each results file, named in the
-    last column."""
-    for path in files:
-        lines = [*lines, *(f"{row} `{path.name}` |" for row in render_results(path, rows))]
-    return "\n".join(lines)
-
-
-CALL_TOKENS = 1024  # --call-tokens' default (the results before it was recorded used it)
-
-
-def replay_rows(results: dict) -> list[str]:
-    """One row per run that timed its graph's replays (`replay_ms`), and with `--call-phases` one
-    per decoder (kept between calls, or made anew each call as the "graph" mode trains): the
-    steady calls' (all but the first) mean seconds, their parts, and their later decode steps'
-    milliseconds each."""
-    rows = []
-    for run in results["runs"]:
-        if "replay_ms" not in run:
-            continue
-        replay = run["replay_ms"]["64"]
-        head = (f"| {results['model'].removeprefix('embedded:')}{tiles_note(results)} | "
-                f"{short_device(results['device'])} | {run['ms_per_step']:.2f} | "
-                f"{replay['gpu_ms']:.2f} | {replay['host_ms']:.3f} |")
-        steps = run.get("call_tokens", CALL_TOKENS) - 2  # after the prefill's and the first
-        for decoder, calls in (run.get("call_phases") or {"-": []}).items():
-            steady = calls[1:]
-            if not steady:
-                rows.append(head + " - |" * 6)
-                continue
-            mean = {key: sum(call[key] for call in steady) / len(steady)
-                    for key in ("call_s", "prefill_s", "first_step_s")}
-            later = (mean["call_s"] - mean["prefill_s"] - mean["first_step_s"]) * 1000 / steps
-            rows.append(head + f" {decoder} | {len(steady)} | {mean['call_s']:.2f} | "
-                        f"{mean['prefill_s']:.3f} | {mean['first_step_s']:.3f} | {later:.2f} |")
-    return rows
-
-
-def replay_table(files: list[Path]) -> str:
-    lines = [("Written by `benchmarks/decode_profile.py --from-json ... --table replays`: the "
-              "decode step of the compiled graph (NF4 kernel, grouped attention, 32 rows) timed "
-              "over 256 steps of a call, its prefill included (ms / step); its graph replayed 64 "
-              "times back to back after that call (the cache filled to the prompt and 256 "
-              "tokens), on the GPU (CUDA events) and on the host (the launches alone); with "
-              "`--call-phases`, generate calls of 1024 tokens (the calls after each decoder's "
-              "first, mean), synchronised around the prefill and the first decode step (for a "
-              "decoder made anew each call: its cache and the graph's capture), and the later "
-              "steps' milliseconds each (over a cache filled further: longer attention)."), "",
-             ("| model | device | ms / step | replay on the GPU, ms | replay on the host, ms | "
-              "decoder | calls | call s | prefill s | first step s | later steps, ms each | "
-              "results file |"),
-             "| --- | --- | ---: | ---: | ---: | --- |" + " ---: |" * 5 + " --- |"]
-    return table_of(lines, files, replay_rows)
-
-
-def gap_rows(results: dict) -> list[str]:
-    """One row per run that traced its replays (`--gaps`): the GPU's idle time between the
-    kernels of a replay, and the transitions that hold most of it."""
-    rows = []
-    for run in results["runs"]:
-        gaps = run.get("replay_ms", {}).get("gaps")
-        if gaps is None:
-            continue
-        replay_us = run["replay_ms"]["64"]["gpu_ms"] * 1000
-        largest = "; ".join(f"{row['transition']}: {row['us_per_replay']:.0f} "
-                            f"({row['per_replay']:g} x {row['mean_us']:.2f})"
-                            for row in gaps["transitions"][:4])
-        rows.append(f"| {results['model'].removeprefix('embedded:')} | "
-                    f"{short_device(results['device'])} | {replay_us / 1000:.2f} | "
-                    f"{gaps['kernels_per_replay']:g} | {gaps['gap_us_per_replay']:.0f} "
-                    f"({100 * gaps['gap_us_per_replay'] / replay_us:.0f}%) | {largest} |")
-    return rows
-
-
-GAPS_CAPTION = (
-    "Written by `benchmarks/decode_profile.py --from-json ... --table gaps`: the decode step's "
-    "graph (NF4 kernel, grouped attention, 32 rows) replayed 8 times back to back, traced by "
-    "torch.profiler: the GPU's idle time between one kernel's end and the next one's start, per "
-    "replay (share: of the replay's time on the GPU, from 64 replays timed by CUDA events), and "
-    "the transitions (kernel before -> after) that hold the most of it: microseconds per replay "
-    "(times per replay x mean microseconds).")
-GAPS_HEADER = ("| model | device | replay on the GPU, ms | kernels per replay | idle between "
-               "kernels, us per replay (share) | largest transitions | results file |\n"
-               "| --- | --- | ---: | ---: | ---: | --- | --- |")
-
-
-def gap_table(files: list[Path]) -> str:
-    return table_of([GAPS_CAPTION, "", GAPS_HEADER], files, gap_rows)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="16,32")
@@ -531,14 +377,14 @@ def main() -> int:
     parser.add_argument("--call-tokens", type=int, default=CALL_TOKENS)
     parser.add_argument("--compiles", default="off",
                         help="the decode step's forward pass eager (off) or under torch.compile (on)")
-    parser.add_argument("--model", default=gspo_step.MODEL,
+    parser.add_argument("--model", default=gspo_configs.MODEL,
                         help="the embedded shape (embedded:qwen3-vl-8b-shape: the 8B recipe's)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
                         help="train.kv_cache_dtype of the decoding measured")
     parser.add_argument("--out", type=Path, default=Path("decode_profile.json"))
     parser.add_argument("--from-json", type=Path, nargs="+", metavar="RESULTS",
                         help="measure nothing: write --table of these results into --doc")
-    parser.add_argument("--doc", type=Path, default=gspo_step.ROOT / "docs" / "benchmarks.md")
+    parser.add_argument("--doc", type=Path, default=ROOT / "docs" / "benchmarks.md")
     parser.add_argument("--table", choices=("kernels", "replays", "gaps"), default="kernels",
                         help="with --from-json: the kernel table, the replays and calls, or the "
                              "idle time between a replay's kernels")
@@ -563,16 +409,16 @@ def main() -> int:
     work = Path(tempfile.gettempdir()) / "gspo-bench"
     os.environ.setdefault("VLMRL_CACHE", str(work / "cache"))
     ensure_embedded_model(MODEL, seed=0, device="cuda")
-    train_set = gspo_step.prepare_train_set(work, 64)
-    bandwidth = gspo_step.copy_bandwidth()
-    results: dict = {"device": gspo_step.device_name(), "bandwidth_bytes_per_s": bandwidth,
+    train_set = prepare_train_set(work, 64)
+    bandwidth = copy_bandwidth()
+    results: dict = {"device": device_name(), "bandwidth_bytes_per_s": bandwidth,
                      "model": MODEL, "kv_cache_dtype": KV_CACHE_DTYPE, "runs": [],
                      "command": " ".join(["benchmarks/decode_profile.py", *sys.argv[1:]]),
                      "decode_tiles": dataclasses.asdict(args.decode_tiles[0])
                      if args.decode_tiles else None}
     for dtype in args.dtypes.split(","):
         model, processor = load(dtype == "nf4")
-        weights = gspo_step.decode_weight_bytes(model)
+        weights = decode_weight_bytes(model)
         if args.sweep and dtype == "nf4":
             results["kernel_sweep"] = kernel_sweep(
                 model, [int(r) for r in args.rows.split(",")], bandwidth, args.tiles)

@@ -1,7 +1,7 @@
-"""The benchmarks write their tables into the docs (docs/benchmarks.md, docs/benchmarks-history.md,
-README.md) between two markers named after the script and an optional block name
-(`<!-- benchmarks/<script>:begin<block> -->` ... `<!-- benchmarks/<script>:end<block> -->`), from a
-results JSON under benchmarks/results/, so no figure there is typed by hand. A table is rendered
+"""The benchmarks write their tables into the docs (docs/benchmarks.md, README.md) between two
+markers named after the script and an optional block name (`<!-- benchmarks/<script>:begin<block>
+-->` ... `<!-- benchmarks/<script>:end<block> -->`), from a results JSON under
+benchmarks/results/, so no figure there is typed by hand. A table is rendered
 from the stored JSON alone (no GPU, nothing measured), and a field the table needs but the file
 lacks stops the render with one line naming the file and the field."""
 

@@ -2,8 +2,9 @@
 (recipes/mathvista-qwen3-vl-2b.yaml's training settings: NF4 weights, static cache, compiled
 decoding, micro-batches of 8 x 2 accumulation, generations of 32 rows made 16 at a time) on the
 random-init Qwen3-VL-2B-shaped model and the embedded synthetic set, twice in a row in the same
-project copy: in its own process (`train.distributed.strategy: none`, today's path) and relaunched
-through `accelerate launch` with one process (`strategy: ddp`, `num_processes: 1`, vlmrl.distributed.launch).
+project copy: in its own process (`train.distributed.strategy: none`, one process by default)
+and relaunched through `accelerate launch` with one process (`strategy: ddp`,
+`num_processes: 1`, vlmrl.distributed.launch).
 Seconds per step are the stage's own per-step times (data/reports/timings/train_gspo.json, TRL's
 `step_time`) after `--warmup` steps (compilation, cache allocation); the order of the two runs
 alternates over `--rounds`.

@@ -1,6 +1,6 @@
 """benchmarks/decode_profile.py's tile shapes: what `--tiles` accepts, and that every shape the
 sweep times is one the kernel takes (a bad one would only fail on the GPU, inside a paid call);
-and its replay table, rendered from stored results."""
+and its replay and gap tables (`decode_tables`), rendered from stored results."""
 
 from __future__ import annotations
 
@@ -18,6 +18,11 @@ from vlmrl.training.rollout.nf4_decode import Tiles
 @pytest.fixture(scope="module")
 def profile():
     return load_benchmark("decode_profile")
+
+
+@pytest.fixture(scope="module")
+def tables():
+    return load_benchmark("decode_tables")
 
 
 def test_tiles_parse_in_order_and_by_name(profile) -> None:
@@ -49,7 +54,7 @@ def test_the_sweep_has_no_shape_twice(profile) -> None:
     assert len(set(profile.SWEEP)) == len(profile.SWEEP)
 
 
-def test_the_replay_table_gives_steady_calls_and_their_parts(profile, tmp_path) -> None:
+def test_the_replay_table_gives_steady_calls_and_their_parts(tables, tmp_path) -> None:
     """The first call of each decoder is left out (it warms up), the later steps' milliseconds
     are what the call had beyond its prefill and first step, and a run without call phases
     gets dashes."""
@@ -62,17 +67,17 @@ def test_the_replay_table_gives_steady_calls_and_their_parts(profile, tmp_path) 
     path = tmp_path / "calls.json"
     path.write_text(json.dumps({"model": "embedded:qwen3-vl-2b-shape", "device": "NVIDIA H200",
                                 "decode_tiles": None, "runs": [timed, run]}))
-    rows = profile.replay_table([path]).splitlines()[-2:]
+    rows = tables.replay_table([path]).splitlines()[-2:]
     assert rows[0].split(" | ")[5:11] == ["not kept", "2", "0.70", "0.200", "0.100", "4.00"]
     assert rows[1].split(" | ")[5:11] == ["-"] * 6
 
 
-def test_the_replay_table_names_a_file_without_replays(profile, tmp_path) -> None:
+def test_the_replay_table_names_a_file_without_replays(tables, tmp_path) -> None:
     path = tmp_path / "old.json"
     path.write_text(json.dumps({"model": "m", "device": "d", "runs": [
         {"ms_per_step": 4.0, "replay_ms": {}}]}))
     with pytest.raises(SystemExit, match="old.json"):
-        profile.replay_table([path])
+        tables.replay_table([path])
 
 
 def test_call_phases_time_each_calls_prefill_and_first_step(profile) -> None:
@@ -119,13 +124,14 @@ def test_replay_gaps_add_the_idle_time_between_kernels_by_transition(profile) ->
         "void at::native::vectorized_elementwise_kernel"
 
 
-def test_the_gap_table_shows_a_replays_idle_time_and_its_largest_transitions(profile) -> None:
+def test_the_gap_table_shows_a_replays_idle_time_and_its_largest_transitions(profile,
+                                                                            tables) -> None:
     kernels = [("nf4_lora_matmul_wide", 0.0, 900.0), ("sum_splits", 901.0, 950.0),
                ("triton_poi_fused_add", 960.0, 1000.0)]
     results = {"model": "embedded:qwen3-vl-2b-shape", "device": "NVIDIA H200 (140 GiB)",
                "runs": [{"replay_ms": {"64": {"gpu_ms": 1.1}, "gaps": profile.gap_transitions(
                    kernels, 1)}}, {"replay_ms": {"64": {"gpu_ms": 1.0}}}]}
-    (row,) = profile.gap_rows(results)
+    (row,) = tables.gap_rows(results)
     assert row.startswith("| qwen3-vl-2b-shape | H200 | 1.10 | 3 | 11 (1%) | ")
     assert row.index("sum of the splits -> inductor: 10 (1 x 10.00)") < \
         row.index("NF4 -> sum of the splits: 1 (1 x 1.00)")

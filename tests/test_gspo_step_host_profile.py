@@ -1,5 +1,5 @@
-"""`benchmarks/gspo_step.py --profile-host` (`HostProfile`): cProfile over the input preparation
-of the first generating call from a given optimizer step on, the generation left out."""
+"""`benchmarks/gspo_step.py --profile-host` (`gspo_profilers.HostProfile`): cProfile over the input
+preparation of the first generating call from a given optimizer step on, the generation left out."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from conftest import load_benchmark
 
 
 @pytest.fixture(scope="module")
-def gspo_step():
-    return load_benchmark("gspo_step")
+def profilers():
+    return load_benchmark("gspo_profilers")
 
 
 def host_work() -> int:
@@ -44,9 +44,9 @@ def profiled_names(functions: list[dict]) -> set[str]:
 
 
 def test_the_first_generating_call_from_the_step_on_is_profiled_without_its_generation(
-        gspo_step):
+        profilers):
     trainer = FakeTrainer()
-    host = trainer.host = gspo_step.HostProfile(trainer, first_step=2)
+    host = trainer.host = profilers.HostProfile(trainer, first_step=2)
     trainer._prepare_inputs("step 0")  # before the first timed step: not profiled
     assert host.functions == []
     trainer.state.global_step, trainer.generates = 2, False
@@ -63,9 +63,9 @@ def test_the_first_generating_call_from_the_step_on_is_profiled_without_its_gene
     assert host.functions == first
 
 
-def test_outside_a_profiled_call_the_pause_is_a_plain_context(gspo_step):
+def test_outside_a_profiled_call_the_pause_is_a_plain_context(profilers):
     trainer = FakeTrainer()
-    host = trainer.host = gspo_step.HostProfile(trainer, first_step=5)
+    host = trainer.host = profilers.HostProfile(trainer, first_step=5)
     with host.paused():
         generation_work()
     assert host.functions == [] and not host.generated

@@ -20,6 +20,11 @@ def gspo_step():
     return load_benchmark("gspo_step")
 
 
+@pytest.fixture(scope="module")
+def gspo_worker():
+    return load_benchmark("gspo_worker")
+
+
 def baseline_copy(tmp_path: Path, with_params: bool) -> Path:
     """A stand-in for `git archive BASELINE_COMMIT src params.yaml` unpacked in tmp_path."""
     (tmp_path / "src" / "vlmrl").mkdir(parents=True)
@@ -35,15 +40,15 @@ def test_the_baseline_needs_its_own_params_beside_its_src(gspo_step, tmp_path: P
         gspo_step.worker_env(knobs, baseline_copy(tmp_path, with_params=False))
 
 
-def test_a_worker_on_the_baseline_reads_the_baseline_params(gspo_step, tmp_path: Path,
-                                                             monkeypatch) -> None:
+def test_a_worker_on_the_baseline_reads_the_baseline_params(gspo_step, gspo_worker,
+                                                             tmp_path: Path, monkeypatch) -> None:
     src = baseline_copy(tmp_path, with_params=True)
     env = gspo_step.worker_env(gspo_step.CONFIGS["gpu_profile_graph_fp8_before"], src)
     assert env["PYTHONPATH"].split(":")[0] == str(src.resolve())
-    assert gspo_step.library_params() == ROOT / "params.yaml"  # this library: the repository's
+    assert gspo_worker.library_params() == ROOT / "params.yaml"  # this library: the repository's
     monkeypatch.setitem(sys.modules, "vlmrl", type(sys)("vlmrl"))
     sys.modules["vlmrl"].__file__ = str(src / "vlmrl" / "__init__.py")
-    assert gspo_step.library_params() == tmp_path.resolve() / "params.yaml"
+    assert gspo_worker.library_params() == tmp_path.resolve() / "params.yaml"
 
 
 @pytest.mark.parametrize("name", ["gpu_profile_graph_fp8_compiled",

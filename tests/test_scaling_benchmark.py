@@ -1,4 +1,5 @@
-"""benchmarks/scaling.py's arithmetic (phases per rank, tokens per second, speedups), its tables
+"""benchmarks/scaling.py's arithmetic (phases per rank, tokens per second, speedups:
+`scaling_tables`), its tables
 and the params of its runs, on hand-made records: the runs themselves need two GPUs and are the
 benchmark's job (a CPU run of it, `--smoke`, measures nothing)."""
 
@@ -18,8 +19,12 @@ from vlmrl.training.gspo import local_generation_rows, split_batch
 
 @pytest.fixture(scope="module")
 def scaling():
-    sys.path.insert(0, str(ROOT / "benchmarks"))  # its `from doc_blocks import ...`
     return load_benchmark("scaling")
+
+
+@pytest.fixture(scope="module")
+def tables():
+    return load_benchmark("scaling_tables")
 
 
 def rank_record(rank: int, *, step_seconds=(5.0, 1.0, 4.0, 2.0), sync=(0.4, 0.5),
@@ -37,8 +42,8 @@ def rank_record(rank: int, *, step_seconds=(5.0, 1.0, 4.0, 2.0), sync=(0.4, 0.5)
             "device_used_gib": 13.0 + rank, "allreduce_probe_s": 0.002}
 
 
-def test_phases_split_the_synced_backward_into_backward_and_all_reduce(scaling) -> None:
-    phases = scaling.rank_phases(rank_record(0), warmup=2)
+def test_phases_split_the_synced_backward_into_backward_and_all_reduce(tables) -> None:
+    phases = tables.rank_phases(rank_record(0), warmup=2)
     # per timed step: generation 2.0 / 2; all-reduce (0.1 + 0.2) / 2 over the mean unsynced 0.3;
     # backward (0.6 + 0.9 - 0.3) / 2; waiting (0.1 + 0.05 + 0.05) / 2; step (4 + 2) / 2
     assert phases == pytest.approx({"generation": 1.0, "old_logps": 0.25, "forward": 0.4,
@@ -46,51 +51,51 @@ def test_phases_split_the_synced_backward_into_backward_and_all_reduce(scaling) 
                                     "step": 3.0, "other": 0.5})
 
 
-def test_one_process_has_no_all_reduce_and_no_accumulation_no_estimate(scaling) -> None:
+def test_one_process_has_no_all_reduce_and_no_accumulation_no_estimate(tables) -> None:
     alone = rank_record(0)
     alone["calls"] = [c if c[0] != "backward_sync" else ["backward", c[1], c[2]]
                       for c in alone["calls"] if c[0] != "wait"]
-    phases = scaling.rank_phases(alone, warmup=2)
+    phases = tables.rank_phases(alone, warmup=2)
     assert phases["all_reduce"] == 0.0 and phases["wait"] == 0.0
     assert phases["backward"] == pytest.approx((0.3 + 0.4 + 0.3 + 0.5) / 2)
     synced_only = rank_record(0)
     synced_only["calls"] = [c for c in synced_only["calls"] if c[0] != "backward" or c[1] < 2]
-    phases = scaling.rank_phases(synced_only, warmup=2)
+    phases = tables.rank_phases(synced_only, warmup=2)
     assert phases["all_reduce"] is None
     assert phases["backward"] == pytest.approx((0.4 + 0.5) / 2)
 
 
-def test_run_summary_counts_every_ranks_tokens_over_the_slowest_ranks_time(scaling) -> None:
+def test_run_summary_counts_every_ranks_tokens_over_the_slowest_ranks_time(tables) -> None:
     slow = rank_record(1, step_seconds=(5.0, 1.0, 4.1, 2.1))
-    summary = scaling.run_summary([slow, rank_record(0)], warmup=2)
+    summary = tables.run_summary([slow, rank_record(0)], warmup=2)
     assert summary["processes"] == 2 and summary["timed_steps"] == 2
     assert summary["seconds_per_step"] == pytest.approx(3.1)
     assert summary["generated_tokens_per_second"] == pytest.approx(round(2000 / 6.2, 1))
     assert (summary["completions_per_step"], summary["completions_per_step_per_gpu"]) == (10, 5)
     assert [r["rank"] for r in summary["ranks"]] == [0, 1]
-    failed = scaling.run_summary([rank_record(0), {"rank": 1, "error": "OutOfMemoryError: x"}], 2)
+    failed = tables.run_summary([rank_record(0), {"rank": 1, "error": "OutOfMemoryError: x"}], 2)
     assert failed == {"error": "OutOfMemoryError: x"}
 
 
-def test_speedups_and_verdicts_against_the_goals(scaling) -> None:
+def test_speedups_and_verdicts_against_the_goals(tables) -> None:
     runs = {"one": {"generated_tokens_per_second": 100.0},
             "strong": {"generated_tokens_per_second": 160.0},
             "weak": {"generated_tokens_per_second": 170.0}}
-    gains = scaling.speedups(runs)
+    gains = tables.speedups(runs)
     assert gains == {"strong": 1.6, "weak": 1.7}
-    assert scaling.verdict("strong", gains["strong"]).endswith("(goal 1.5x: met)")
-    assert scaling.verdict("weak", gains["weak"]).endswith("(goal 1.8x: not met)")
-    assert scaling.speedups({"one": {"generated_tokens_per_second": 100.0}})["weak"] is None
+    assert tables.verdict("strong", gains["strong"]).endswith("(goal 1.5x: met)")
+    assert tables.verdict("weak", gains["weak"]).endswith("(goal 1.8x: not met)")
+    assert tables.speedups({"one": {"generated_tokens_per_second": 100.0}})["weak"] is None
 
 
-def results_files(scaling, tmp_path: Path) -> list[Path]:
+def results_files(tables, tmp_path: Path) -> list[Path]:
     """The 2B runs and the 8B runs as two device calls' files."""
-    one = scaling.run_summary([rank_record(0)], 2)
-    strong = scaling.run_summary([rank_record(0), rank_record(1)], 2)
+    one = tables.run_summary([rank_record(0)], 2)
+    strong = tables.run_summary([rank_record(0), rank_record(1)], 2)
     runs = {"one": {**one, "completion_length": 1024, "warmup_steps": 2},
             "strong": {**strong, "completion_length": 1024, "warmup_steps": 2},
             "weak": {"error": "RuntimeError: NCCL timeout"},
-            "8b_one": {**scaling.run_summary([rank_record(0)], 2), "strategy": "none"},
+            "8b_one": {**tables.run_summary([rank_record(0)], 2), "strategy": "none"},
             "8b_sharded": {**strong, "strategy": "fsdp", "completion_length": 256}}
     paths = []
     for name, names in (("2b", ("one", "strong", "weak")), ("8b", ("8b_one", "8b_sharded"))):
@@ -100,7 +105,7 @@ def results_files(scaling, tmp_path: Path) -> list[Path]:
     return paths
 
 
-def test_render_writes_the_tables_between_the_markers(scaling, tmp_path: Path) -> None:
+def test_render_writes_the_tables_between_the_markers(scaling, tables, tmp_path: Path) -> None:
     """The tokens per second and verdicts into the block `:summary`, the phases and the 8B
     memory into the unnamed block."""
     doc = tmp_path / "benchmarks.md"
@@ -110,7 +115,7 @@ def test_render_writes_the_tables_between_the_markers(scaling, tmp_path: Path) -
                    "<!-- benchmarks/scaling.py:end -->\nafter\n")
     merged = tmp_path / "scaling.json"
     run([sys.executable, "benchmarks/scaling.py", "--render",
-         *map(str, results_files(scaling, tmp_path)), "--doc", str(doc), "--out", str(merged)],
+         *map(str, results_files(tables, tmp_path)), "--doc", str(doc), "--out", str(merged)],
         ROOT)
     assert sorted(json.loads(merged.read_text())["runs"]) == sorted(scaling.RUNS)
     text = doc.read_text()
