@@ -278,7 +278,13 @@ def summary_column(results: dict[str, Any]) -> dict[str, Any]:
             "mean": (f"{_points(fmt['mean'])} ± {100 * fmt['std']:.1f} / "
                      f"{reward['mean']:+.3f} ± {reward['std']:.3f}"),
             "claim": (f"**{'holds' if claim['holds'] else 'does not hold'}** (standard error "
-                      f"{100 * claim['standard_error']:.1f} points)")}
+                      f"{100 * claim['standard_error']:.1f} points)"),
+            "seconds": seconds_cell([run["seconds"] for run in results["runs"]])}
+
+
+def seconds_cell(seconds: list[float]) -> str:
+    """A column's wall seconds per seed run: the median and the range."""
+    return f"{statistics.median(seconds):.0f} ({min(seconds):.0f}–{max(seconds):.0f})"
 
 
 def summary_table(files: list[Path]) -> str:
@@ -289,8 +295,9 @@ def summary_table(files: list[Path]) -> str:
     seeds = sorted({seed for column in columns for seed in column["seeds"]})
     header = "| seed | " + " | ".join(column["label"] for column in columns) + " |"
     lines = [("Each cell: format compliance gain in points / mean reward gain, baseline → post "
-              "on the held-out items (`benchmarks/learning.py --summary`; the seed's whole row "
-              "in the tables below). Measured "
+              "on the held-out items (`benchmarks/learning.py --summary`; a run's every figure "
+              "per seed: `--from-json`). Seconds: the wall time of one seed's run, prepare_data "
+              "to post_eval, median (range). Measured "
               + ", ".join(sorted({column["date"] for column in columns})) + "; GPU runs: "
               "the seeds of one column ran at once on one GPU."), "", header,
              "| --- |" + " --- |" * len(columns)]
@@ -299,6 +306,7 @@ def summary_table(files: list[Path]) -> str:
                                                   for column in columns) + " |")
     lines.append("| mean ± std | " + " | ".join(column["mean"] for column in columns) + " |")
     lines.append("| claim | " + " | ".join(column["claim"] for column in columns) + " |")
+    lines.append("| seconds | " + " | ".join(column["seconds"] for column in columns) + " |")
     return "\n".join(lines)
 
 

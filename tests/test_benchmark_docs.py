@@ -1,7 +1,7 @@
-"""The measured tables of docs/benchmarks.md, docs/benchmarks-history.md and README.md are written
-by the benchmark scripts from their stored results (benchmarks/doc_tables.py), each render mode
-stops with one line naming the file and the field a results file lacks, and every relative link
-of the docs leads to a file and a heading that exist."""
+"""The measured tables of docs/benchmarks.md and README.md are written by the benchmark scripts
+from their stored results (benchmarks/doc_tables.py), every results file kept is read by a table,
+each render mode stops with one line naming the file and the field a results file lacks, and
+every relative link of the docs leads to a file and a heading that exist."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import pytest
 from conftest import ROOT, load_benchmark, run
 
 RESULTS = ROOT / "benchmarks" / "results"
-LINKED_DOCS = sorted([*ROOT.glob("docs/*.md"), ROOT / "README.md", ROOT / "tests/gpu/README.md"])
+LINKED_DOCS = sorted([*ROOT.glob("docs/*.md"), ROOT / "README.md", ROOT / "CHANGELOG.md",
+                      ROOT / "tests/gpu/README.md"])
 
 
 @pytest.fixture(scope="module")
@@ -30,12 +31,18 @@ def test_every_table_is_as_its_script_writes_it(doc_tables, tmp_path: Path) -> N
     for key, path in doc_tables.DOCS.items():
         shutil.copyfile(ROOT / path, copies[key])
     doc = copies["{doc}"]
-    assert "| 146.51 |" in doc.read_text()  # the Unsloth reference at 1024 tokens, speed table
-    doc.write_text(doc.read_text().replace("| 146.51 |", "| 99.99 |"))
+    assert "| 25.22 |" in doc.read_text()  # the Unsloth reference on the 2B shape, speed table
+    doc.write_text(doc.read_text().replace("| 25.22 |", "| 99.99 |"))
     doc_tables.rewrite(copies)
     for key, path in doc_tables.DOCS.items():
         assert copies[key].read_text() == (ROOT / path).read_text(), (
             f"{path} differs from what its scripts write: python benchmarks/doc_tables.py")
+
+
+def test_every_results_file_is_read_by_a_table(doc_tables) -> None:
+    """benchmarks/results/ holds the files behind today's tables, no more: a superseded run
+    lives in git history."""
+    assert doc_tables.unread_results() == []
 
 
 def without(path: Path, tmp_path: Path, *keys: str) -> Path:
@@ -92,51 +99,51 @@ def test_gspo_step_speed_summary_compares_within_a_file_and_marks_other_machines
     doc = marked_doc(tmp_path, ("<!-- gspo_step speed: start -->", "<!-- gspo_step speed: end -->"))
     readme = marked_doc(tmp_path, ("<!-- gspo_step speed-readme: start -->",
                                    "<!-- gspo_step speed-readme: end -->"), name="README.md")
-    files = [str(RESULTS / f"gspo_step_{name}.json") for name in ("fp8_cache", "8b_today")]
+    files = [str(RESULTS / name) for name in ("gspo_step.json", "gspo_step_h200x2_8b_four.json")]
     run([sys.executable, "benchmarks/gspo_step.py", "--from-json", *files, "--doc-block", "speed",
          "--doc", str(doc), "--readme", str(readme)], ROOT)
     rows = [line for line in doc.read_text().splitlines() if line.startswith("| qwen3")]
-    # the first file's 2B@1024 trio, one machine; its 8B float8 row against the second file's
-    # today's profile (another machine: marked)
-    assert ("| qwen3-vl-2b-shape | 1024 | `gpu_profile_graph_fp8` | 6.90 | 2374 | 5.4 | "
-            "4.73 (5.23) | 21.23x | 3.60x | - | `gspo_step_fp8_cache.json` |") in rows
-    assert ("| qwen3-vl-8b-shape | 1024 | `gpu_profile_graph_fp8` | 16.72 | 980 | 7.3 | "
-            "12.90 (13.65) | - | 2.95x † | - | `gspo_step_fp8_cache.json` |") in rows
-    # 2B@256 Unsloth: the first file has none, so the second file's, against the first's profile
-    assert any(row.startswith("| qwen3-vl-2b-shape | 256 | `unsloth_4bit` | 34.50 |")
-               and row.endswith("| 1.00x | 0.18x † | - | `gspo_step_8b_today.json` |")
-               for row in rows)
-    assert "qwen3-vl-8b-shape, 1024 tokens: `gpu_profile_mb8_spg4_rows16` 49.29 s per step" in (
-        readme.read_text())
-    broken = without(RESULTS / "gspo_step_8b_today.json", tmp_path, "runs",
-                     "unsloth_4bit@256", "peak_reserved_gib")
+    # the first file's 2B rows against its own Unsloth and TRL's generate at the same length
+    assert ("| qwen3-vl-2b-shape | 1024 | `transformers_4bit` | 73.37 | 222 | 4.41 (7.80) | "
+            "1.63x | 0.29x | `gspo_step.json` |") in rows
+    # 8B: TRL's generate from the first file that has it; the second file's recipe against it
+    # (another machine: †) and against its own Unsloth at 256 tokens (another length: ‡)
+    assert any(row.startswith("| qwen3-vl-8b-shape | 1024 | `gpu_profile_mb8_spg4_rows16` | "
+                              "43.01 |") and row.endswith("`gspo_step.json` |") for row in rows)
+    assert ("| qwen3-vl-8b-shape | 1024 | `gpu_profile_graph_fp8_mb4_rolled_compiled_images` | "
+            "7.56 | 2168 | 10.03 (11.48) | 26.54x ‡ | 5.69x † | "
+            "`gspo_step_h200x2_8b_four.json` |") in rows
+    assert ("qwen3-vl-8b-shape: `unsloth_4bit` at 256 tokens 50.14 s per step (82 tokens/s), "
+            "peak 9.51 GiB;") in readme.read_text()
+    broken = without(RESULTS / "gspo_step_h200x2_8b_four.json", tmp_path, "runs",
+                     "unsloth_4bit@256@qwen3-vl-8b-shape", "peak_reserved_gib")
     fails_naming(["benchmarks/gspo_step.py", "--from-json", files[0], str(broken), "--doc-block",
                   "speed", "--doc", str(doc)], str(broken), "'peak_reserved_gib'")
 
 
 def test_gspo_step_speed_summary_takes_only_the_named_configurations_of_a_file(
         tmp_path: Path) -> None:
-    """`FILE::CONFIG,...`: an older file contributes only those runs (its float8 rows measured
-    the library before issue 41 under the current name)."""
+    """`FILE::CONFIG,...`: a file contributes only those configurations' runs."""
     doc = marked_doc(tmp_path, ("<!-- gspo_step speed: start -->", "<!-- gspo_step speed: end -->"))
-    source = f"{RESULTS / 'gspo_step_fp8_cache.json'}::unsloth_4bit"
+    source = f"{RESULTS / 'gspo_step.json'}::unsloth_4bit"
     run([sys.executable, "benchmarks/gspo_step.py", "--from-json", source, "--doc-block", "speed",
          "--doc", str(doc)], ROOT)
     rows = [line for line in doc.read_text().splitlines() if line.startswith("| qwen3")]
-    assert [row.split(" | ")[2] for row in rows] == ["`unsloth_4bit`"]
+    assert [row.split(" | ")[1:3] for row in rows] == [["256", "`unsloth_4bit`"],
+                                                         ["1024", "`unsloth_4bit`"]]
 
 
 def test_gspo_step_from_json_writes_one_files_block(tmp_path: Path) -> None:
-    doc = marked_doc(tmp_path, ("<!-- gspo_step rows32: start -->",
-                                "<!-- gspo_step rows32: end -->"))
-    source = RESULTS / "gspo_step_rows32.json"
+    doc = marked_doc(tmp_path, ("<!-- gspo_step pool-2b: start -->",
+                                "<!-- gspo_step pool-2b: end -->"))
+    source = RESULTS / "gspo_step_h200x2_pool_2b.json"
     run([sys.executable, "benchmarks/gspo_step.py", "--from-json", str(source), "--doc-block",
-         "rows32", "--doc", str(doc)], ROOT)
-    assert "| qwen3-vl-2b-shape | `gpu_profile_graph_rows32` | 1024 | 7.01 |" in doc.read_text()
+         "pool-2b", "--doc", str(doc)], ROOT)
+    assert "| qwen3-vl-2b-shape | `unsloth_4bit` | 256 | 25.22 |" in doc.read_text()
     fails_naming(["benchmarks/gspo_step.py", "--from-json", str(source), str(source),
-                  "--doc-block", "rows32", "--doc", str(doc)], "one results file")
+                  "--doc-block", "pool-2b", "--doc", str(doc)], "one results file")
     broken = without(source, tmp_path, "runs")
-    fails_naming(["benchmarks/gspo_step.py", "--from-json", str(broken), "--doc-block", "rows32",
+    fails_naming(["benchmarks/gspo_step.py", "--from-json", str(broken), "--doc-block", "pool-2b",
                   "--doc", str(doc)], str(broken), "'runs'")
 
 
