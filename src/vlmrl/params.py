@@ -2,30 +2,52 @@
 
 Contract: a stage calls `load_params` once and hands the library typed sections (`ModelParams`,
 `TrainParams`, ...), never the raw dict. Every section is a pydantic model with
-`extra="forbid"`; a wrong value is one `ParamsError` line naming the key path and, for a
-choice, the allowed values: `params.yaml model.backend: 'foo' is not one of auto, transformers,
+`extra="forbid"`; a wrong value is one `ParamsError` line naming the file, the key path, the
+value and what is allowed: `params.yaml model.backend: 'foo' is not one of auto, transformers,
 unsloth`. A section is validated when a stage first asks for it, so a stage checks exactly the
-sections dvc.yaml lists for it (a bad `rewards` section must fail train_gspo, not prepare_data).
-Checks that need a runtime stay with the code that has it: `sft.args` and `train.grpo`
-against the fields of `trl.SFTConfig` and `trl.GRPOConfig` (vlmrl.training.trainer.config),
-`export.quantize` against llama.cpp (vlmrl.export.exporter), reward options against the registry
-(vlmrl.rewards.functions). Reward names, which a typo breaks, are checked here, before a stage loads a
-model (vlmrl.params_checks)."""
+sections dvc.yaml lists for it (a bad `rewards` section must fail train_gspo, not prepare_data),
+before any model loads; `Params.check` validates them all (`vlmrl recipe --check`). Besides the field types: reward and embedded model names, the ranges of the trainer
+configs' values and GRPO's batch arithmetic (vlmrl.params_checks). Checks that need a runtime
+stay with the code that has it: `sft.args` and `train.grpo` against the fields of
+`trl.SFTConfig` and `trl.GRPOConfig` (vlmrl.params_checks.config_values, when the stage builds
+the config), `export.quantize` against llama.cpp (vlmrl.export.exporter), reward options against
+the registry (vlmrl.rewards.functions)."""
 
 from __future__ import annotations
 
-import math
 import string
-from collections.abc import Callable, Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Self, get_args
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+)
 
 from vlmrl.errors import ParamsError  # defined there, beside the other user errors
-from vlmrl.params_checks import check_group_size, check_reward_names, describe
+from vlmrl.params_checks import (  # the value types' checks, and those beyond a field's type
+    _boolean,
+    _integer,
+    _list,
+    _name_list,
+    _number,
+    _positive_integer,
+    _real,
+    _trainer_args,
+    check_embedded_model,
+    check_reward_names,
+    check_trainer_args,
+    describe,
+)
 
 PARAMS_FILE = Path("params.yaml")
 
@@ -44,85 +66,6 @@ EMBEDDED_TEXT_SOURCE = "embedded:arithmetic"  # GSM8K-style word problems (vlmrl
 LOCAL_SOURCE, LOCAL_DATA_DIR = "local", "data/local"  # data.source: local reads data.path
 RecordField = Literal["id", "question", "answer", "image", "choices", "question_type",
                       "answer_type", "precision", "unit", "source", "category"]  # data.columns
-
-
-# ------------------------------------------------------------------ value types
-# Validators raise ValueError even for a wrong type: pydantic reports only ValueError (and
-# AssertionError) as a validation error with the field's location.
-
-
-def _integer(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"must be an integer, got {value!r}")  # noqa: TRY004
-    return value
-
-
-def _positive_integer(value: Any, auto: bool = False) -> int | str:
-    """A positive integer; with `auto`, also the word auto (a process count: vlmrl.distributed.launch)."""
-    if auto and value == "auto":
-        return value
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"must be a positive integer{' or auto' * auto}, got {value!r}")
-    return value
-
-
-def _number(value: Any) -> float:
-    if (isinstance(value, bool) or not isinstance(value, (int, float))
-            or not math.isfinite(value)):
-        raise ValueError(f"must be a finite number, got {value!r}")
-    return float(value)
-
-
-def _real(value: Any) -> int | float:
-    """A finite number, kept as written: an integer stays an integer."""
-    _number(value)
-    return value
-
-
-def _boolean(value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"must be true or false, got {value!r}")  # noqa: TRY004
-    return value
-
-
-def _name_list(value: Any) -> tuple[str, ...]:
-    if isinstance(value, str) or not isinstance(value, (list, tuple)) or not value:
-        raise ValueError(f"must be a non-empty list, got {value!r}")
-    return tuple(value)
-
-
-def _list(value: Any) -> Any:
-    """None (an empty YAML value) is an empty list; a bare string is not a list."""
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        raise ValueError(f"must be a list, got {value!r}")  # noqa: TRY004
-    return value
-
-
-# Trainer-config keys the pipeline sets itself, from dvc.yaml's paths and other params sections
-# (vlmrl.training.trainer.config builds the configs with them), so params.yaml may not set them.
-PIPELINE_KEYS: dict[str, frozenset[str]] = {
-    "sft.args": frozenset({"output_dir", "use_cpu", "completion_only_loss", "max_length",
-                           "remove_unused_columns", "save_strategy"}),
-    "train.grpo": frozenset({"output_dir", "save_steps", "save_strategy", "reward_weights",
-                             "resume_from_checkpoint", "use_cpu"}),
-}
-
-
-def _trainer_args(key_path: str) -> Callable[[Any], Any]:
-    """The check of a trainer config's args (`sft.args`, `train.grpo`): a mapping (None, an empty
-    YAML value, is an empty one) without the keys the pipeline sets. Their types are checked
-    against the config's fields when it is built (vlmrl.training.trainer.config)."""
-
-    def check(value: Any) -> Any:
-        value = {} if value is None else value
-        managed = sorted(set(value) & PIPELINE_KEYS[key_path]) if isinstance(value, Mapping) else []
-        if managed:
-            raise ValueError(f"{managed} are set by the pipeline; remove them")
-        return value
-
-    return check
 
 
 Integer = Annotated[int, BeforeValidator(_integer)]
@@ -160,7 +103,7 @@ class Section(BaseModel):
 
 class ModelParams(Section):
     SECTION = "model"
-    name: str
+    name: Annotated[str, AfterValidator(check_embedded_model)]  # a hub id or an embedded model
     backend: Backend = "auto"
     dtype: ModelDtype = "auto"
     load_in_4bit: Boolean = False
@@ -186,6 +129,14 @@ class DataParams(Section):
                                                                                  "float")
     image_size: Annotated[int, BeforeValidator(_integer), Field(ge=28)] = 512
     strict: Boolean = False
+
+    @field_validator("source")
+    @classmethod
+    def _known_embedded_source(cls, value: str) -> str:
+        embedded = (EMBEDDED_SOURCE, EMBEDDED_TEXT_SOURCE)
+        if value.startswith("embedded:") and value not in embedded:
+            raise ValueError(f"unknown embedded data set {value!r}; known: {', '.join(embedded)}")
+        return value
 
     @property
     def from_hub(self) -> bool:
@@ -249,9 +200,10 @@ class EvalParams(Section):
 
 
 class SftParams(Section):
-    """The cold-start SFT (vlmrl.training.sft). `args` is passed to `trl.SFTConfig`;
-    vlmrl.training.trainer.config checks its keys against SFTConfig's fields. Off (`enabled: false`, or
-    `args.max_steps: 0`) the stage is a pass-through and GSPO starts from the base model."""
+    """The cold-start SFT (vlmrl.training.sft). `args` is passed to `trl.SFTConfig`; its values'
+    ranges are checked here, its keys against SFTConfig's fields when the stage builds it. Off
+    (`enabled: false`, or `args.max_steps: 0`) the stage is a pass-through and GSPO starts from
+    the base model."""
 
     SECTION = "sft"
     enabled: Boolean = False
@@ -267,9 +219,15 @@ class SftParams(Section):
             raise ValueError(f"may only use the field {{answer}}, got {sorted(fields)}")
         return value
 
+    @classmethod
+    def from_params(cls, values: Any) -> Self:
+        if isinstance(values, Mapping):
+            check_trainer_args("sft.args", values.get("args"))
+        return super().from_params(values)
+
     @property
     def trains(self) -> bool:
-        return self.enabled and self.args.get("max_steps", -1) != 0  # checked: vlmrl.training.trainer.config
+        return self.enabled and self.args.get("max_steps", -1) != 0  # 0: off (vlmrl.params_checks)
 
 
 class LoraParams(Section):
@@ -284,8 +242,8 @@ class LoraParams(Section):
 
 
 class TrainParams(Section):
-    """`train.grpo` is passed to `trl.GRPOConfig` as is; vlmrl.training.trainer.config checks its keys
-    against GRPOConfig's fields."""
+    """`train.grpo` is passed to `trl.GRPOConfig` as is; its values' ranges and batch arithmetic
+    are checked here, its keys against GRPOConfig's fields when the stage builds it."""
 
     SECTION = "train"
     save_steps: PositiveInteger
@@ -305,8 +263,8 @@ class TrainParams(Section):
 
     @classmethod
     def from_params(cls, values: Any) -> Self:
-        if isinstance(values, Mapping) and isinstance(values.get("grpo"), Mapping):
-            check_group_size(values["grpo"])
+        if isinstance(values, Mapping):
+            check_trainer_args("train.grpo", values.get("grpo"))
         return super().from_params(values)
 
 
@@ -373,10 +331,16 @@ class UploadParams(Section):
 
 class Params:
     """params.yaml as a stage reads it: the raw mapping (for fingerprints and the model card)
-    and one typed, cached property per section."""
+    and one typed, cached property per section. `source` is the file the mapping came from,
+    which every ParamsError of a section names."""
 
-    def __init__(self, raw: Mapping[str, Any]) -> None:
+    SECTIONS = ("model", "data", "rewards", "eval", "sft", "train", "verify", "export", "upload")
+    # Read by other packages: the answer format by vlmrl.rewards.answer_format.
+    OTHER_SECTIONS = ("answer_format",)
+
+    def __init__(self, raw: Mapping[str, Any], source: Path | str = PARAMS_FILE) -> None:
         self.raw = raw
+        self.source = source
 
     def section(self, name: str) -> dict[str, Any]:
         """The raw `name` section; a dotted name walks into nested sections."""
@@ -390,7 +354,19 @@ class Params:
         return dict(node)
 
     def _typed(self, kind: type[Section]) -> Any:
-        return kind.from_params(self.section(kind.SECTION))
+        with in_file(self.source):
+            return kind.from_params(self.section(kind.SECTION))
+
+    def check(self) -> None:
+        """Every section validated, as each stage validates the sections it reads, and no
+        section this project does not know (a misspelt one would be ignored)."""
+        with in_file(self.source):
+            unknown = sorted(set(self.raw) - {*self.SECTIONS, *self.OTHER_SECTIONS})
+            if unknown:
+                raise ParamsError(f"params.yaml has unknown sections {unknown}; known: "
+                                  f"{', '.join((*self.SECTIONS, *self.OTHER_SECTIONS))}")
+        for name in self.SECTIONS:
+            getattr(self, name)
 
     @cached_property
     def model(self) -> ModelParams:
@@ -429,6 +405,20 @@ class Params:
         return self._typed(UploadParams)
 
 
+@contextmanager
+def in_file(source: Path | str) -> Iterator[None]:
+    """A ParamsError raised inside names `source` where it names params.yaml: the checks word
+    their messages for the file the stages read, and a recipe or another params file is named
+    for what it is, once."""
+    try:
+        yield
+    except ParamsError as error:
+        prefix, message = f"{PARAMS_FILE} ", str(error)
+        if str(source) == str(PARAMS_FILE) or not message.startswith(prefix):
+            raise
+        raise ParamsError(f"{source} {message.removeprefix(prefix)}") from None
+
+
 def read_params_file(path: Path | str = PARAMS_FILE) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
@@ -441,4 +431,4 @@ def read_params_file(path: Path | str = PARAMS_FILE) -> dict[str, Any]:
 
 
 def load_params(path: Path | str = PARAMS_FILE) -> Params:
-    return Params(read_params_file(path))
+    return Params(read_params_file(path), source=path)
