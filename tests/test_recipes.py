@@ -1,33 +1,65 @@
-"""Checked-in recipes: each is a complete params set that validates without downloading
-anything, `vlmrl recipe` writes one over params.yaml so that `dvc params diff` shows what it
-changed, and the offline text recipe runs all seven stages (GGUF without a projector). The other
-offline recipe, embedded-vl, is params.yaml itself (checked here), which test_end_to_end runs
-through every stage."""
+"""Checked-in recipes: each holds only the keys it changes from params.yaml (60 lines at most);
+`vlmrl recipe` merges it onto the defaults (params.yaml at git HEAD) with the comments kept and
+writes a complete params.yaml, so that `dvc params diff` shows exactly the recipe's keys; every
+applied recipe passes the checks the stages run, and the offline text recipe runs all seven
+stages (GGUF without a projector). The other offline recipe, embedded-vl, is params.yaml itself,
+which test_end_to_end runs through every stage."""
 
 from __future__ import annotations
 
 import json
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 from conftest import ROOT, dvc_repro, run
 
-from vlmrl.rewards.answer_format import answer_format
 from vlmrl.distributed.data_parallel import split_global_batch
 from vlmrl.distributed.launch import DistributedParams, resolve
-from vlmrl.params import ParamsError
-from vlmrl.pipeline.recipes import RecipeError, available, check_recipe, cli_recipe, recipe_path, summary
+from vlmrl.params import Params, ParamsError
+from vlmrl.pipeline.recipes import (
+    RecipeError,
+    applied,
+    available,
+    cli_recipe,
+    recipe_params,
+    recipe_path,
+    split_header,
+    summary,
+)
+from vlmrl.rewards.answer_format import answer_format
 from vlmrl.rewards.functions import build_rewards
-from vlmrl.training.sft import build_sft_config
 from vlmrl.training.gspo import build_grpo_config, local_generation_rows, split_batch
+from vlmrl.training.sft import build_sft_config
 
 RECIPES = available(ROOT)
+DEFAULTS = (ROOT / "params.yaml").read_text()
+MAX_RECIPE_LINES = 60
 # Short enough for the test suite; every stage still does its real work.
 SHORT = {"sft.args.max_steps": 2, "train.grpo.max_steps": 2, "data.eval_size": 4,
          "data.synthetic_size": 40, "train.grpo.per_device_train_batch_size": 4,
          "train.grpo.num_generations": 4, "eval.max_new_tokens": 16}
+
+
+def applied_text(name: str) -> str:
+    return applied(recipe_path(name, ROOT), DEFAULTS)
+
+
+def leaf_values(params: dict, prefix: str = "") -> dict[str, object]:
+    """Dotted key paths of a params mapping -> their values (an empty mapping is a value)."""
+    values: dict[str, object] = {}
+    for key, value in params.items():
+        if isinstance(value, dict) and value:
+            values |= leaf_values(value, f"{prefix}{key}.")
+        else:
+            values[f"{prefix}{key}"] = value
+    return values
+
+
+def recipe_keys(name: str) -> dict[str, object]:
+    return leaf_values(yaml.safe_load(recipe_path(name, ROOT).read_text()) or {})
 
 
 def test_the_five_recipes_are_checked_in() -> None:
@@ -36,11 +68,31 @@ def test_the_five_recipes_are_checked_in() -> None:
 
 
 @pytest.mark.parametrize("name", RECIPES)
-def test_recipe_validates_against_every_schema(name: str, tmp_path: Path) -> None:
+def test_a_recipe_is_short_and_holds_only_what_it_changes(name: str) -> None:
     path = recipe_path(name, ROOT)
+    assert len(path.read_text().splitlines()) <= MAX_RECIPE_LINES
     assert summary(path), f"{name}: the header must say what the recipe is for"
-    assert "Needs:" in path.read_text(), f"{name}: the header must say what it needs"
-    params = check_recipe(path)
+    assert "Needs:" in split_header(path.read_text())[0], f"{name}: and what it needs"
+    defaults = leaf_values(yaml.safe_load(DEFAULTS))
+    same = sorted(key for key, value in recipe_keys(name).items()
+                  if key in defaults and defaults[key] == value)
+    assert same == [], f"{name} repeats defaults of params.yaml"
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_an_applied_recipe_has_every_key_of_params_yaml(name: str) -> None:
+    """Merging onto the defaults: no recipe misses a key params.yaml has, and the result
+    holds the recipe's values."""
+    written = leaf_values(yaml.safe_load(applied_text(name)))
+    defaults = leaf_values(yaml.safe_load(DEFAULTS))
+    assert sorted(set(defaults) - set(written)) == []
+    assert {key: written[key] for key in recipe_keys(name)} == recipe_keys(name)
+    assert set(written) - set(defaults) <= set(recipe_keys(name))
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_builds_the_stages_configs(name: str, tmp_path: Path) -> None:
+    params = Params(yaml.safe_load(applied_text(name)))
     build_rewards(params.rewards.weights, params.rewards.options, answer_format(params))
     build_grpo_config(params.train.grpo, output_dir=tmp_path, save_steps=params.train.save_steps,
                       reward_weights=[1.0] * len(params.rewards.weights),
@@ -54,7 +106,7 @@ def test_recipe_trains_on_1_2_4_and_8_processes(name: str, processes: int) -> No
     """Each recipe as `auto` runs it on a host with that many GPUs: the global batches split
     evenly, TRL's generation batch holds whole groups, and each process's generate calls
     (`train.max_generation_rows`, capped at its share) divide its share of the generation."""
-    params = check_recipe(recipe_path(name, ROOT))
+    params = Params(recipe_params(name, ROOT))
     settings = resolve(DistributedParams.from_params(params.train.distributed), processes)
     assert settings.num_processes == processes
     assert settings.strategy == ("none" if processes == 1 else "ddp")
@@ -78,31 +130,67 @@ def test_generation_rows_are_capped_at_one_processes_share() -> None:
 
 
 def test_embedded_vl_recipe_is_the_shipped_params() -> None:
-    recipe = yaml.safe_load(recipe_path("embedded-vl", ROOT).read_text())
-    assert recipe == yaml.safe_load((ROOT / "params.yaml").read_text())
+    """Applying it writes params.yaml back byte for byte: its header is params.yaml's."""
+    assert applied_text("embedded-vl") == DEFAULTS
 
 
-def test_bad_recipe_names_the_recipe_and_the_key(tmp_path: Path) -> None:
-    bad = tmp_path / "bad.yaml"
-    params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    params["eval"]["top_p"] = 3
-    bad.write_text(yaml.safe_dump(params))
-    with pytest.raises(RecipeError, match=r"bad.yaml: params.yaml eval.top_p"):
-        check_recipe(bad)
+def write_recipe(path: Path, body: str) -> Path:
+    path.write_text(f"# A recipe under test.\n# Needs: nothing.\n\n{body}")
+    return path
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ("eval:\n  top_p: 3\n", r"eval\.top_p: input should be less than or equal to 1, got 3$"),
+    ("train:\n  grpo:\n    learnig_rate: 0.001\n",
+     r"train\.grpo\.learnig_rate is not a trl\.GRPOConfig \(trl [\d.]+\) field"),
+    ("train:\n  grpo:\n    learning_rate: -0.001\n",
+     r"train\.grpo\.learning_rate: must be a number > 0, got -0\.001$"),
+    ("model:\n  name: embedded:tiny-qwen9\n",
+     r"model\.name: unknown embedded model 'embedded:tiny-qwen9'; known: embedded:tiny-qwen3-vl"),
+    ("trian:\n  save_steps: 1\n", r"has unknown sections \['trian'\]; known: model, "),
+    ("rewards:\n  length_penalty:\n    foo: 1\n",
+     r"rewards: unknown option\(s\) 'foo' for reward 'length_penalty'"),
+])
+def test_check_names_the_recipe_and_the_key_once(tmp_path: Path, body: str, message: str) -> None:
+    """What a stage would refuse, --check refuses, naming the recipe once (not params.yaml)."""
+    bad = write_recipe(tmp_path / "bad.yaml", body)
+    with pytest.raises((RecipeError, ParamsError), match=rf"^{re.escape(str(bad))} {message}") as \
+            caught:
+        applied(bad, DEFAULTS)
+    assert str(caught.value).count(str(bad)) == 1 and "params.yaml" not in str(caught.value)
+
+
+def test_a_problem_in_the_defaults_names_params_yaml(tmp_path: Path) -> None:
+    defaults = DEFAULTS.replace("learning_rate: 3.0e-4 ", "learning_rate: -3.0e-4")
+    with pytest.raises(ParamsError, match=r"^params\.yaml train\.grpo\.learning_rate: must be "):
+        applied(recipe_path("embedded-text", ROOT), defaults)
+
+
+def test_bad_yaml_names_the_recipe_and_its_line(tmp_path: Path) -> None:
+    bad = write_recipe(tmp_path / "bad.yaml", "train: [\n")
+    with pytest.raises(RecipeError, match=rf"^{re.escape(str(bad))}: not valid YAML .* line 5\)$"):
+        applied(bad, DEFAULTS)
     with pytest.raises(RecipeError, match="no recipe 'nope'.*recipes: embedded-text"):
         recipe_path("nope", ROOT)
 
 
 def test_cli_lists_checks_and_refuses_without_writing(tmp_path: Path, monkeypatch, capsys) -> None:
     monkeypatch.chdir(ROOT)
-    assert cli_recipe([]) == 0
-    listed = capsys.readouterr().out
-    assert all(f"{name}: " in listed for name in RECIPES)
-    assert cli_recipe(["gsm8k-qwen3-4b", "--check"]) == 0
+    for listing in ([], ["--list"]):
+        assert cli_recipe(listing) == 0
+        listed = capsys.readouterr().out.splitlines()
+        assert [line.split(": ", 1)[0] for line in listed] == RECIPES
+    defaults = ["--defaults", str(ROOT / "params.yaml")]
+    assert cli_recipe(["gsm8k-qwen3-4b", "--check", *defaults]) == 0
+    assert capsys.readouterr().out == "recipes/gsm8k-qwen3-4b.yaml: valid\n"
     target = tmp_path / "params.yaml"
     target.write_text("untouched\n")
     assert cli_recipe(["no-such-recipe", "--params", str(target)]) == 2
     assert "no recipe 'no-such-recipe'" in capsys.readouterr().err
+    bad = write_recipe(tmp_path / "bad.yaml", "train:\n  grpo:\n    learning_rate: -1\n")
+    assert cli_recipe([str(bad), "--params", str(target), *defaults]) == 2
+    assert capsys.readouterr().err == (f"vlmrl recipe: {bad} train.grpo.learning_rate: must be "
+                                       "a number > 0, got -1\n")
     assert target.read_text() == "untouched\n"
 
 
@@ -119,31 +207,69 @@ def documented_keys(text: str) -> set[str]:
     return found
 
 
-def leaf_values(params: dict, prefix: str = "") -> dict[str, object]:
-    values: dict[str, object] = {}
-    for key, value in params.items():
-        if isinstance(value, dict) and value:
-            values |= leaf_values(value, f"{prefix}{key}.")
-        else:
-            values[f"{prefix}{key}"] = value
-    return values
+@pytest.mark.parametrize("name", RECIPES)
+def test_applying_a_recipe_keeps_the_comments(name: str, tmp_path: Path, monkeypatch) -> None:
+    """`vlmrl recipe NAME` writes the merged params: every key params.yaml documents stays
+    documented, and each comment the recipe gives its own keys is the one written."""
+    monkeypatch.chdir(ROOT)
+    target = tmp_path / "params.yaml"
+    assert cli_recipe([name, "--params", str(target), "--defaults", str(ROOT / "params.yaml")]) == 0
+    written = target.read_text()
+    assert written == applied_text(name)
+    assert sorted(documented_keys(DEFAULTS) - documented_keys(written)) == []
+    recipe_lines = split_header(recipe_path(name, ROOT).read_text())[1].splitlines()
+    commented = {" ".join(line.split()) for line in recipe_lines if "#" in line}
+    assert commented <= {" ".join(line.split()) for line in written.splitlines()}
+
+
+def dvc_round_trip(path: Path, key: str | None = None, value: object = None) -> list[str]:
+    """The lines DVC's own YAML round trip (`dvc exp run -S key=value`) changes in `path`."""
+    from dvc.utils.serialize import modify_yaml
+
+    before = path.read_text().splitlines()
+    with modify_yaml(path) as params:
+        if key is not None:
+            *parents, leaf = key.split(".")
+            node = params
+            for part in parents:
+                node = node[part]
+            node[leaf] = value
+    after = path.read_text().splitlines()
+    assert len(before) == len(after), "DVC added or removed lines"
+    return [f"{old} -> {new}" for old, new in zip(before, after, strict=True) if old != new]
 
 
 @pytest.mark.parametrize("name", RECIPES)
-def test_applying_a_recipe_keeps_the_comments_on_its_keys(name: str, tmp_path: Path,
-                                                         monkeypatch) -> None:
-    """`vlmrl recipe NAME` writes the recipe as it is, comments and all, and a recipe documents
-    every key the shipped params.yaml documents where it keeps that key's value."""
-    monkeypatch.chdir(ROOT)
-    target = tmp_path / "params.yaml"
-    assert cli_recipe([name, "--params", str(target)]) == 0
-    written = target.read_text()
-    assert written == recipe_path(name, ROOT).read_text()
-    shipped_text = (ROOT / "params.yaml").read_text()
-    shipped = leaf_values(yaml.safe_load(shipped_text))
-    kept = {key for key, value in leaf_values(yaml.safe_load(written)).items()
-            if key in shipped and shipped[key] == value}
-    assert sorted(documented_keys(shipped_text) & kept - documented_keys(written)) == []
+def test_dvc_exp_run_set_changes_one_line(name: str, tmp_path: Path) -> None:
+    """params.yaml as `vlmrl recipe` writes it, and the recipe file itself, are what DVC's round
+    trip writes back: `-S key=value` changes that key's line and no other."""
+    path = tmp_path / "params.yaml"
+    path.write_text(applied_text(name))
+    assert dvc_round_trip(path) == []
+    for key, value in [("train.grpo.learning_rate", 1e-4), ("data.config", "other"),
+                       ("upload.bucket", "models")]:
+        [changed] = dvc_round_trip(path, key, value)
+        assert changed.split(" -> ")[1].lstrip().startswith(f"{key.rsplit('.', 1)[1]}: ")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(recipe_path(name, ROOT).read_text())
+    if split_header(recipe.read_text())[1].strip():  # a recipe of comments only is no mapping
+        assert dvc_round_trip(recipe) == []
+
+
+def test_recipes_never_stack_and_dvc_sees_only_the_recipes_keys(tmp_path: Path) -> None:
+    """In a git + DVC repo the defaults are params.yaml at HEAD: a second recipe replaces the
+    first, and `dvc params diff` lists exactly the keys the recipe sets."""
+    from project_repo import make_project_repo
+
+    repo = make_project_repo(tmp_path / "repo")
+    run(["vlmrl", "recipe", "embedded-text"], repo)
+    run(["vlmrl", "recipe", "gsm8k-qwen3-4b"], repo)
+    assert (repo / "params.yaml").read_text() == applied_text("gsm8k-qwen3-4b")
+    diff = json.loads(run(["dvc", "params", "diff", "--json"], repo).stdout)["params.yaml"]
+    assert set(diff) == set(recipe_keys("gsm8k-qwen3-4b"))
+    run(["vlmrl", "recipe", "embedded-vl"], repo)
+    unchanged = subprocess.run(["git", "diff", "--quiet", "params.yaml"], cwd=repo, check=False)
+    assert unchanged.returncode == 0
 
 
 @pytest.mark.slow
