@@ -122,8 +122,18 @@ def test_every_subcommand_describes_itself_in_whole_sentences(name, tmp_path):
 
 
 def test_recipe_list_gives_each_recipe_a_whole_sentence():
-    listed = vlmrl("recipe").stdout.splitlines()
-    assert len(listed) == 5
+    completed = vlmrl("recipe", "--list")
+    assert completed.returncode == 0, completed.stderr
+    listed = completed.stdout.splitlines()
+    assert len(listed) == 5 and vlmrl("recipe").stdout.splitlines() == listed
     for line in listed:
         _name, _, summary = line.partition(": ")
         assert summary.endswith(".") and len(summary) > 40, line
+
+
+def test_help_describes_the_product_not_one_recipe():
+    """The one-line description names what the pipeline does for any recipe, and `vlmrl run`
+    says that it starts a Prefect server of its own unless one is configured."""
+    text = description(vlmrl("--help").stdout)
+    assert "GSPO" in text and "vlmrl recipe" in text and "Qwen3-VL visual maths" not in text
+    assert "temporary Prefect server unless PREFECT_API_URL" in SUBCOMMANDS["run"].summary

@@ -38,7 +38,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "run": Subcommand(
         "vlmrl.pipeline.orchestration",
         "cli_run",
-        "run the DVC pipeline once as a Prefect flow and report each stage",
+        "run the DVC pipeline once as a Prefect flow, on a temporary Prefect server unless "
+        "PREFECT_API_URL is set",
     ),
     "schedule": Subcommand(
         "vlmrl.pipeline.orchestration",
@@ -56,7 +57,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "recipe": Subcommand(
         "vlmrl.pipeline.recipes",
         "cli_recipe",
-        "list the checked-in recipes, or check one and write it over params.yaml",
+        "list the recipes, or check one and write it over params.yaml, merged onto the defaults",
     ),
 }
 HELP_FLAGS = ("-h", "--help")
@@ -76,8 +77,10 @@ def help_text() -> str:
     )
     return (
         "usage: vlmrl COMMAND [options]\n\n"
-        "Teach Qwen3-VL visual maths with GSPO and publish the result; `dvc repro` runs the "
-        "pipeline.\n\n"
+        "Train Qwen3-VL or Qwen3 models with GSPO to solve maths problems, visual or in words; "
+        "verify the\nLoRA adapter, export GGUF files and publish them to S3. `dvc repro` runs "
+        "the pipeline on params.yaml;\n`vlmrl recipe` switches it to another model, data set "
+        "or GPU profile.\n\n"
         f"commands:\n{commands}\n\n"
         "options:\n"
         "  -h, --help  show this help and exit\n"
