@@ -16,9 +16,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from vlmrl.rewards.answer_format import answer_format
-from vlmrl.errors import run_stage
-from vlmrl.evaluation.report import comparison_metrics, find_flips, read_records, write_report
 from vlmrl.distributed.launch import (
     die_with_launcher,
     evaluation_launch,
@@ -27,31 +24,30 @@ from vlmrl.distributed.launch import (
     launched_worker,
     run_launched,
 )
-from vlmrl.reporting.metrics import category_rows, write_stage_metrics
+from vlmrl.errors import run_stage
+from vlmrl.evaluation.report import comparison_metrics, find_flips, read_records, write_report
 from vlmrl.outputs import (
     atomic_dir,
     remove_outputs,
     stage_outputs,
+    stage_parser,
     write_json_atomic,
     write_jsonl_atomic,
 )
 from vlmrl.params import Params, load_params
+from vlmrl.reporting.metrics import category_rows, write_stage_metrics
+from vlmrl.rewards.answer_format import answer_format
 
 POST_ONLY = ("adapter", "baseline", "baseline_metrics", "report")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = stage_parser(__doc__.splitlines()[0], timings=True)
     parser.add_argument("mode", choices=("baseline", "post"))
     parser.add_argument("--eval-set", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True, help="directory for records.jsonl")
-    parser.add_argument("--metrics", type=Path, required=True)
-    parser.add_argument("--details", type=Path, required=True,
-                        help="the full metrics; the metrics file holds their headline numbers")
     parser.add_argument("--by-category", type=Path, required=True,
                         help="accuracy per category (a JSON list, for dvc plots)")
-    parser.add_argument("--timings", type=Path, required=True,
-                        help="wall-clock figures, apart from the metrics later stages depend on")
     parser.add_argument("--adapter", type=Path)
     parser.add_argument("--start-adapter", type=Path,
                         help="baseline: the sft_cold_start stage's output; the baseline is the "
@@ -60,7 +56,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--baseline", type=Path, help="baseline records.jsonl")
     parser.add_argument("--baseline-metrics", type=Path)
     parser.add_argument("--report", type=Path, help="report directory")
-    parser.add_argument("--params", type=Path, default=Path("params.yaml"))
     args = parser.parse_args(argv)
     given = [name for name in POST_ONLY if getattr(args, name) is not None]
     if args.mode == "post" and len(given) != len(POST_ONLY):

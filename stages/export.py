@@ -13,23 +13,17 @@ from pathlib import Path
 
 from vlmrl.errors import run_stage
 from vlmrl.export.exporter import run_export
-from vlmrl.reporting.metrics import write_stage_metrics
-from vlmrl.outputs import stage_outputs
+from vlmrl.outputs import stage_outputs, stage_parser
 from vlmrl.params import load_params
+from vlmrl.reporting.metrics import write_stage_metrics
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = stage_parser(__doc__.splitlines()[0], timings=True)
     parser.add_argument("--adapter", type=Path, required=True)
     parser.add_argument("--eval-set", type=Path, required=True)
     parser.add_argument("--merged", type=Path, required=True)
     parser.add_argument("--gguf", type=Path, required=True)
-    parser.add_argument("--metrics", type=Path, required=True)
-    parser.add_argument("--details", type=Path, required=True,
-                        help="the full report; the metrics file holds its headline numbers")
-    parser.add_argument("--timings", type=Path, required=True,
-                        help="wall-clock figures, apart from the metrics later stages depend on")
-    parser.add_argument("--params", type=Path, default=Path("params.yaml"))
     return parser.parse_args(argv)
 
 

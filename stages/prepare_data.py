@@ -4,10 +4,8 @@ train/eval split by pid, and a report of what was skipped and why."""
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
-from vlmrl.rewards.answer_format import answer_format
 from vlmrl.data.prepare import (
     data_summary,
     load_raw_records,
@@ -16,19 +14,16 @@ from vlmrl.data.prepare import (
     to_dataset,
 )
 from vlmrl.errors import run_stage
-from vlmrl.reporting.metrics import write_stage_metrics
-from vlmrl.outputs import atomic_dir, stage_outputs, write_text_atomic
+from vlmrl.outputs import atomic_dir, stage_outputs, stage_parser, write_text_atomic
 from vlmrl.params import load_params
+from vlmrl.reporting.metrics import write_stage_metrics
+from vlmrl.rewards.answer_format import answer_format
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = stage_parser(__doc__)
     parser.add_argument("--out", type=Path, required=True, help="directory for train/ and eval/")
     parser.add_argument("--report", type=Path, required=True)
-    parser.add_argument("--metrics", type=Path, required=True)
-    parser.add_argument("--details", type=Path, required=True,
-                        help="the full summary; the metrics file holds its headline numbers")
-    parser.add_argument("--params", type=Path, default=Path("params.yaml"))
     args = parser.parse_args()
 
     outputs = (args.out / "train", args.out / "eval", args.report, args.metrics,

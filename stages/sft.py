@@ -1,5 +1,5 @@
-"""sft_cold_start: prime the answer format with TRL's SFTTrainer before GSPO (vlmrl.training.sft); writes
-the starting LoRA adapter that baseline_eval applies and train_gspo continues.
+"""sft_cold_start: prime the answer format with TRL's SFTTrainer before GSPO (vlmrl.training.sft);
+writes the starting LoRA adapter that baseline_eval applies and train_gspo continues.
 
 Like train_gspo, where `train.distributed` resolves to several processes (by default one per
 GPU, on a host with several) the script relaunches itself under `accelerate launch`
@@ -8,47 +8,31 @@ pass-through SFT (nothing to train) always runs in this process."""
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
+from vlmrl.distributed.launch import is_main_process, launch_unless_worker, training_plan
 from vlmrl.errors import run_stage
-from vlmrl.distributed.launch import (
-    die_with_launcher,
-    is_main_process,
-    launch_stage_workers,
-    launched_worker,
-    training_plan,
-)
-from vlmrl.reporting.metrics import write_stage_metrics
-from vlmrl.outputs import stage_outputs, write_json_atomic
+from vlmrl.outputs import stage_outputs, stage_parser, write_json_atomic
 from vlmrl.params import load_params
+from vlmrl.reporting.metrics import write_stage_metrics
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = stage_parser(__doc__, timings=True)
     parser.add_argument("--train-set", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True, help="starting adapter directory")
-    parser.add_argument("--metrics", type=Path, required=True)
     parser.add_argument("--log", type=Path, required=True,
                         help="per-step log (a JSON list), rewritten at every logging step")
-    parser.add_argument("--details", type=Path, required=True,
-                        help="the full summary; the metrics file holds its headline numbers")
-    parser.add_argument("--timings", type=Path, required=True,
-                        help="wall-clock figures, apart from the metrics later stages depend on")
-    parser.add_argument("--params", type=Path, default=Path("params.yaml"))
     args = parser.parse_args()
 
     outputs = (args.out, args.metrics, args.log, args.details, args.timings)
     with stage_outputs(*outputs, owner=is_main_process()):  # the launcher too, which is no rank
         params = load_params(args.params)
-        if params.sft.trains:
-            plan = training_plan(params.train, params.model, "sft_cold_start")
-            if plan.strategy != "none" and not launched_worker():
-                from vlmrl.models.backend import mixed_precision  # torch, not initialising CUDA
-
-                return launch_stage_workers(plan, mixed_precision(params.sft.args, params.model),
-                                            __file__, outputs)
-        die_with_launcher()
+        plan = training_plan(params.train, params.model, "sft_cold_start") \
+            if params.sft.trains else None
+        status = launch_unless_worker(plan, params.sft.args, params.model, __file__, outputs)
+        if status is not None:
+            return status
         from vlmrl.training.sft import run_sft  # torch: once the GPUs are chosen
 
         summary = run_sft(train_set=args.train_set, params=params, out=args.out, log=args.log)

@@ -11,28 +11,23 @@ import argparse
 import shutil
 from pathlib import Path
 
-from vlmrl.errors import run_stage
 from vlmrl.distributed.launch import (
-    die_with_launcher,
     is_main_process,
-    launch_stage_workers,
-    launched_worker,
+    launch_unless_worker,
     training_plan,
     use_expandable_segments,
 )
-from vlmrl.reporting.metrics import write_stage_metrics
-from vlmrl.outputs import atomic_dir, stage_outputs, write_json_atomic
+from vlmrl.errors import run_stage
+from vlmrl.outputs import atomic_dir, stage_outputs, stage_parser, write_json_atomic
 from vlmrl.params import load_params
+from vlmrl.reporting.metrics import write_stage_metrics
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = stage_parser(__doc__, timings=True)
     parser.add_argument("--train-set", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True, help="adapter directory")
     parser.add_argument("--checkpoints", type=Path, required=True)
-    parser.add_argument("--metrics", type=Path, required=True)
-    parser.add_argument("--details", type=Path, required=True,
-                        help="the full summary; the metrics file holds its headline numbers")
     parser.add_argument("--log", type=Path, required=True,
                         help="per-step log (a JSON list), rewritten at every logging step")
     parser.add_argument("--completions", type=Path, required=True)
@@ -40,12 +35,9 @@ def main() -> int:
                         help="TRL's sample completions table (train.grpo.log_completions)")
     parser.add_argument("--curves", type=Path, required=True,
                         help="PNG of the training curves, redrawn at every checkpoint save")
-    parser.add_argument("--timings", type=Path, required=True,
-                        help="wall-clock figures, apart from the metrics later stages depend on")
     parser.add_argument("--start-adapter", type=Path,
                         help="the sft_cold_start stage's output: its adapter is continued "
                              "(a fresh one if that SFT was a pass-through)")
-    parser.add_argument("--params", type=Path, default=Path("params.yaml"))
     args = parser.parse_args()
 
     outputs = (args.out, args.metrics, args.details, args.log, args.completions, args.samples,
@@ -54,12 +46,9 @@ def main() -> int:
         params = load_params(args.params)
         use_expandable_segments(params.train.expandable_segments)  # before torch initialises CUDA
         plan = training_plan(params.train, params.model, "train_gspo")
-        if plan.strategy != "none" and not launched_worker():
-            from vlmrl.models.backend import mixed_precision  # torch, not initialising CUDA
-
-            return launch_stage_workers(plan, mixed_precision(params.train.grpo, params.model),
-                                        __file__, outputs)
-        die_with_launcher()
+        status = launch_unless_worker(plan, params.train.grpo, params.model, __file__, outputs)
+        if status is not None:
+            return status
         from vlmrl.training.gspo import LiveOutputs, train  # torch: once the GPUs are chosen
 
         result = train(train_set=args.train_set, params=params, adapter_out=args.out,

@@ -12,17 +12,16 @@ import argparse
 from pathlib import Path
 
 from vlmrl.errors import run_stage
-from vlmrl.reporting.metrics import write_stage_metrics
-from vlmrl.outputs import stage_outputs, write_json_atomic, write_text_atomic
+from vlmrl.outputs import stage_outputs, stage_parser, write_json_atomic, write_text_atomic
 from vlmrl.params import load_params
 from vlmrl.publish import S3Location, UploadResult, params_hash, publish
 from vlmrl.publish.model_card import CardInputs, build_release_cards
+from vlmrl.reporting.metrics import write_stage_metrics
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = stage_parser(__doc__.splitlines()[0])
     option = parser.add_argument
-    option("--params", type=Path, default=Path("params.yaml"))
     option("--adapter", type=Path, required=True)
     option("--merged", type=Path, required=True)
     option("--gguf", type=Path, required=True)
@@ -31,9 +30,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         option(f"--{name}-metrics", type=Path, required=True,
                help=f"the {name} stage's metrics, which the model cards report")
     option("--manifest", type=Path, required=True)
-    option("--out-metrics", type=Path, required=True)
-    option("--details", type=Path, required=True,
-           help="the whole summary (version, location); the metrics file holds its counts")
     option("--model-card", type=Path, required=True,
            help="rendered here and published as the merged model's README.md")
     option("--adapter-card", type=Path, required=True,
@@ -58,7 +54,7 @@ def report_upload(result: UploadResult, location: S3Location, manifest_out: Path
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    outputs = (args.manifest, args.out_metrics, args.details, args.model_card,
+    outputs = (args.manifest, args.metrics, args.details, args.model_card,
                args.adapter_card, args.gguf_card)
     card_paths = {"merged": args.model_card, "adapter": args.adapter_card, "gguf": args.gguf_card}
     inputs = {"adapter": args.adapter, "merged": args.merged, "gguf": args.gguf,
@@ -76,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         result = publish(inputs, upload_params, params_digest=params_hash(all_params.raw),
                          cards=card_paths)
         write_json_atomic(args.manifest, result.manifest)
-        write_stage_metrics("upload", result.summary(), metrics=args.out_metrics,
+        write_stage_metrics("upload", result.summary(), metrics=args.metrics,
                             details=args.details)
     if result.location is None:
         print(

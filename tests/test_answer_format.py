@@ -8,8 +8,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from vlmrl.rewards.answer_format import DEFAULT_FORMAT, AnswerFormat, AnswerFormatParams, answer_format
 from vlmrl.params import ParamsError
+from vlmrl.rewards.answer_format import (
+    DEFAULT_FORMAT,
+    AnswerFormat,
+    AnswerFormatParams,
+    answer_format,
+)
 from vlmrl.rewards.functions import build_rewards, score_completion
 from vlmrl.rewards.scoring import extract_solution, format_ok, score
 from vlmrl.training.sft import sft_completion

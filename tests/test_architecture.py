@@ -27,7 +27,7 @@ ALLOWED: dict[str, set[str]] = {
     "vlmrl.rewards": set(),
     "vlmrl.data": {"vlmrl.rewards", "vlmrl.reporting"},
     "vlmrl.models": {"vlmrl.rewards"},
-    "vlmrl.distributed": set(),
+    "vlmrl.distributed": {"vlmrl.models"},  # the launch's precision, inside the launcher
     "vlmrl.training": {"vlmrl.models", "vlmrl.rewards", "vlmrl.distributed", "vlmrl.reporting"},
     "vlmrl.evaluation": {"vlmrl.models", "vlmrl.rewards", "vlmrl.distributed", "vlmrl.reporting"},
     "vlmrl.verification": {"vlmrl.models", "vlmrl.reporting"},
@@ -52,7 +52,7 @@ HEAVY_PACKAGES = {"torch", "transformers", "trl", "peft", "accelerate", "unsloth
                   "triton", "datasets"}
 # Packages that must start without torch: scoring in the UI, `vlmrl pull`, prepare_data, the CLI.
 LIGHT = ("vlmrl.rewards", "vlmrl.publish", "vlmrl.cli", "vlmrl.ui", "vlmrl.data",
-         "vlmrl.pipeline", "vlmrl.reporting", "vlmrl.distributed")
+         "vlmrl.pipeline", "vlmrl.reporting")
 
 
 # ------------------------------------------------------------------------ graph

@@ -14,10 +14,14 @@ from peft import LoraConfig, get_peft_model
 from tiny_batches import padded_vl_batch, with_completions
 from transformers import AutoModelForImageTextToText
 
-from vlmrl.training.trainer.compiled_layers import CompiledLayers, FrozenHeapAfterFirstStep, text_decoder_layers
 from vlmrl.errors import ParamsError
 from vlmrl.models.embedded import ensure_embedded_model
 from vlmrl.models.processor import load_processor
+from vlmrl.training.trainer.compiled_layers import (
+    CompiledLayers,
+    FrozenHeapAfterFirstStep,
+    text_decoder_layers,
+)
 
 
 class CountingBackend:
@@ -163,10 +167,10 @@ def test_eager_runs_the_class_forward_and_restores_the_compiled_one(tiny_policy)
 
 
 def test_the_grpo_subclass_trains_compiled_and_generates_eager(monkeypatch, capsys) -> None:
-    from vlmrl.training.trainer import trainers
+    from vlmrl.training.trainer import mixins
 
     layers = [torch.nn.Linear(2, 2) for _ in range(3)]
-    monkeypatch.setattr(trainers, "text_decoder_layers", lambda model: layers)
+    monkeypatch.setattr(mixins, "text_decoder_layers", lambda model: layers)
     seen = []
 
     def installed() -> list[bool]:
@@ -184,7 +188,7 @@ def test_the_grpo_subclass_trains_compiled_and_generates_eager(monkeypatch, caps
             seen.append(("generate", installed()))
             return args
 
-    class Trainer(trainers.CompiledTrainingLayers, Base):
+    class Trainer(mixins.CompiledTrainingLayers, Base):
         pass
 
     trainer = Trainer(compile_layers=True)

@@ -12,8 +12,8 @@ import pytest
 from PIL import Image
 from project_repo import copy_project, run, stage_command, update_params
 
-from vlmrl.data.prepare import data_summary, load_raw_records, prepare, render_report, to_dataset
 from vlmrl.data.columns import derive_id, infer_answer_type
+from vlmrl.data.prepare import data_summary, load_raw_records, prepare, render_report, to_dataset
 from vlmrl.params import DataParams, ParamsError
 
 GSM8K_ROWS = [

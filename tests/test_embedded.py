@@ -9,6 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
+from vlmrl.data.prompts import build_prompt
 from vlmrl.models.embedded import (
     SHAPES,
     build_config,
@@ -18,7 +19,6 @@ from vlmrl.models.embedded import (
 from vlmrl.models.loading import load_model
 from vlmrl.models.processor import suppressed_generation_kwargs, vision_token_ids
 from vlmrl.params import ModelParams
-from vlmrl.data.prompts import build_prompt
 
 NAME = "embedded:tiny-qwen3-vl"
 

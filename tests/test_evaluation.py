@@ -15,14 +15,6 @@ from conftest import ROOT, dvc_repro, run
 from PIL import Image
 
 from vlmrl.errors import run_stage
-from vlmrl.evaluation.report import (
-    PLOT_BEFORE_AFTER,
-    PLOT_BY_CATEGORY,
-    find_flips,
-    read_records,
-    truncate,
-    write_report,
-)
 from vlmrl.evaluation.evaluate import (
     IMAGE_PLACEHOLDER,
     EvalError,
@@ -34,6 +26,14 @@ from vlmrl.evaluation.evaluate import (
     render_prompt,
     run_evaluation,
     score_records,
+)
+from vlmrl.evaluation.report import (
+    PLOT_BEFORE_AFTER,
+    PLOT_BY_CATEGORY,
+    find_flips,
+    read_records,
+    truncate,
+    write_report,
 )
 from vlmrl.params import DataParams, EvalParams, Params, ParamsError, RewardsParams
 from vlmrl.reporting.tables import markdown_cell

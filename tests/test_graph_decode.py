@@ -363,8 +363,8 @@ def test_compiled_step_over_a_float8_cache_decodes_as_the_eager_step(vl_model) -
 
 def test_fp8_cache_needs_the_grouped_attention_and_graph_decoding(vl_model) -> None:
     from vlmrl.params import ParamsError
-    from vlmrl.training.rollout.decode_attention import static_cache
     from vlmrl.training.gspo import make_trainer
+    from vlmrl.training.rollout.decode_attention import static_cache
 
     model, processor = vl_model
     inputs = vl_inputs(processor, ["What is 2 + 2?"])

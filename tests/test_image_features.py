@@ -138,7 +138,7 @@ def test_a_tower_without_deepstack_features_runs_once_a_call_and_is_not_served_a
 
 
 def test_the_trainer_mixin_keeps_images_while_it_trains_and_reports_its_counts(tiny, capsys):
-    from vlmrl.training.trainer.trainers import KeptImagesInTraining
+    from vlmrl.training.trainer.mixins import KeptImagesInTraining
 
     model, processor = tiny
     path = vision_tower_path(model)

@@ -23,9 +23,9 @@ from datasets import load_from_disk
 from vlmrl.data.prepare import load_raw_records, prepare, to_dataset
 from vlmrl.models.loading import load_policy, starting_adapter
 from vlmrl.params import DataParams, Params
+from vlmrl.training.gspo import build_grpo_config, make_trainer
 from vlmrl.training.rollout.generation import rollout_class
 from vlmrl.training.sft import run_sft
-from vlmrl.training.gspo import build_grpo_config, make_trainer
 
 MODEL = {"name": "embedded:tiny-qwen3-vl"}
 LORA = {"r": 8, "alpha": 16, "dropout": 0.0,

@@ -17,10 +17,10 @@ import yaml
 from conftest import dvc_env, dvc_repro, run
 from transformers import TrainerState
 
-from vlmrl.reporting.metrics import category_rows, headline, is_number, leaves, write_stage_metrics
 from vlmrl.params import ParamsError
-from vlmrl.training.trainer.logs import live_log
+from vlmrl.reporting.metrics import category_rows, headline, is_number, leaves, write_stage_metrics
 from vlmrl.training.trainer.config import check_report_to
+from vlmrl.training.trainer.logs import live_log
 
 # ------------------------------------------------------------------ unit: metric files
 

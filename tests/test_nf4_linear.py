@@ -13,10 +13,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vlmrl.training.trainer.compiled_layers import CompiledLayers
 from vlmrl.errors import ParamsError
-from vlmrl.training.trainer.nf4_linear import is_nf4_linear, nf4_linear, nf4_weight
 from vlmrl.training.rollout.nf4_codes import NF4_CODES
+from vlmrl.training.trainer.compiled_layers import CompiledLayers
+from vlmrl.training.trainer.nf4_linear import is_nf4_linear, nf4_linear, nf4_weight
 
 
 class FakeLinear4bit(torch.nn.Module):

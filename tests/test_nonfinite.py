@@ -14,10 +14,10 @@ from conftest import dvc_repro, make_project_repo, run
 from safetensors.torch import load_file
 
 from vlmrl.models.loading import load_policy
-from vlmrl.training.trainer.nonfinite import NonFiniteTrainingError
 from vlmrl.params import Params
-from vlmrl.training.rollout.generation import rollout_class
 from vlmrl.training.gspo import build_grpo_config, make_trainer
+from vlmrl.training.rollout.generation import rollout_class
+from vlmrl.training.trainer.nonfinite import NonFiniteTrainingError
 
 LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
 PARAMS = Params({"model": {"name": "embedded:tiny-qwen3-vl"},

@@ -1,5 +1,5 @@
 """Old log-probabilities only where a micro-batch is trained off-policy
-(vlmrl.training.trainer.trainers.OldLogProbsWhereNeeded): a generation of 16 rows serving two optimizer steps of
+(vlmrl.training.trainer.mixins.OldLogProbsWhereNeeded): a generation of 16 rows serving two optimizer steps of
 two micro-batches each. The micro-batches of the first step are trained before any update and
 carry none (TRL's loss then takes the current ones, detached); those of the second carry exactly
 the values TRL's own generation-time pass gives them."""
@@ -13,9 +13,9 @@ import torch
 
 from vlmrl.models.loading import load_policy
 from vlmrl.params import Params
-from vlmrl.training.trainer.private_names import UpstreamChangedError
-from vlmrl.training.trainer.trainers import OldLogProbsWhereNeeded
 from vlmrl.training.gspo import build_grpo_config, make_trainer
+from vlmrl.training.trainer.mixins import OldLogProbsWhereNeeded
+from vlmrl.training.trainer.private_names import UpstreamChangedError
 
 LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
 PARAMS = Params({"model": {"name": "embedded:tiny-qwen3-vl"},

@@ -11,8 +11,8 @@ import pytest
 import torch
 from tiny_batches import padded_vl_batch, tiny_lora_policy
 
+from vlmrl.training.trainer.mixins import PixelValuesInTowerDtype
 from vlmrl.training.trainer.pixel_values import pixels_in, tower_dtype
-from vlmrl.training.trainer.trainers import PixelValuesInTowerDtype
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ import pytest
 from test_verify import make_adapter
 
 from vlmrl.cache import cache_root
-from vlmrl.models.unsloth import adapter_with_base
 from vlmrl.models.portable import (
     machine_values,
     machine_values_in,
@@ -20,6 +19,7 @@ from vlmrl.models.portable import (
     release_base_name,
     strip_machine_settings,
 )
+from vlmrl.models.unsloth import adapter_with_base
 
 
 def test_release_base_name(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ import pytest
 import yaml
 from conftest import dvc_repro, update_params
 
+from vlmrl.params import TrainParams
 from vlmrl.training.checkpoints import (
     IO_ONLY,
     MEMORY_ONLY,
@@ -20,7 +21,6 @@ from vlmrl.training.checkpoints import (
     run_fingerprint,
     run_settings,
 )
-from vlmrl.params import TrainParams
 
 ROOT = Path(__file__).resolve().parents[1]
 

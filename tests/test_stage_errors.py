@@ -14,9 +14,9 @@ import pytest
 from conftest import TEST_PARAMS
 from project_repo import copy_project, run, stage_command, update_params
 
-from vlmrl.pipeline.dvc_env import dvc_env
 from vlmrl.errors import USER_ERROR_STATUS, json_source, one_line, run_stage
 from vlmrl.params import ParamsError
+from vlmrl.pipeline.dvc_env import dvc_env
 
 SMALL_DATA = {**TEST_PARAMS, "data.synthetic_size": 16, "data.synthetic_read_size": 4}
 

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from vlmrl.data.prepare import load_raw_records, prepare, render_report
+from vlmrl.data.synth.arithmetic import generate_arithmetic
 from vlmrl.evaluation.evaluate import generate_responses, render_prompt
 from vlmrl.models.embedded import ensure_embedded_model
 from vlmrl.models.loading import load_model, load_policy
 from vlmrl.models.processor import chat_messages, has_vision, is_text_checkpoint, model_inputs
 from vlmrl.params import DataParams, EvalParams, LoraParams, ModelParams
-from vlmrl.data.synth.arithmetic import generate_arithmetic
 from vlmrl.verification.lora import LoraModule, check_language_model_only
 
 TEXT_MODEL = ModelParams(name="embedded:tiny-qwen3")

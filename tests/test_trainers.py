@@ -16,6 +16,8 @@ from transformers.generation.utils import GenerationMixin
 from vlmrl.errors import UserError, one_line
 from vlmrl.models.loading import load_policy
 from vlmrl.params import Params
+from vlmrl.training.gspo import build_grpo_config, make_trainer
+from vlmrl.training.trainer.mixins import OldLogProbsWhereNeeded
 from vlmrl.training.trainer.private_names import (
     GRPO_NAMES,
     OLD_LOGPS_NAMES,
@@ -25,13 +27,11 @@ from vlmrl.training.trainer.private_names import (
     check_private_names,
 )
 from vlmrl.training.trainer.trainers import (
-    OldLogProbsWhereNeeded,
     grpo_class,
     grpo_trainer,
     sft_class,
     sft_trainer,
 )
-from vlmrl.training.gspo import build_grpo_config, make_trainer
 
 LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
 PARAMS = Params({"model": {"name": "embedded:tiny-qwen3-vl"},

@@ -21,8 +21,8 @@ from conftest import (
 
 from vlmrl.models.loading import language_model_targets
 from vlmrl.params import ModelParams, Params, ParamsError, TrainParams
-from vlmrl.training.trainer.logs import step_log_rows
 from vlmrl.training.gspo import build_grpo_config, vllm_installed
+from vlmrl.training.trainer.logs import step_log_rows
 
 
 def read_log(path: Path) -> list[dict]:
@@ -223,7 +223,7 @@ def test_unsplittable_field_is_a_clear_error() -> None:
 
 
 def test_generation_in_chunks_keeps_the_row_order() -> None:
-    from vlmrl.training.trainer.trainers import ChunkedGeneration
+    from vlmrl.training.trainer.mixins import ChunkedGeneration
 
     class Generator:  # GRPOTrainer's `_generate_single_turn` contract
         def __init__(self) -> None:
@@ -463,7 +463,7 @@ def test_cpu_log_prob_fallback_where_the_kernel_cannot_run(monkeypatch, kernel, 
     import trl.trainer.utils as trl_utils
 
     from vlmrl.training.trainer.logprob_fallback import TorchChunkedLogProb, kernel_cannot_run
-    from vlmrl.training.trainer.trainers import log_prob_kernel_for_this_machine
+    from vlmrl.training.trainer.mixins import log_prob_kernel_for_this_machine
 
     sentinel = object() if kernel else None
     monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", sentinel)
@@ -584,8 +584,8 @@ def test_train_sets_the_allocator_before_building_the_config(tmp_path: Path, mon
     import yaml
     from conftest import ROOT
 
-    from vlmrl.training import gspo as training
     from vlmrl.params import Params
+    from vlmrl.training import gspo as training
 
     seen: list[str | None] = []
 

@@ -11,10 +11,10 @@ from tiny_batches import padded_vl_batch
 from transformers import AutoModelForImageTextToText
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from vlmrl.training.trainer import attention as training_attention
 from vlmrl.models.embedded import ensure_embedded_model
 from vlmrl.models.processor import load_processor
 from vlmrl.training.rollout.decode_attention import set_text_attention
+from vlmrl.training.trainer import attention as training_attention
 from vlmrl.training.trainer.attention import (
     ROLLED,
     causal_mask_of,
@@ -195,8 +195,8 @@ def test_the_tiny_qwen3_vl_gives_the_masked_logits_on_its_real_tokens(monkeypatc
 
 def test_use_rolled_attention_sets_it_over_sdpa_and_names_the_param_otherwise() -> None:
     from vlmrl.params import ParamsError
-    from vlmrl.training.rollout.decode_attention import attention_implementation, decode_attention
     from vlmrl.training.gspo import use_rolled_attention
+    from vlmrl.training.rollout.decode_attention import attention_implementation, decode_attention
 
     path = ensure_embedded_model("embedded:tiny-qwen3-vl", seed=0)
     model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=torch.float32)

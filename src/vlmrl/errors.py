@@ -79,11 +79,38 @@ def json_source(trace: TracebackType | None) -> str | None:
 
 def run_stage(stage: str, main: Callable[[], int | None]) -> int:
     """Runs a stage's `main` and returns its exit status; a user error becomes the line
-    `<stage> failed: <message>` on stderr and status 1 (the traceback only with VLMRL_DEBUG=1)."""
+    `<stage> failed: <message>` on stderr and status 1 (the traceback only with VLMRL_DEBUG=1).
+    Under DVC, which removed the stage's outputs before running it, the line (or, after a
+    traceback, a line of its own) names the command that brings back the last good ones."""
     try:
-        return main() or 0
+        status = main() or 0
     except USER_FACING as error:
         if debugging():
             raise
-        print(f"{stage} failed: {one_line(error)}", file=sys.stderr)
+        print(f"{stage} failed: {one_line(error)}{restore_hint()}", file=sys.stderr)
         return USER_ERROR_STATUS
+    except BaseException:
+        if hint := restore_hint():
+            print(f"{stage} failed{hint}", file=sys.stderr)
+        raise
+    if status and (hint := restore_hint()):
+        print(f"{stage} failed{hint}", file=sys.stderr)
+    return status
+
+
+def restore_hint() -> str:
+    """Where DVC runs this stage (it sets DVC_ROOT and DVC_STAGE) and dvc.lock records an earlier
+    good run of it: `; <how to restore its outputs>`, else "". DVC removes a stage's outputs
+    before running it and writes dvc.lock only after a success, so `dvc checkout` of the stage
+    restores the outputs of the run that dvc.lock still describes."""
+    root, stage = os.environ.get("DVC_ROOT"), os.environ.get("DVC_STAGE")
+    if not root or not stage:
+        return ""
+    try:
+        locked = yaml.safe_load((Path(root) / "dvc.lock").read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return ""
+    stages = locked.get("stages", {}) if isinstance(locked, dict) else {}
+    if stage.rpartition(":")[2] not in stages:
+        return ""
+    return f"; the outputs of its last good run come back with `dvc checkout {stage}`"

@@ -3,6 +3,7 @@ them. Everything is written beside its destination and moved into place in one r
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -90,3 +91,20 @@ def stage_outputs(*paths: Path | str, owner: bool = True) -> Iterator[None]:
         if owner:
             remove_outputs(*paths)
         raise
+
+
+def stage_parser(description: str, *, timings: bool = False) -> argparse.ArgumentParser:
+    """The command line every stage script shares: where its headline metrics, its full details
+    (and, with `timings`, its wall-clock figures) go, and which params file it reads; the script
+    adds its own paths."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--metrics", type=Path, required=True,
+                        help="the headline numbers (DVC metrics)")
+    parser.add_argument("--details", type=Path, required=True,
+                        help="the full results; the metrics file holds their headline numbers")
+    if timings:
+        parser.add_argument("--timings", type=Path, required=True,
+                            help="wall-clock figures, apart from the metrics later stages "
+                                 "depend on")
+    parser.add_argument("--params", type=Path, default=Path("params.yaml"))
+    return parser

@@ -21,8 +21,8 @@ def test_transformers_merge_stays_16_bit_on_the_gpu(model_dir, known_adapter, ev
     import torch
 
     from vlmrl.export.checks import checkpoint_parameters
-    from vlmrl.models.merged_weights import compare_merged_weights
     from vlmrl.models.loading import merge_adapter
+    from vlmrl.models.merged_weights import compare_merged_weights
     from vlmrl.params import ModelParams
 
     settings = ModelParams(name=str(model_dir), backend="transformers", dtype="bfloat16")

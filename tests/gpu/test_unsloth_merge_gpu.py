@@ -92,9 +92,9 @@ def test_unsloth_base_is_the_checkpoint_and_merge_adds_the_adapter(model_dir, kn
                                                                      eval_row, tmp_path):
     import torch
 
-    from vlmrl.models.merged_weights import compare_merged_weights
     from vlmrl.models.forward import max_abs_diff
     from vlmrl.models.loading import merge_adapter
+    from vlmrl.models.merged_weights import compare_merged_weights
     from vlmrl.params import ModelParams
 
     settings = ModelParams(name=str(model_dir), backend="unsloth", dtype="bfloat16")

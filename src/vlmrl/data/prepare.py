@@ -21,6 +21,7 @@ from typing import Any
 from PIL import Image
 
 from vlmrl.data.columns import ORIGIN, DataError, check_mapping, map_record
+from vlmrl.data.prompts import SYSTEM_PROMPT, build_prompt
 from vlmrl.data.sources import BadLine, Origin, hub_rows, local_rows
 from vlmrl.params import (
     EMBEDDED_SOURCE,
@@ -29,7 +30,6 @@ from vlmrl.params import (
     DataParams,
     ParamsError,
 )
-from vlmrl.data.prompts import SYSTEM_PROMPT, build_prompt
 from vlmrl.reporting.tables import markdown_table
 
 COLUMNS = ("pid", "prompt", "image", "answer", "question_type", "answer_type", "choices",

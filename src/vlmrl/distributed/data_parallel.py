@@ -88,7 +88,7 @@ def main_decides(decide: Callable[[], T], follow: Callable[[], T]) -> T:
 def write_gathered_files(files: Mapping[str, bytes], output_dir: Path, is_main: bool) -> None:
     """Every process's `files` (name -> bytes) written into `output_dir` by rank 0 alone (every
     rank must call this: gathering is collective). The trainer's RNG states go this way
-    (vlmrl.training.trainer.trainers.DataParallelRun), so only rank 0 writes into a checkpoint."""
+    (vlmrl.training.trainer.mixins.DataParallelRun), so only rank 0 writes into a checkpoint."""
     gathered = gather_lists([dict(files)])
     if is_main:
         output_dir.mkdir(parents=True, exist_ok=True)

@@ -22,16 +22,16 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Self
+from typing import Any, Literal, Self
 
 from pydantic import model_validator
 
 from vlmrl.params import ModelParams, ParamsError, ProcessCount, Section, TrainParams
 
-ACCELERATE_CONFIGS = Path(__file__).parent / "assets" / "accelerate_configs"
+ACCELERATE_CONFIGS = Path(__file__).resolve().parents[1] / "assets" / "accelerate_configs"
 WORKER_ENV = "VLMRL_LAUNCHED"
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                     "NVSHMEM_DISABLE_NVLS": "1"}
@@ -330,14 +330,28 @@ def worker_env() -> dict[str, str]:
     return {**os.environ, **NO_MULTICAST_ENV, WORKER_ENV: "1"}
 
 
-def launch_stage_workers(plan: DistributedParams, mixed_precision: str, script: Path | str,
-                         outputs: Sequence[Path]) -> int:
-    """Runs a stage script's workers under `accelerate launch` with this process's arguments and
-    returns their exit code; on failure the stage's outputs are removed (a killed worker cleaned
-    nothing up)."""
+def launch_unless_worker(plan: DistributedParams | None, trainer_args: Mapping[str, Any],
+                         model: ModelParams, script: Path | str,
+                         outputs: Sequence[Path]) -> int | None:
+    """The launcher's half of a training stage. Where `plan` asks for several processes and this
+    process is none of them, runs the stage script's workers under `accelerate launch` with this
+    process's arguments and returns their exit code (on failure the stage's outputs are removed:
+    a killed worker cleaned nothing up). Otherwise returns None and this process does the work
+    (a launched worker first asks to die with its launcher).
+
+    Args:
+        plan: `training_plan`'s decision, or None for a stage with nothing to train.
+        trainer_args: the trainer's params section (`train.grpo`, `sft.args`), whose precision
+            flags the launch passes to accelerate.
+    """
+    if plan is None or plan.strategy == "none" or launched_worker():
+        die_with_launcher()
+        return None
+    from vlmrl.models.backend import mixed_precision  # torch, not initialising CUDA
     from vlmrl.outputs import remove_outputs
 
-    code = run_launched(training_launch(plan, mixed_precision), script, sys.argv[1:])
+    code = run_launched(training_launch(plan, mixed_precision(trainer_args, model)), script,
+                        sys.argv[1:])
     if code:
         remove_outputs(*outputs)
     return code

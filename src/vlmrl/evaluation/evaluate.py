@@ -28,10 +28,9 @@ import torch
 from datasets import load_from_disk
 from tqdm.auto import tqdm
 
-from vlmrl.rewards.answer_format import DEFAULT_FORMAT, AnswerFormat
 from vlmrl.distributed.data_parallel import gather_lists, start_processes
-from vlmrl.errors import UserError
 from vlmrl.distributed.launch import evaluation_processes
+from vlmrl.errors import UserError
 from vlmrl.models.backend import model_device
 from vlmrl.models.loading import load_model
 from vlmrl.models.processor import (
@@ -43,6 +42,7 @@ from vlmrl.models.processor import (
 )
 from vlmrl.models.sampling import sampling_kwargs, top_k_settings
 from vlmrl.params import EvalParams, ModelParams, RewardsParams
+from vlmrl.rewards.answer_format import DEFAULT_FORMAT, AnswerFormat
 from vlmrl.rewards.functions import build_rewards, reward_label, score_completion
 
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"

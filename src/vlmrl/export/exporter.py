@@ -22,8 +22,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from vlmrl.rewards.answer_format import answer_format
-from vlmrl.reporting.checks import Check
+from vlmrl.data.prompts import prompt_question
 from vlmrl.errors import UserError
 from vlmrl.export.checks import (
     available_memory,
@@ -36,7 +35,6 @@ from vlmrl.export.checks import (
     quant_prompt_ids,
     shortfalls,
 )
-from vlmrl.export.gguf_release import write_gguf_consumer_files
 from vlmrl.export.gguf import (
     GGUFError,
     convert_hf_to_gguf,
@@ -50,7 +48,7 @@ from vlmrl.export.gguf import (
     quantize_gguf,
     read_gguf_info,
 )
-from vlmrl.models.merged_weights import compare_merged_weights
+from vlmrl.export.gguf_release import write_gguf_consumer_files
 from vlmrl.models.backend import cuda_available
 from vlmrl.models.embedded import resolve_model_path
 from vlmrl.models.forward import (
@@ -62,12 +60,14 @@ from vlmrl.models.forward import (
     text_prompt,
 )
 from vlmrl.models.loading import load_merged, merge_adapter, sixteen_bit
+from vlmrl.models.merged_weights import compare_merged_weights
+from vlmrl.models.portable import gguf_metadata, release_base_name, strip_machine_settings
 from vlmrl.models.processor import is_text_checkpoint
 from vlmrl.outputs import atomic_dir
 from vlmrl.params import ExportParams, ModelParams, Params, ParamsError
-from vlmrl.models.portable import gguf_metadata, release_base_name, strip_machine_settings
-from vlmrl.data.prompts import prompt_question
+from vlmrl.reporting.checks import Check
 from vlmrl.reporting.timing import StepTimer
+from vlmrl.rewards.answer_format import answer_format
 
 # The f16 GGUF and the float32 reference hold the same weights (every bf16 value of the merged
 # checkpoint is exact in f16 unless subnormal), so they differ by llama.cpp's f16 arithmetic:

@@ -26,7 +26,6 @@ from transformers import (
     set_seed,
 )
 
-from vlmrl.models.merged_weights import check_adapter_weights
 from vlmrl.models.backend import (
     bnb_4bit_config,
     cuda_available,
@@ -36,6 +35,7 @@ from vlmrl.models.backend import (
 )
 from vlmrl.models.embedded import resolve_model_path
 from vlmrl.models.forward import adapter_and_base_logits, question_inputs
+from vlmrl.models.merged_weights import check_adapter_weights
 from vlmrl.models.processor import is_text_checkpoint, load_processor, save_with_processor
 from vlmrl.models.unsloth import UnslothBackend
 from vlmrl.params import LoraParams, ModelParams, ParamsError

@@ -16,9 +16,9 @@ from typing import Any
 
 from peft import PeftModel
 
-from vlmrl.models.merged_weights import cast_floating_tensors
 from vlmrl.models.backend import resolve_dtype
 from vlmrl.models.forward import adapter_and_base_logits, question_inputs
+from vlmrl.models.merged_weights import cast_floating_tensors
 from vlmrl.models.processor import (
     is_text_checkpoint,
     load_processor,

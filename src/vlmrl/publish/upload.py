@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vlmrl.params import UploadParams
 from vlmrl.models.portable import machine_values_in
+from vlmrl.params import UploadParams
 from vlmrl.publish.errors import IntegrityError, PublishError, VersionConflictError
 from vlmrl.publish.manifest import (
     LATEST_NAME,

@@ -2,15 +2,16 @@
 same result-changing params and data, and checkpoints of other settings are moved aside, never
 deleted: after an out-of-memory error the natural move (fewer rows per generate call, gradient
 checkpointing on, rerun) must not throw away hours of training. No torch at import: a finished
-run's weights are restored by the trainer (vlmrl.training.trainer.trainers)."""
+run's weights are restored by the trainer (vlmrl.training.trainer.mixins.RestorableRun)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -172,8 +173,8 @@ def finished_run(checkpoint: Path | None, max_steps: int) -> bool:
 
 def train_or_restore(trainer, resume_from: Path | None, max_steps: int) -> None:
     """Trains from `resume_from` (None: from the start), or, where that checkpoint finished the
-    run, takes its adapter and state as they are (`restore_finished_run` of vlmrl.training.trainer.trainers'
-    subclass): transformers 5.17, resumed from the checkpoint of step `max_steps`, trains one step
+    run, takes its adapter and state as they are (`restore_finished_run` of vlmrl.training.trainer.mixins'
+    RestorableRun): transformers 5.17, resumed from the checkpoint of step `max_steps`, trains one step
     more (step max_steps + 1) before it checks the limit."""
     if not finished_run(resume_from, max_steps):
         trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
@@ -195,6 +196,30 @@ def prepare_checkpoints(checkpoints: Path, settings: Mapping[str, Any],
     mark_checkpoints(checkpoints, settings)
     (checkpoints / "completions").mkdir(exist_ok=True)
     return resume_from
+
+
+def stale_folders(checkpoints: Path) -> set[Path]:
+    """The folders `move_aside` has made beside `checkpoints`."""
+    return set(checkpoints.parent.glob(f"{checkpoints.name}.stale-*"))
+
+
+@contextlib.contextmanager
+def moved_back_on_failure(checkpoints: Path, owner: bool = True) -> Iterator[None]:
+    """A run that fails before it saved a complete checkpoint leaves the folder as it found it:
+    the checkpoints this run moved aside come back, so a mistyped param costs no resumable
+    training. (A run that saved some keeps them, resumable with its settings, and the old ones
+    stay aside, where the message of `last_complete_checkpoint` said.) `owner`: whether this
+    process moves files (rank 0)."""
+    before = stale_folders(checkpoints) if owner else set()
+    try:
+        yield
+    except BaseException:
+        moved = sorted(stale_folders(checkpoints) - before) if owner else []
+        if len(moved) == 1 and not complete_checkpoints(checkpoints):
+            shutil.rmtree(checkpoints, ignore_errors=True)
+            moved[0].rename(checkpoints)
+            print(f"the run failed: the checkpoints it had moved aside are back in {checkpoints}")
+        raise
 
 
 def newest_checkpoint(checkpoints: Path) -> Path | None:

@@ -20,23 +20,22 @@ import trl
 from datasets import load_from_disk
 from matplotlib.figure import Figure
 
-from vlmrl.rewards.answer_format import answer_format
-from vlmrl.training.checkpoints import (
-    newest_checkpoint,
-    prepare_checkpoints,
-    run_settings,
-    train_or_restore,
+from vlmrl.distributed.data_parallel import (
+    gather_lists,
+    gathered_state_dict,
+    main_decides,
+    split_global_batch,
 )
-from vlmrl.training.trainer.compiled_layers import FrozenHeapAfterFirstStep
-from vlmrl.distributed.data_parallel import gather_lists, gathered_state_dict, main_decides, split_global_batch
 from vlmrl.distributed.launch import (
     DistributedParams,
     check_strategy,
     check_world,
     distributed_settings,
+    is_main_process,
     use_expandable_segments,
 )
 from vlmrl.models.loading import backend_for, load_policy, starting_adapter
+from vlmrl.models.portable import make_adapter_portable
 from vlmrl.models.processor import (
     chat_messages,
     has_vision,
@@ -46,12 +45,20 @@ from vlmrl.models.processor import (
 from vlmrl.models.sampling import on_cpu, top_k_settings
 from vlmrl.outputs import atomic_dir
 from vlmrl.params import ModelParams, Params, ParamsError, TrainParams
-from vlmrl.models.portable import make_adapter_portable
+from vlmrl.rewards.answer_format import answer_format
 from vlmrl.rewards.functions import build_rewards
+from vlmrl.training.checkpoints import (
+    moved_back_on_failure,
+    newest_checkpoint,
+    prepare_checkpoints,
+    run_settings,
+    train_or_restore,
+)
 from vlmrl.training.rollout.generation import rollout_class, sample_top_k_on_cpu
 from vlmrl.training.rollout.graph_decode import install_graph_decoding
-from vlmrl.training.trainer.logs import finite_rows, live_log, step_log_rows
+from vlmrl.training.trainer.compiled_layers import FrozenHeapAfterFirstStep
 from vlmrl.training.trainer.config import build_trainer_config
+from vlmrl.training.trainer.logs import finite_rows, live_log, step_log_rows
 from vlmrl.training.trainer.trainers import grpo_trainer
 
 
@@ -313,32 +320,32 @@ def train(*, train_set: Path, params: Params, adapter_out: Path, checkpoints: Pa
     settings = {**run_settings(params.raw, adapter_digest(init_adapter), train_set),
                 "train.distributed.num_processes": distributed.num_processes,  # as resolved
                 "train.distributed.strategy": distributed.strategy}
-    resume_from = main_decides(lambda: prepare_checkpoints(checkpoints, settings,
-                                                           train_params.resume),
-                               lambda: newest_checkpoint(checkpoints))
+    with moved_back_on_failure(checkpoints, owner=is_main_process()):
+        resume_from = main_decides(lambda: prepare_checkpoints(checkpoints, settings,
+                                                               train_params.resume),
+                                   lambda: newest_checkpoint(checkpoints))
 
-    model, processor, _backend = load_policy(model_params, train_params.lora, config.seed,
-                                             init_adapter, model_class=rollout_class)
-    dataset = policy_dataset(load_from_disk(str(train_set)), processor)
-    trainer = make_trainer(model, processor, config, dataset, reward_funcs,
-                           generation_rows=rows, callbacks=list(callbacks or []),
-                           graph_decoding=train_params.graph_decoding,
-                           kv_cache_dtype=train_params.kv_cache_dtype,
-                           training_attention=train_params.training_attention,
-                           compile_layers=train_params.compile_layers,
-                           nf4_linears=train_params.nf4_linears,
-                           keep_image_features=train_params.keep_image_features,
-                           max_nonfinite_steps=train_params.max_nonfinite_steps,
-                           completions_table=live.samples if live is not None else None)
-    live = live if trainer.accelerator.is_main_process else None  # rank 0 alone writes
-    if live is not None:
-        trainer.add_callback(live.callback())
-    started = time.perf_counter()
-    if resume_from is not None:
-        print(f"resuming from {resume_from}")
-    train_or_restore(trainer, resume_from, config.max_steps)
-    runtime = time.perf_counter() - started
-
+        model, processor, _backend = load_policy(model_params, train_params.lora, config.seed,
+                                                 init_adapter, model_class=rollout_class)
+        dataset = policy_dataset(load_from_disk(str(train_set)), processor)
+        trainer = make_trainer(model, processor, config, dataset, reward_funcs,
+                               generation_rows=rows, callbacks=list(callbacks or []),
+                               graph_decoding=train_params.graph_decoding,
+                               kv_cache_dtype=train_params.kv_cache_dtype,
+                               training_attention=train_params.training_attention,
+                               compile_layers=train_params.compile_layers,
+                               nf4_linears=train_params.nf4_linears,
+                               keep_image_features=train_params.keep_image_features,
+                               max_nonfinite_steps=train_params.max_nonfinite_steps,
+                               completions_table=live.samples if live is not None else None)
+        live = live if trainer.accelerator.is_main_process else None  # rank 0 alone writes
+        if live is not None:
+            trainer.add_callback(live.callback())
+        started = time.perf_counter()
+        if resume_from is not None:
+            print(f"resuming from {resume_from}")
+        train_or_restore(trainer, resume_from, config.max_steps)
+        runtime = time.perf_counter() - started
     rows_per_process = gather_lists(trainer.trained_rows)
     state_dict = gathered_state_dict(trainer)
     if not trainer.accelerator.is_main_process:

@@ -29,16 +29,21 @@ from typing import Any
 import trl
 from datasets import load_from_disk
 
-from vlmrl.rewards.answer_format import DEFAULT_FORMAT, AnswerFormat, answer_format
 from vlmrl.distributed.data_parallel import gathered_state_dict, split_global_batch
-from vlmrl.distributed.launch import check_strategy, check_world, distributed_settings, is_main_process
+from vlmrl.distributed.launch import (
+    check_strategy,
+    check_world,
+    distributed_settings,
+    is_main_process,
+)
 from vlmrl.models.embedded import resolve_model_path
 from vlmrl.models.loading import backend_for, load_policy, write_start_marker
 from vlmrl.models.processor import is_text_checkpoint, message_text, save_processing
 from vlmrl.outputs import atomic_dir
 from vlmrl.params import ModelParams, Params, SftParams
-from vlmrl.training.trainer.logs import finite_rows, live_log, step_log_rows
+from vlmrl.rewards.answer_format import DEFAULT_FORMAT, AnswerFormat, answer_format
 from vlmrl.training.trainer.config import build_trainer_config
+from vlmrl.training.trainer.logs import finite_rows, live_log, step_log_rows
 from vlmrl.training.trainer.trainers import sft_trainer
 
 DEFAULT_REASONING = SftParams.model_fields["reasoning"].default

@@ -41,8 +41,8 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from vlmrl.rewards.answer_format import DEFAULT_FORMAT, AnswerFormat, answer_format
 from vlmrl.params import ParamsError, load_params
+from vlmrl.rewards.answer_format import DEFAULT_FORMAT, AnswerFormat, answer_format
 from vlmrl.rewards.functions import build_rewards, score_completion
 from vlmrl.ui.browser import EVAL_SET_DIR, EvalSet, eval_view
 from vlmrl.ui.errors import ApiError

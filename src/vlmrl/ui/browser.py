@@ -18,8 +18,8 @@ from numbers import Real
 from pathlib import Path
 from typing import Any
 
-from vlmrl.evaluation.report import find_flips, headline_rows
 from vlmrl.data.prompts import prompt_question
+from vlmrl.evaluation.report import find_flips, headline_rows
 from vlmrl.rewards.functions import RECORD_COLUMNS
 from vlmrl.ui.errors import ApiError
 

@@ -17,12 +17,12 @@ from typing import Any
 import torch
 from peft.tuners.lora import LoraLayer
 
-from vlmrl.reporting.checks import Check
-from vlmrl.models.merged_weights import check_adapter_weights
 from vlmrl.models.forward import adapter_and_base_logits, first_eval_row, question_inputs
 from vlmrl.models.loading import load_model
+from vlmrl.models.merged_weights import check_adapter_weights
 from vlmrl.models.processor import has_vision
 from vlmrl.params import LoraParams, ModelParams
+from vlmrl.reporting.checks import Check
 
 MODULE_GROUPS = ("q", "k", "v", "o", "gate", "up", "down")
 LANGUAGE_MODEL_MARK = ".language_model."

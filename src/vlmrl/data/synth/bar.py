@@ -19,7 +19,14 @@ from typing import Any
 
 from PIL import ImageDraw
 
-from vlmrl.data.synth.canvas import INK, PALETTE, default_font, draw_title, draw_value_axis, plot_box
+from vlmrl.data.synth.canvas import (
+    INK,
+    PALETTE,
+    default_font,
+    draw_title,
+    draw_value_axis,
+    plot_box,
+)
 from vlmrl.data.synth.core import (
     ARITHMETIC_STATISTICS,
     STATISTICS,

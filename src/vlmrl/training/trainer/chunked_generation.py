@@ -111,5 +111,12 @@ def compileable_quantizer(quantizer: Any) -> Any:
 
 @functools.cache
 def _compileable_class(base: type) -> type:
-    return type(f"Compileable{base.__name__}", (base,),
-                {"is_compileable": property(lambda self: True), "__module__": __name__})
+    """`base` (the quantizer's class, a subclass of Bnb4BitHfQuantizer) saying it compiles."""
+
+    class Compileable(base):
+        @property
+        def is_compileable(self) -> bool:
+            return True
+
+    Compileable.__name__ = Compileable.__qualname__ = f"Compileable{base.__name__}"
+    return Compileable

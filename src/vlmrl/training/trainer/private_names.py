@@ -56,7 +56,7 @@ GRPO_NAMES = (
     CHUNKED_LOGPROB,
     *ROLLOUT_NAMES,
 )
-# Old log-probabilities only where needed (vlmrl.training.trainer.trainers.OldLogProbsWhereNeeded): on TRL's own
+# Old log-probabilities only where needed (vlmrl.training.trainer.mixins.OldLogProbsWhereNeeded): on TRL's own
 # GRPOTrainer only (Unsloth's replacement scores with its own signature and is left as it is).
 OLD_LOGPS_NAMES = (
     PrivateName(TRAINER, "trl.GRPOTrainer", "_prepare_inputs", ("self", "generation_batch")),
