@@ -5,8 +5,8 @@ Thin on purpose: the work is in vlmrl.evaluation.evaluate and vlmrl.evaluation.r
 resolves to more than one (`auto`: one per GPU, on a host with several) the script relaunches itself
 under `accelerate launch` (vlmrl.distributed.launch); rank 0 writes. The decision comes before torch is imported
 (vlmrl.evaluation.evaluate imports it), so one process on a host with several GPUs keeps to one of them.
-Stale outputs are removed first and every output appears atomically, so a failed run leaves none
-behind for DVC to trust.
+Every output appears atomically, and a failed run leaves the earlier ones as they were
+(vlmrl.outputs.stage_outputs).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from vlmrl.distributed.launch import (
     die_with_launcher,
     evaluation_launch,
     evaluation_plan,
+    finish_launched,
     is_main_process,
     launched_worker,
     run_launched,
@@ -28,7 +29,6 @@ from vlmrl.errors import run_stage
 from vlmrl.evaluation.report import comparison_metrics, find_flips, read_records, write_report
 from vlmrl.outputs import (
     atomic_dir,
-    remove_outputs,
     stage_outputs,
     stage_parser,
     write_json_atomic,
@@ -125,16 +125,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     outputs = [args.out / "records.jsonl", args.metrics, args.details, args.by_category,
                args.timings, *([args.report] if args.report else [])]
+    params = load_params(args.params)  # a bad param fails here, before any file moves
+    launch = evaluation_launch(evaluation_plan(params.eval.num_processes, params.model,
+                                               f"{args.mode}_eval"))
+    if launch is not None and not launched_worker():
+        finish_launched(run_launched(launch, __file__, sys.argv[1:] if argv is None else argv),
+                        outputs)
+        return 0
+    die_with_launcher()
     with stage_outputs(*outputs, owner=is_main_process()):
-        params = load_params(args.params)
-        launch = evaluation_launch(evaluation_plan(params.eval.num_processes, params.model,
-                                                   f"{args.mode}_eval"))
-        if launch is not None and not launched_worker():
-            code = run_launched(launch, __file__, sys.argv[1:] if argv is None else argv)
-            if code:  # a worker that was killed cleaned nothing up
-                remove_outputs(*outputs)
-            return code
-        die_with_launcher()
         metrics = evaluate(args, params)
     if metrics is None:
         return 0

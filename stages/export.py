@@ -2,8 +2,9 @@
 Q4_K_M and the vision projector) and check every artifact against the one before it. (The model
 card is the upload stage's, so that an eval rerun never reruns the export.)
 
-Thin on purpose: the work is in vlmrl.export.exporter and vlmrl.export.gguf. Stale outputs are removed
-first; the merged model, the GGUF files and the metrics appear only when every check passed.
+Thin on purpose: the work is in vlmrl.export.exporter and vlmrl.export.gguf. The merged model, the
+GGUF files and the metrics appear only when every check passed; a failed export leaves the
+earlier ones as they were (vlmrl.outputs.stage_outputs).
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     outputs = (args.merged, args.gguf, args.metrics, args.details, args.timings)
+    params = load_params(args.params)  # a bad param fails here, before any file moves
     with stage_outputs(*outputs):
-        metrics = run_export(params=load_params(args.params), adapter=args.adapter,
+        metrics = run_export(params=params, adapter=args.adapter,
                              eval_set=args.eval_set, merged_out=args.merged, gguf_out=args.gguf)
         write_stage_metrics("export", metrics, metrics=args.metrics, details=args.details,
                             timings=args.timings)

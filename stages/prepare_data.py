@@ -28,8 +28,8 @@ def main() -> None:
 
     outputs = (args.out / "train", args.out / "eval", args.report, args.metrics,
                args.details)
+    params = load_params(args.params)  # a bad param fails here, before any file moves
     with stage_outputs(*outputs):
-        params = load_params(args.params)
         settings, system_prompt = params.data, answer_format(params).system_text()
         prepared = prepare(load_raw_records(settings), settings, system_prompt)
         for name, rows in (("train", prepared.train), ("eval", prepared.eval)):

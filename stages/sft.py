@@ -26,13 +26,12 @@ def main() -> int:
     args = parser.parse_args()
 
     outputs = (args.out, args.metrics, args.log, args.details, args.timings)
-    with stage_outputs(*outputs, owner=is_main_process()):  # the launcher too, which is no rank
-        params = load_params(args.params)
-        plan = training_plan(params.train, params.model, "sft_cold_start") \
-            if params.sft.trains else None
-        status = launch_unless_worker(plan, params.sft.args, params.model, __file__, outputs)
-        if status is not None:
-            return status
+    params = load_params(args.params)  # a bad param fails here, before any file moves
+    plan = training_plan(params.train, params.model, "sft_cold_start") \
+        if params.sft.trains else None
+    if launch_unless_worker(plan, params.sft.args, params.model, __file__, outputs):
+        return 0
+    with stage_outputs(*outputs, owner=is_main_process()):
         from vlmrl.training.sft import run_sft  # torch: once the GPUs are chosen
 
         summary = run_sft(train_set=args.train_set, params=params, out=args.out, log=args.log)

@@ -42,13 +42,12 @@ def main() -> int:
 
     outputs = (args.out, args.metrics, args.details, args.log, args.completions, args.samples,
                args.curves, args.timings)
-    with stage_outputs(*outputs, owner=is_main_process()):  # the launcher too, which is no rank
-        params = load_params(args.params)
-        use_expandable_segments(params.train.expandable_segments)  # before torch initialises CUDA
-        plan = training_plan(params.train, params.model, "train_gspo")
-        status = launch_unless_worker(plan, params.train.grpo, params.model, __file__, outputs)
-        if status is not None:
-            return status
+    params = load_params(args.params)  # a bad param fails here, before any file moves
+    use_expandable_segments(params.train.expandable_segments)  # before torch initialises CUDA
+    plan = training_plan(params.train, params.model, "train_gspo")
+    if launch_unless_worker(plan, params.train.grpo, params.model, __file__, outputs):
+        return 0
+    with stage_outputs(*outputs, owner=is_main_process()):
         from vlmrl.training.gspo import LiveOutputs, train  # torch: once the GPUs are chosen
 
         result = train(train_set=args.train_set, params=params, adapter_out=args.out,

@@ -44,6 +44,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def report_upload(result: UploadResult, location: S3Location, manifest_out: Path) -> None:
     if result.bucket_created:
         print(f"created bucket '{location.bucket}' at {location.endpoint_description()}")
+    if result.already_published:
+        print(f"version {result.version} already published from the same inputs at "
+              f"{location.url(result.version)}/: nothing uploaded; its manifest written to "
+              f"{manifest_out}")
+        return
     manifest_state = "uploaded" if result.manifest_uploaded else "already there"
     print(
         f"published {location.url(result.version)}/: of {len(result.manifest['files'])} files, "
@@ -62,11 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     card_inputs = CardInputs(baseline_metrics=args.baseline_metrics,
                              post_metrics=args.post_metrics,
                              export_metrics=args.export_metrics, gguf=args.gguf)
+    all_params = load_params(args.params)  # a bad param fails here, before any file moves
+    upload_params = all_params.upload
+    if args.promote:
+        upload_params = upload_params.model_copy(update={"promote": True})
     with stage_outputs(*outputs):
-        all_params = load_params(args.params)
-        upload_params = all_params.upload
-        if args.promote:
-            upload_params = upload_params.model_copy(update={"promote": True})
         for group, card in build_release_cards(all_params.raw, card_inputs).items():
             write_text_atomic(card_paths[group], card)
         result = publish(inputs, upload_params, params_digest=params_hash(all_params.raw),

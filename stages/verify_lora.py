@@ -1,8 +1,9 @@
 """DVC stage verify_lora: fail the pipeline on an adapter that is untrained, mis-configured or
 adapts the vision tower, before it is merged, exported and published.
 
-Thin on purpose: the checks are in vlmrl.verification.lora. The metrics file is written only when every
-check passes; on a failure the findings are printed and the stage exits 1 with no output.
+Thin on purpose: the checks are in vlmrl.verification.lora. The metrics file is written only when
+every check passes; on a failure the findings are printed and the stage exits 1, leaving the
+earlier metrics as they were.
 """
 
 from __future__ import annotations
@@ -27,14 +28,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    params = load_params(args.params)  # a bad param fails here, before any file moves
     with stage_outputs(args.metrics, args.details):
-        params = load_params(args.params)
         report = verify_adapter(params.model, args.adapter, args.eval_set, params.train.lora,
                                 params.verify.logit_tolerance)
         print(report_summary(report))
         if not report.passed:
             print(report.failure_message(), file=sys.stderr)
-            return 1
+            raise SystemExit(1)  # the earlier metrics come back
         write_stage_metrics("verify_lora", report.to_json(), metrics=args.metrics,
                             details=args.details)
     print(f"adapter {args.adapter} passed all {len(report.checks)} checks; "

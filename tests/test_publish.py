@@ -678,3 +678,55 @@ def test_dvc_push_and_pull_through_the_s3_remote(
     shutil.rmtree(repo / ".dvc" / "cache")
     dvc("pull")
     assert artifact.read_bytes() == payload
+
+
+# --------------------------------------------------------------------------- same inputs
+
+
+def write_pipeline_records(project: Path, learning_rate: float) -> None:
+    """A dvc.yaml and the dvc.lock of a run: a training stage whose code, data and params DVC
+    hashed, its adapter (an output, whose hash a rerun may change), and the upload stage."""
+    (project / "stages").mkdir(exist_ok=True)
+    (project / "stages" / "upload.py").write_text("# the upload stage\n")
+    (project / "dvc.yaml").write_text(yaml.safe_dump({"stages": {
+        "train": {"cmd": "python stages/train.py", "deps": ["stages/train.py"]},
+        "upload": {"cmd": "python stages/upload.py",
+                   "deps": ["stages/upload.py", "${paths.adapter}"]}}}))
+    adapter_md5 = uuid.uuid4().hex  # a rerun of the same inputs writes other bytes
+    (project / "dvc.lock").write_text(yaml.safe_dump({"schema": "2.0", "stages": {"train": {
+        "cmd": "python stages/train.py",
+        "deps": [{"path": "stages/train.py", "md5": "a" * 32},
+                 {"path": "data/prepared/train", "md5": "b" * 32 + ".dir"}],
+        "params": {"params.yaml": {"train.grpo.learning_rate": learning_rate}},
+        "outs": [{"path": "data/models/adapter", "md5": adapter_md5 + ".dir"}]}}}))
+
+
+def test_a_version_republished_from_the_same_inputs_is_a_no_op(
+    s3_server: MotoServer, bucket: str, tmp_path: Path
+) -> None:
+    """An unchanged pipeline run again writes an adapter that differs in the last bits: the same
+    version is then left as published, bit for bit; other inputs are still refused."""
+    project = make_project(tmp_path / "project", {})
+    write_pipeline_records(project, learning_rate=3e-4)
+    params = upload_params(s3_server, bucket, version="v1")
+    first = publish_project(project, params)
+    assert first.uploaded_files == len(first.manifest["files"])
+    assert first.manifest["built_from"]["train"]["params"] == {
+        "params.yaml": {"train.grpo.learning_rate": 3e-4}}
+    assert "data/models/adapter" not in json.dumps(first.manifest["built_from"])
+    client, adapter_key = s3_server.client(), f"{PREFIX}/v1/adapter/adapter_model.safetensors"
+    published = client.get_object(Bucket=bucket, Key=adapter_key)["Body"].read()
+
+    write_bytes(project / "data/models/adapter/adapter_model.safetensors", os.urandom(100_000))
+    write_pipeline_records(project, learning_rate=3e-4)
+    again = publish_project(project, params)
+    assert again.already_published and again.uploaded_files == 0
+    assert again.skipped_files == len(again.manifest["files"])
+    assert again.manifest == first.manifest
+    assert client.get_object(Bucket=bucket, Key=adapter_key)["Body"].read() == published
+
+    write_pipeline_records(project, learning_rate=1e-4)
+    with pytest.raises(pub.VersionConflictError, match=r"^version 'v1' is already published .* "
+                                                       r"with different files: adapter/"):
+        publish_project(project, params)
+    assert client.get_object(Bucket=bucket, Key=adapter_key)["Body"].read() == published

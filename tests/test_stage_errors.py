@@ -227,20 +227,38 @@ def test_numeric_text_stays_text_where_the_field_is_text() -> None:
 
 
 def test_stage_outputs_leave_no_stale_or_half_written_output(tmp_path: Path) -> None:
+    """A run sees none of the earlier outputs; a failed one leaves them as they were and nothing
+    of its own; a successful one leaves only its own."""
     from vlmrl.outputs import stage_outputs
 
     stale, folder = tmp_path / "metrics.json", tmp_path / "adapter"
     stale.write_text("{}")
     (folder / "sub").mkdir(parents=True)
     with pytest.raises(ParamsError), stage_outputs(stale, folder):
-        assert not stale.exists() and not folder.exists()  # removed before the run
+        assert not stale.exists() and not folder.exists()  # moved aside during the run
         folder.mkdir()
         stale.write_text('{"half":')
         raise ParamsError("params.yaml eval.top_k: bad")
-    assert not stale.exists() and not folder.exists()  # and what the failed run wrote
-    with stage_outputs(stale):
-        stale.write_text("{}")
-    assert stale.read_text() == "{}"
+    assert stale.read_text() == "{}" and (folder / "sub").is_dir()  # the earlier ones are back
+    with stage_outputs(stale, folder):
+        stale.write_text('{"new": 1}')
+    assert stale.read_text() == '{"new": 1}' and not folder.exists()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["metrics.json"]
     with pytest.raises(KeyError), stage_outputs(stale, owner=False):  # a worker rank's
         raise KeyError("x")
     assert stale.exists()
+
+
+def test_outputs_a_killed_run_moved_aside_come_back_at_the_next_run(tmp_path: Path) -> None:
+    from vlmrl.outputs import previous, recover_outputs, stage_outputs
+
+    output = tmp_path / "metrics.json"
+    previous(output).write_text("good")  # moved aside by a run that was then killed,
+    output.write_text('{"half":')  # which had written this
+    recover_outputs(output)
+    assert output.read_text() == "good" and not previous(output).exists()
+    previous(output).write_text("good")
+    output.unlink()
+    with pytest.raises(RuntimeError), stage_outputs(output):
+        raise RuntimeError("failed again")
+    assert output.read_text() == "good"

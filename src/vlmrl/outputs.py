@@ -1,5 +1,7 @@
 """A stage that fails must leave no half-written outputs, or DVC and the next stage would trust
-them. Everything is written beside its destination and moved into place in one rename."""
+them, and must not lose the last good ones, which people compare against. Every file is written
+beside its destination and moved into place in one rename; a stage's earlier outputs wait beside
+theirs while it runs and come back if it fails (`stage_outputs`)."""
 
 from __future__ import annotations
 
@@ -68,29 +70,57 @@ def write_jsonl_atomic(path: Path | str, rows: list[dict[str, Any]]) -> None:
 
 
 def remove_outputs(*paths: Path | str) -> None:
-    """Removes stale outputs before a stage starts, so a failure cannot leave old ones behind."""
+    """Removes files and folders that exist among `paths`."""
     for path in map(Path, paths):
-        if path.is_dir():
+        if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)
-        elif path.exists():
+        elif path.exists() or path.is_symlink():
             path.unlink()
+
+
+def previous(path: Path) -> Path:
+    """Where an output waits while its stage runs: a hidden sibling (same file system, so a
+    rename) that no stage, DVC output or git status lists."""
+    return path.with_name(f".{path.name}.previous")
+
+
+def recover_outputs(*paths: Path | str) -> None:
+    """Brings back the outputs a run moved aside and could not put back (it was killed): what
+    that run wrote in their place is removed."""
+    for path in map(Path, paths):
+        if previous(path).exists():
+            remove_outputs(path)
+            os.replace(previous(path), path)
 
 
 @contextlib.contextmanager
 def stage_outputs(*paths: Path | str, owner: bool = True) -> Iterator[None]:
-    """The shape of every stage script: its outputs are removed before the block runs and again
-    if it raises, so neither stale outputs of an earlier run nor half-written ones of this one
-    are left for DVC to trust; the error goes on to `vlmrl.errors.run_stage`, which prints it in
-    one line and exits 1. `owner`: whether this process writes the outputs (false on the worker
-    ranks of a launched run, which leave them to rank 0)."""
-    if owner:
-        remove_outputs(*paths)
+    """The shape of every stage script's work: its earlier outputs are moved aside while the block
+    runs, so it never reads or leaves a stale one; if the block raises, what it wrote is removed
+    and the earlier outputs come back, else they are deleted. (DVC removes a stage's outputs
+    itself before running it; then there is nothing to bring back, and the error line names
+    `dvc checkout`: vlmrl.errors.run_stage.) The error goes on to `run_stage`, which prints it in
+    one line and exits 1.
+
+    Args:
+        owner: whether this process writes the outputs (false on the worker ranks of a launched
+            run, which leave them to rank 0).
+    """
+    if not owner:
+        yield
+        return
+    paths = tuple(map(Path, paths))
+    recover_outputs(*paths)
+    moved = [path for path in paths if path.exists() or path.is_symlink()]
+    for path in moved:
+        os.replace(path, previous(path))
     try:
         yield
     except BaseException:
-        if owner:
-            remove_outputs(*paths)
+        remove_outputs(*paths)
+        recover_outputs(*moved)
         raise
+    remove_outputs(*map(previous, moved))
 
 
 def stage_parser(description: str, *, timings: bool = False) -> argparse.ArgumentParser:

@@ -332,29 +332,38 @@ def worker_env() -> dict[str, str]:
 
 def launch_unless_worker(plan: DistributedParams | None, trainer_args: Mapping[str, Any],
                          model: ModelParams, script: Path | str,
-                         outputs: Sequence[Path]) -> int | None:
+                         outputs: Sequence[Path]) -> bool:
     """The launcher's half of a training stage. Where `plan` asks for several processes and this
     process is none of them, runs the stage script's workers under `accelerate launch` with this
-    process's arguments and returns their exit code (on failure the stage's outputs are removed:
-    a killed worker cleaned nothing up). Otherwise returns None and this process does the work
-    (a launched worker first asks to die with its launcher).
+    process's arguments and returns True once they succeeded (rank 0 wrote the outputs); where
+    one failed, brings back the outputs a killed rank 0 could not (vlmrl.outputs) and exits with
+    their status. Otherwise returns False and this process does the work (a launched worker
+    first asks to die with its launcher).
 
     Args:
         plan: `training_plan`'s decision, or None for a stage with nothing to train.
         trainer_args: the trainer's params section (`train.grpo`, `sft.args`), whose precision
             flags the launch passes to accelerate.
+        outputs: the stage's outputs, which rank 0 writes.
     """
     if plan is None or plan.strategy == "none" or launched_worker():
         die_with_launcher()
-        return None
+        return False
     from vlmrl.models.backend import mixed_precision  # torch, not initialising CUDA
-    from vlmrl.outputs import remove_outputs
 
-    code = run_launched(training_launch(plan, mixed_precision(trainer_args, model)), script,
-                        sys.argv[1:])
+    launch = training_launch(plan, mixed_precision(trainer_args, model))
+    finish_launched(run_launched(launch, script, sys.argv[1:]), outputs)
+    return True
+
+
+def finish_launched(code: int, outputs: Sequence[Path]) -> None:
+    """After the workers: a failure exits with their status, with the outputs that a killed
+    rank 0 left moved aside brought back."""
     if code:
-        remove_outputs(*outputs)
-    return code
+        from vlmrl.outputs import recover_outputs
+
+        recover_outputs(*outputs)
+        raise SystemExit(code)
 
 
 def run_launched(launch: Launch, script: Path | str, argv: Sequence[str]) -> int:

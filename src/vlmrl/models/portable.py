@@ -48,10 +48,14 @@ def _is_local_path(name: str) -> bool:
 
 def make_adapter_portable(adapter_dir: Path, model_name: str) -> None:
     """Names the base model by `release_base_name` in adapter_config.json, drops PEFT's template
-    card and the machine's settings from the saved tokenizer files."""
+    card and the machine's settings from the saved tokenizer files. PEFT keeps `target_modules`
+    as a set, which it writes in the order of that run's string hashes: sorted, the file is the
+    same for the same adapter."""
     config_path = Path(adapter_dir) / ADAPTER_CONFIG
     config = json.loads(config_path.read_text(encoding="utf-8"))
     config["base_model_name_or_path"] = release_base_name(model_name)
+    if isinstance(config.get("target_modules"), list):
+        config["target_modules"] = sorted(config["target_modules"])
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     (Path(adapter_dir) / TEMPLATE_CARD).unlink(missing_ok=True)
     strip_machine_settings(adapter_dir)

@@ -175,7 +175,10 @@ def build_manifest(
     git_rev: str | None,
     params_digest: str,
     metrics: Mapping[str, Any],
+    built_from: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """The release's manifest. `built_from`: what the run was built from
+    (vlmrl.publish.provenance), recorded where DVC ran it."""
     return {
         "schema": MANIFEST_SCHEMA,
         "version": version,
@@ -185,6 +188,7 @@ def build_manifest(
         "params_hash": params_digest,
         "metrics": dict(metrics),
         "files": [file.manifest_entry() for file in files],
+        **({"built_from": dict(built_from)} if built_from is not None else {}),
     }
 
 

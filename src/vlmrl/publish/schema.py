@@ -114,6 +114,8 @@ class Manifest(_Stored):
     params_hash: Sha256
     metrics: dict[str, Any]  # shown by `vlmrl versions`, never acted upon
     files: Annotated[list[ManifestEntry], Field(min_length=1, max_length=MAX_FILES)]
+    # What the release was built from (vlmrl.publish.provenance); None: a run outside DVC.
+    built_from: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _each_path_once(self) -> Manifest:

@@ -40,6 +40,7 @@ from vlmrl.publish.manifest import (
     read_manifest_metrics,
     replace_file,
 )
+from vlmrl.publish.provenance import built_from
 from vlmrl.publish.s3 import (
     S3Location,
     check_bucket,
@@ -78,6 +79,7 @@ class UploadResult:
     manifest_uploaded: bool = False  # False: the identical manifest was already there
     bucket_created: bool = False
     latest: str | None = None  # the version `latest` names after the upload
+    already_published: bool = False  # the version was published from the same inputs: no-op
 
     @property
     def uploaded(self) -> bool:
@@ -101,6 +103,7 @@ class UploadResult:
             "files": len(self.manifest["files"]),
             "manifest_uploaded": self.manifest_uploaded,
             "latest": self.latest,
+            "already_published": self.already_published,
         }
 
 
@@ -149,7 +152,7 @@ def _claim_version(
         return manifest
     published = json.loads(stored[1])
     changed = differing_files(published, manifest)
-    if not changed:
+    if not changed or same_inputs(published, manifest):
         return published
     if not overwrite:
         listed = ", ".join(changed[:20]) + (
@@ -162,6 +165,14 @@ def _claim_version(
     # Unpublish first, so that nobody pulls a version that is half old, half new.
     client.delete_object(Bucket=location.bucket, Key=manifest_key)
     return manifest
+
+
+def same_inputs(published: Mapping[str, Any], candidate: Mapping[str, Any]) -> bool:
+    """Whether both manifests say they were built from the same code, data and params (a rerun
+    of an unchanged pipeline, whose files may differ in the last bits)."""
+    return (published.get("built_from") is not None
+            and published.get("built_from") == candidate.get("built_from")
+            and published.get("params_hash") == candidate.get("params_hash"))
 
 
 def _delete_stale_objects(client: Any, location: S3Location, version: str, keep: set[str]) -> None:
@@ -267,9 +278,15 @@ def upload_release(
         else:
             check_bucket(client, location, CREATE_BUCKET_HINT)
             created = False
+        candidate = manifest
         manifest = _claim_version(client, location, manifest, params.overwrite)
         latest = latest_after(client, location, manifest, params.promote)
         result = UploadResult(version, location, manifest, latest=latest, bucket_created=created)
+        if manifest is not candidate and differing_files(manifest, candidate):
+            # Published from the same inputs: the release stays as it is, bit for bit.
+            result.already_published = True
+            result.skipped_files = len(manifest["files"])
+            return result
         _upload_files(client, location, version, files, params, result)
         manifest_key = location.key(version, MANIFEST_NAME)
         if params.overwrite:
@@ -330,7 +347,8 @@ def publish(
         files = replace_file(files, local_artifact(group, MODEL_CARD_NAME, card))
     check_portable(files)
     metrics = read_manifest_metrics(inputs.get("metrics"))
-    manifest = build_manifest(files, version, git_revision(repo_dir), params_digest, metrics)
+    manifest = build_manifest(files, version, git_revision(repo_dir), params_digest, metrics,
+                              built_from(repo_dir))
     check_publishable(manifest)
     location = s3_location(params)
     if location is None:
