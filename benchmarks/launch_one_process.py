@@ -38,6 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from project_repo import copy_project, stage_command, update_params
 
+from vlmrl.pipeline.recipes import apply_recipe
+
 MODEL = "embedded:qwen3-vl-2b-shape"
 RECIPE = ROOT / "recipes" / "mathvista-qwen3-vl-2b.yaml"
 VARIANTS = {"in_process": {"train.distributed.strategy": "none"},
@@ -47,7 +49,7 @@ VARIANTS = {"in_process": {"train.distributed.strategy": "none"},
 
 def project(target: Path, steps: int, length: int) -> Path:
     copy_project(target, source=ROOT)
-    (target / "params.yaml").write_text(RECIPE.read_text())
+    apply_recipe(RECIPE, target / "params.yaml", defaults=ROOT / "params.yaml")
     update_params(target, {
         "model.name": MODEL, "data.source": "embedded:synthetic", "data.synthetic_size": 64,
         "data.synthetic_read_size": 0, "data.eval_size": 4, "data.image_size": 512,

@@ -55,10 +55,11 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-import yaml
 from doc_blocks import fields_of, read_results, write_doc_block
 from gspo_measure import _sync, synced_timer
 from scaling_tables import run_summary, scaling_summary, scaling_table
+
+from vlmrl.pipeline.recipes import recipe_params
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE_2B = ROOT / "recipes" / "mathvista-qwen3-vl-2b.yaml"
@@ -95,7 +96,7 @@ def run_params(name: str, length: int, total_steps: int, sharded_strategy: str =
     and strategy, `length`-token completions and `total_steps` steps. `smoke`: the tiny model on
     a CPU (no 4-bit, no graph decoding, no compilation), to check this script without a GPU."""
     run = RUNS[name]
-    raw = yaml.safe_load(run["recipe"].read_text())
+    raw = recipe_params(run["recipe"].stem, ROOT)
     processes = run["processes"]
     strategy = "none" if processes == 1 else sharded_strategy if run.get("sharded") else "ddp"
     overrides: dict[str, Any] = {

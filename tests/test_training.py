@@ -282,11 +282,12 @@ def readme_gpu_overrides() -> dict[str, object]:
 
 
 def recipe_overrides(name: str) -> dict[str, object]:
-    """recipes/NAME.yaml's params as dotted keys."""
-    import yaml
+    """Every param recipe NAME runs with (merged onto params.yaml), as dotted keys."""
     from conftest import ROOT
 
-    recipe = yaml.safe_load((ROOT / "recipes" / f"{name}.yaml").read_text())
+    from vlmrl.pipeline.recipes import recipe_params
+
+    recipe = recipe_params(name, ROOT)
 
     def dotted(node: dict, prefix: str = "") -> dict[str, object]:
         flat: dict[str, object] = {}

@@ -396,7 +396,10 @@ def _common_options(parser: argparse.ArgumentParser) -> None:
 
 
 def cli_run(argv: list[str]) -> int:
-    """Runs the pipeline flow once and prints what each stage did (`vlmrl run`)."""
+    """Runs the pipeline flow once and prints what each stage did (`vlmrl run`). Without
+    PREFECT_API_URL, Prefect starts a temporary server for this run, and the Prefect UI shows
+    the run only while it lasts; set PREFECT_API_URL to a running server (`prefect server
+    start`) to keep its history there."""
     set_offline_defaults()
     parser = argparse.ArgumentParser(prog="vlmrl run", description=cli_run.__doc__)
     _common_options(parser)

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from numbers import Real
 from typing import Any
 
+from vlmrl.errors import ParamsError
 from vlmrl.rewards import scoring
 from vlmrl.rewards import text as text_rewards
 from vlmrl.rewards.answer_format import DEFAULT_FORMAT, AnswerFormat
@@ -313,7 +314,16 @@ def build_rewards(
     `answer_format` goes to every reward with an `answer_format` keyword (the
     built-in ones, and any of yours that declares it).
     """
-    options = options or {}
+    try:
+        return _build(weights, options or {}, answer_format)
+    except ParamsError:
+        raise
+    except ValueError as error:  # a params error: the rewards section names the reward
+        raise ParamsError(f"params.yaml rewards: {error}") from None
+
+
+def _build(weights: Mapping[str, float] | Sequence[str], options: Any,
+           answer_format: AnswerFormat | None) -> tuple[list[RewardFunc], list[float]]:
     if not isinstance(options, Mapping):
         raise ValueError(f"reward options must be a mapping, got {type(options).__name__}")
     bound = {name: _bind(name, opts, answer_format) for name, opts in options.items()}
