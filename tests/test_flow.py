@@ -143,6 +143,26 @@ def test_ran_cached_restored_detected_on_real_dvc_output(toy_repo: Path):
     assert "toy says {'toy': {'value': 2}}" in lines  # the stage's own stdout, streamed
 
 
+def test_vlmrl_run_on_an_up_to_date_pipeline_starts_no_prefect_server(tmp_path: Path):
+    """With nothing stale and no PREFECT_API_URL, `vlmrl run` reports every stage cached from
+    DVC's records and returns before Prefect is even imported."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    toy = {"stages": {"toy": TOY_DVC_YAML["stages"]["toy"]}}
+    (repo / "dvc.yaml").write_text(yaml.safe_dump(toy))
+    (repo / "params.yaml").write_text("toy:\n  value: 1\n")
+    for cmd in (["git", "init", "-q"], ["dvc", "init", "-q", "--no-scm"], ["dvc", "repro"]):
+        run(cmd, repo)
+    script = ("import sys; from vlmrl.cli import main; code = main(['run', '--repo', sys.argv[1]]);"
+              " print('prefect imported:', 'prefect' in sys.modules); sys.exit(code)")
+    env = prefect_env(tmp_path / "prefect-home")
+    result = run([sys.executable, "-c", script, str(repo)], repo, env=env)
+    assert result.stdout.splitlines() == [
+        "toy            cached        0.0 s",
+        "every stage is up to date; no Prefect server was started",
+        "prefect imported: False"]
+
+
 def test_failed_stage_raises_with_its_stderr(toy_repo: Path):
     streamed: list[tuple[str, str]] = []
     result = stream_command([sys.executable, "-m", "dvc", "repro", "-s", "broken"], toy_repo,

@@ -397,25 +397,50 @@ def _common_options(parser: argparse.ArgumentParser) -> None:
 
 def cli_run(argv: list[str]) -> int:
     """Runs the pipeline flow once and prints what each stage did (`vlmrl run`). Without
-    PREFECT_API_URL, Prefect starts a temporary server for this run, and the Prefect UI shows
-    the run only while it lasts; set PREFECT_API_URL to a running server (`prefect server
-    start`) to keep its history there."""
+    PREFECT_API_URL, Prefect starts a temporary server for this run (unless DVC says every stage
+    is up to date: then nothing runs and no server starts), and the Prefect UI shows the run
+    only while it lasts; set PREFECT_API_URL to a running server (`prefect server start`) to
+    keep its history there."""
     set_offline_defaults()
     parser = argparse.ArgumentParser(prog="vlmrl run", description=cli_run.__doc__)
     _common_options(parser)
     args = parser.parse_args(argv)
+    repo, overrides = resolve_repo(args.repo), parse_overrides(args.overrides)
+    if not overrides and not os.environ.get("PREFECT_API_URL") and up_to_date(repo, args.stages):
+        # Nothing to run and no server to keep the run: no temporary Prefect server is started.
+        print_report(PipelineReport([StageReport(stage, Outcome.CACHED, 0.0)
+                                     for stage in select_stages(args.stages, dvc_stages(repo))]))
+        print("every stage is up to date; no Prefect server was started")
+        return 0
     pipeline = load_pipeline_flow(args.repo)
-    state = pipeline(stages=args.stages, repo=str(resolve_repo(args.repo)),
-                     overrides=parse_overrides(args.overrides) or None, return_state=True)
+    state = pipeline(stages=args.stages, repo=str(repo), overrides=overrides or None,
+                     return_state=True)
     if not state.is_completed():
         print(f"pipeline {state.name.lower()}: {state.message}", file=sys.stderr)
         return 1
-    report: PipelineReport = state.result()
+    print_report(state.result())
+    return 0
+
+
+def dvc_stages(repo: Path) -> list[str]:
+    """The stages of the repo's dvc.yaml, in its order."""
+    import yaml
+
+    return list(yaml.safe_load((repo / "dvc.yaml").read_text(encoding="utf-8"))["stages"])
+
+
+def up_to_date(repo: Path, stages: Sequence[str] | None) -> bool:
+    """Whether DVC would reproduce none of the selected stages (`dvc status`)."""
+    selected = select_stages(stages, dvc_stages(repo))
+    return not read_records(repo, selected).stale
+
+
+def print_report(report: PipelineReport) -> None:
+    """What DVC did with each stage, a line each, and the experiment it recorded."""
     for stage in report.stages:
         print(f"{stage.stage:<14} {stage.outcome.value:<9} {stage.seconds:7.1f} s")
     if report.experiment:
         print(f"DVC experiment: {report.experiment}")
-    return 0
 
 
 def cli_schedule(argv: list[str]) -> int:
