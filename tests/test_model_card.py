@@ -77,7 +77,9 @@ def test_model_card_describes_training_results_and_usage(uploaded: Path) -> None
     assert "| importance_sampling_level | sequence |" in card
     assert "| accuracy | 0.0625 | 0.1875 |" in card
     assert "| reward format_reward | 0.1 | 0.3 |" in card
-    assert "llama-mtmd-cli -m model-Q4_K_M.gguf --mmproj mmproj-f16.gguf" in card
+    assert "vlmrl serve --gguf . --file model-Q4_K_M.gguf" in card
+    assert ("python -m llama_cpp.server --model model-Q4_K_M.gguf --clip_model_path "
+            "mmproj-f16.gguf --chat_format mtmd") in card
     assert "MTMDChatHandler(clip_model_path='mmproj-f16.gguf')" in card
     assert "merged in (bfloat16)" in card
     assert "| merged_vs_adapter | 0.002 |" in card
@@ -113,6 +115,12 @@ def test_each_card_carries_hugging_face_metadata(uploaded: Path) -> None:
     assert {k: (m["library_name"], m["base_model_relation"]) for k, m in cards.items()} == {
         "adapter": ("peft", "adapter"), "merged": ("transformers", "finetune"),
         "gguf": ("gguf", "quantized")}
+    tags = ["qwen3-vl", "lora", "gspo", "grpo", "visual-math"]
+    assert {k: m["tags"] for k, m in cards.items()} == {
+        "adapter": tags, "merged": tags, "gguf": [*tags, "gguf"]}
+    for group, name in (("adapter", "model_card_adapter.md"), ("merged", "model_card.md")):
+        # a YAML block list, as Hugging Face's model card template writes tags
+        assert "\ntags:\n" + "".join(f"- {tag}\n" for tag in tags) in (reports / name).read_text()
     for meta in cards.values():
         assert meta["base_model"] == "embedded:tiny-qwen3-vl" and meta["base_model_seed"] == 0
         assert meta["datasets"] == ["embedded:synthetic"]
@@ -282,3 +290,24 @@ def test_gguf_readme_and_modelfile_carry_the_training_system_prompt(tmp_path: Pa
     assert "## System prompt\n\nThe model was trained with this system prompt" in readme
     assert f"```text\n{system}\n```" in readme and "A text model: no projector." in readme
     assert f'SYSTEM """{system}"""' in (tmp_path / "Modelfile").read_text()
+    assert "python -m llama_cpp.server --model model-f16.gguf --host" in readme  # no projector
+    assert "vlmrl serve --gguf . --file model-f16.gguf" in readme
+
+
+NOT_INSTALLED = ("llama-cli", "llama-server", "llama-mtmd-cli")
+
+
+def test_cards_run_the_files_with_what_the_install_provides(uploaded: Path) -> None:
+    """llama.cpp's own programs are not installed by the project (llama-cpp-python is): no card
+    or README suggests them."""
+    reports = uploaded / "data/reports"
+    for name in ("model_card.md", "model_card_adapter.md", "model_card_gguf.md"):
+        card = (reports / name).read_text()
+        assert not [program for program in NOT_INSTALLED if program in card], name
+    from vlmrl.export.gguf_release import render_gguf_readme
+
+    for names in ({"Q4_K_M": "model-Q4_K_M.gguf", "mmproj": "mmproj-f16.gguf"},
+                  {"f16": "model-f16.gguf"}):
+        readme = render_gguf_readme(names, dict.fromkeys(names.values(), 1), "tiny", {})
+        assert not [program for program in NOT_INSTALLED if program in readme]
+        assert "vlmrl serve --gguf ." in readme and "python -m llama_cpp.server" in readme

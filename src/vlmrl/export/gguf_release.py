@@ -6,6 +6,7 @@ same README, so the two never disagree."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -21,6 +22,9 @@ OLLAMA_TEMPLATE = """{{- if .System }}<|im_start|>system
 {{ end }}<|im_start|>assistant
 """
 STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
+OLLAMA_NAME = "vlmrl-gspo"
+JSON_HEADER = "Content-Type: application/json"
+SAMPLE_REQUEST = {"messages": [{"role": "user", "content": "What is 3 + 4?"}], "max_tokens": 64}
 FILE_USES = {"f16": "reference quality, largest", "q8_0": "near f16 quality, half the size",
              "Q4_K_M": "smallest; the default to run"}
 
@@ -47,7 +51,7 @@ def render_gguf_readme(names: Mapping[str, str], sizes: Mapping[str, int], title
     export checked."""
     model = default_model_file(names)
     projector = names.get(PROJECTOR_KIND)
-    rows = [f"| `{name}` | {_size(sizes[name])} | "
+    rows = [f"| `{name}` | {size_text(sizes[name])} | "
             f"{'vision projector: needed for image input' if kind == PROJECTOR_KIND else FILE_USES.get(kind, kind)} |"
             for kind, name in names.items()]
     lines = [f"# {title}: GGUF files", "",
@@ -55,7 +59,7 @@ def render_gguf_readme(names: Mapping[str, str], sizes: Mapping[str, int], title
              "each model file." + (f" Images need the projector `{projector}` beside the model "
                                    "file." if projector else " A text model: no projector."),
              "", "| file | size | use |", "| --- | --- | --- |", *rows, "",
-             "## Run it", "", "```sh", *_commands(model, projector), "```", "",
+             "## Run it", "", "```sh", *run_commands(model, projector), "```", "",
              *_system_section(system)]
     if checks:
         lines += ["## Checked at export", "", *(f"- {name}: {detail}"
@@ -71,17 +75,30 @@ def _system_section(system: str) -> list[str]:
              "(the `Modelfile` sets it for Ollama)."), "", "```text", system, "```", ""]
 
 
-def _commands(model: str, projector: str | None) -> list[str]:
-    mmproj = f" --mmproj {projector}" if projector else ""
-    image = " --image problem.png" if projector else ""
-    return [f"llama-mtmd-cli -m {model}{mmproj}{image} -p 'What is the value of x?'"
-            if projector else f"llama-cli -m {model} -p 'What is 3 + 4?'",
-            f"llama-server -m {model}{mmproj} --host 127.0.0.1 --port 8080   # OpenAI API",
-            f"vlmrl serve --gguf . --file {model}   # the same, through llama-cpp-python",
-            "ollama create vlmrl-gspo -f Modelfile && ollama run vlmrl-gspo"]
+def run_commands(model: str, projector: str | None, folder: str = ".") -> list[str]:
+    """Shell lines that serve `model` (with `projector`, where there is one) as an OpenAI chat
+    API, ask it one question, or hand the folder to Ollama: only what installing vlmrl with its
+    `gguf` extra provides (`vlmrl serve`, llama-cpp-python's server), and Ollama.
+
+    Args:
+        folder: the GGUF folder, as the commands are run from where the user is.
+    """
+    where = "" if folder == "." else f"{folder}/"
+    vision = f" --clip_model_path {where}{projector} --chat_format mtmd" if projector else ""
+    ollama = f"ollama create {OLLAMA_NAME} -f {MODELFILE_NAME}"
+    if folder != ".":  # the Modelfile's FROM lines name files beside it
+        ollama = f"(cd {folder} && {ollama})"
+    return [(f"vlmrl serve --gguf {folder} --file {model}   # OpenAI chat API on "
+             "http://127.0.0.1:8080/v1"),
+            (f"python -m llama_cpp.server --model {where}{model}{vision} --host 127.0.0.1 "
+             "--port 8080   # the same, llama-cpp-python's server alone"),
+            f"curl -s http://127.0.0.1:8080/v1/chat/completions -H '{JSON_HEADER}' \\",
+            f"  -d '{json.dumps(SAMPLE_REQUEST)}'",
+            f"{ollama} && ollama run {OLLAMA_NAME}   # Ollama, where its version reads the files"]
 
 
-def _size(num_bytes: int) -> str:
+def size_text(num_bytes: int) -> str:
+    """A file's size as the README and the model card show it: KiB below 1 MiB, else MiB."""
     if num_bytes < 1024 * 1024:
         return f"{num_bytes / 1024:.1f} KiB"
     return f"{num_bytes / 1024**2:.1f} MiB"

@@ -15,12 +15,12 @@ from typing import Any
 
 from huggingface_hub import EvalResult, ModelCardData
 
-from vlmrl.rewards.answer_format import answer_format
-from vlmrl.export.gguf_release import README_NAME
-from vlmrl.params import LOCAL_SOURCE, DataParams, SftParams
+from vlmrl.export.gguf_release import README_NAME, run_commands, size_text
 from vlmrl.models.portable import EMBEDDED_PREFIX, release_base_name
+from vlmrl.params import LOCAL_SOURCE, DataParams, SftParams
 from vlmrl.publish.errors import MissingInputError, PublishError
 from vlmrl.reporting.tables import markdown_table
+from vlmrl.rewards.answer_format import answer_format
 
 CARD_METRICS = ("n", "accuracy", "format_compliance", "mean_reward", "mean_generated_tokens")
 PROJECTOR_PREFIX = "mmproj"  # llama.cpp's name for the vision projector's GGUF file
@@ -182,12 +182,6 @@ def gguf_roles(gguf_sizes: Mapping[str, int],
             projectors[0] if projectors else None)
 
 
-def _size(num_bytes: int) -> str:
-    if num_bytes < 1024 * 1024:
-        return f"{num_bytes / 1024:.1f} KiB"
-    return f"{num_bytes / 1024**2:.1f} MiB"
-
-
 def render_model_card(
     params: Mapping[str, Any],
     export_metrics: Mapping[str, Any],
@@ -301,23 +295,25 @@ def _files_section(gguf_sizes: Mapping[str, int], diffs: Mapping[str, float]) ->
     return [
         "## Files and checks",
         "",
-        markdown_table(["GGUF file", "size"], [(name, _size(size)) for name, size in gguf_sizes.items()]),
+        markdown_table(["GGUF file", "size"], [(name, size_text(size)) for name, size in gguf_sizes.items()]),
         "",
         markdown_table(["check (max abs logit difference)", "value"], list(diffs.items())),
         "",
     ]
 
 
+def _serve_lines(quant: str, projector: str | None) -> list[str]:
+    """The card's heading for running the GGUF files and the shell lines of the GGUF folder's
+    own README, so the two never disagree."""
+    return ["## Running it", "",
+            (f"In the release's GGUF folder (`vlmrl pull --what gguf --to gguf && cd gguf`), an "
+             f"OpenAI chat API{' (a text model: no projector)' if projector is None else ''}:"),
+            "", "```sh", *run_commands(quant, projector), "```", ""]
+
+
 def _text_usage_section(quant: str) -> list[str]:
     return [
-        "## Running it",
-        "",
-        "llama.cpp (a text model: no projector):",
-        "",
-        "```sh",
-        f"llama-cli -m {quant} -p 'Tom has 3 apples and buys 4 more. How many apples?'",
-        "```",
-        "",
+        *_serve_lines(quant, None),
         "llama-cpp-python:",
         "",
         "```python",
@@ -337,15 +333,7 @@ def _text_usage_section(quant: str) -> list[str]:
 
 def _usage_section(quant: str, projector: str) -> list[str]:
     return [
-        "## Running it",
-        "",
-        "llama.cpp:",
-        "",
-        "```sh",
-        f"llama-mtmd-cli -m {quant} --mmproj {projector} --image problem.png \\",
-        "    -p 'What is the value of x? Answer with an integer.'",
-        "```",
-        "",
+        *_serve_lines(quant, projector),
         "llama-cpp-python:",
         "",
         "```python",
