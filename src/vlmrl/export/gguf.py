@@ -2,24 +2,26 @@
 binary, and the PyPI `gguf` package lags behind the converter (it fails on it). The converter is
 therefore taken from the sdist of the very llama-cpp-python version installed, whose vendored
 llama.cpp matches the runtime that loads the files, and run as a subprocess with that sdist's
-gguf-py; quantization goes through `llama_model_quantize`, which the wheel does ship. Every
-llama.cpp failure is turned into an error that names the file, never a bare crash."""
+gguf-py; quantization goes through `llama_model_quantize`, which the wheel does ship, and export
+reads the files back with that gguf-py's GGUFReader. Every llama.cpp or gguf-py failure is turned
+into an error that names the file, never a bare crash."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import math
-import mmap
 import os
 import re
-import struct
 import subprocess
 import sys
 import tarfile
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from vlmrl.cache import cache_root
@@ -194,140 +196,125 @@ def quantize_gguf(source_file: Path, outfile: Path, kind: str, threads: int | No
 
 # ------------------------------------------------------------ reading files
 
-# gguf-py's GGUFReader builds numpy views for every token and merge string: a minute for a
-# 152k-token vocabulary. This reader skips them and takes type names and row sizes from the
-# ggml library that llama-cpp-python loads, the same code that will read the tensors.
-_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-                   10: "<Q", 11: "<q", 12: "<d"}
-_STRING, _ARRAY = 8, 9
-_DEFAULT_ALIGNMENT = 32
+# What gguf-py's GGUFReader raises on a file it cannot read (a duplicate key is a KeyError).
+_READ_ERRORS = (ValueError, KeyError, IndexError, OverflowError)
 
 
 @dataclass(frozen=True)
 class GGUFInfo:
+    """What export checks in a GGUF file: its header and the ggml type of its tensors."""
+
     path: Path
     version: int
     architecture: str | None
+    name: str | None  # general.name
     tensor_types: dict[str, int]
     tensors: int
     data_bytes: int
 
 
-class _Cursor:
-    def __init__(self, buffer, path: Path) -> None:
-        self.buffer, self.path, self.offset = buffer, path, 0
+def gguf_py(source: Path | None = None) -> ModuleType:
+    """The `gguf` package (gguf-py) of the converter's llama.cpp source, imported in-process.
 
-    def take(self, size: int) -> int:
-        start = self.offset
-        self.offset += size
-        if self.offset > len(self.buffer):
-            raise GGUFError(f"{self.path}: corrupted GGUF file (header runs past the end of the "
-                            f"file at byte {len(self.buffer)}; truncated?)")
-        return start
+    The vendored copy, not PyPI's `gguf`: it is the package that wrote the files (the converter
+    runs with it) and matches the llama.cpp that quantizes and loads them, so it knows every ggml
+    type they hold, while PyPI's lags behind llama.cpp and is no dependency of the project.
 
-    def unpack(self, fmt: str) -> Any:
-        return struct.unpack_from(fmt, self.buffer, self.take(struct.calcsize(fmt)))[0]
-
-    def string(self) -> str:
-        size = self.unpack("<Q")
-        return bytes(self.buffer[self.take(size):self.offset]).decode("utf-8", errors="replace")
-
-    def value(self, kind: int) -> Any:
-        """Reads scalars and strings; arrays are skipped (None)."""
-        if kind == _STRING:
-            return self.string()
-        if kind == _ARRAY:
-            self.skip_array()
-            return None
-        if kind not in _SCALAR_FORMATS:
-            raise GGUFError(f"{self.path}: corrupted GGUF file (unknown value type {kind} at "
-                            f"byte {self.offset})")
-        return self.unpack(_SCALAR_FORMATS[kind])
-
-    def skip_array(self) -> None:
-        kind, count = self.unpack("<I"), self.unpack("<Q")
-        if kind == _STRING:
-            for _ in range(count):
-                self.take(self.unpack("<Q"))
-        elif kind == _ARRAY:
-            for _ in range(count):
-                self.skip_array()
-        elif kind in _SCALAR_FORMATS:
-            self.take(struct.calcsize(_SCALAR_FORMATS[kind]) * count)
-        else:
-            raise GGUFError(f"{self.path}: corrupted GGUF file (unknown array type {kind})")
+    Args:
+        source: a llama.cpp source directory; default `converter_source()`.
+    """
+    root = ((source or converter_source()) / "gguf-py").resolve()
+    loaded = sys.modules.get("gguf")
+    if loaded is None:
+        sys.path.insert(0, str(root))
+        try:
+            import gguf as loaded
+        finally:
+            sys.path.remove(str(root))
+    if not Path(loaded.__file__ or "").resolve().is_relative_to(root):
+        raise GGUFError(f"the Python package `gguf` is already imported from {loaded.__file__}; "
+                        f"reading GGUF files needs the converter's own, in {root}")
+    return loaded
 
 
-def _ggml_functions():
-    from llama_cpp._ggml import libggml  # llama-cpp-python's handle on its ggml library
+@functools.cache
+def _checked_reader_class(gguf: ModuleType) -> type:
+    """gguf-py's GGUFReader, with every read checked against the end of the file, and twice as
+    fast.
 
-    type_name, row_size = libggml.ggml_type_name, libggml.ggml_row_size
-    type_name.restype, type_name.argtypes = ctypes.c_char_p, [ctypes.c_int]
-    row_size.restype, row_size.argtypes = ctypes.c_size_t, [ctypes.c_int, ctypes.c_int64]
-    return type_name, row_size
+    GGUFReader slices a memory map, and a slice past the end is merely shorter: a truncated file
+    then fails on an index or a reshape, and a garbled array length loops up to 2**30 times over
+    empty reads; `_get` and `_build_tensors` turn both into a ValueError saying where the file
+    ends. It also reads each token of the vocabulary as a slice of `data`, 15 s for Qwen's 152k
+    tokens when `data` is an np.memmap; as a plain array view of the same map, 7 s.
+    """
+
+    import numpy as np
+
+    class CheckedReader(gguf.GGUFReader):
+        @property
+        def data(self) -> np.ndarray:
+            return self._array
+
+        @data.setter
+        def data(self, memmap: np.memmap) -> None:
+            self._array = memmap.view(np.ndarray)
+
+        def _get(self, offset, dtype, count=1, override_order=None):
+            end = int(offset) + np.dtype(dtype).itemsize * int(count)
+            if end > self.data.nbytes:
+                raise ValueError(f"the header runs past the end of the file at byte "
+                                 f"{self.data.nbytes}; truncated?")
+            return super()._get(offset, dtype, count, override_order)
+
+        def _build_tensors(self, start_offs, fields):
+            for field in fields:
+                end = start_offs + _tensor_end(gguf, field)
+                if end > self.data.nbytes:
+                    raise ValueError(f"tensor {field.name!r} ends at byte {end}, the file has "
+                                     f"{self.data.nbytes}; truncated?")
+            super()._build_tensors(start_offs, fields)
+
+    return CheckedReader
 
 
-def ggml_type_name(type_id: int) -> str | None:
-    import llama_cpp
-
-    count = getattr(llama_cpp, "GGML_TYPE_COUNT", None) or 64
-    if not 0 <= type_id < count:
-        return None
-    name = _ggml_functions()[0](type_id)
-    return None if not name or name == b"DEPRECATED" else name.decode("ascii").upper()
+def _tensor_end(gguf: ModuleType, field: Any) -> int:
+    """Where a tensor's data ends, relative to the data section, from its header entry (gguf-py's
+    ReaderField of a tensor: name length, name, dimension count, dimensions, type, offset)."""
+    _length, _name, _dims_count, dims, type_id, offset = field.parts
+    block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(type_id[0]))]
+    return int(offset[0]) + math.prod(int(dim) for dim in dims) * block_bytes // block
 
 
-def read_gguf_info(path: Path) -> GGUFInfo:
-    """Header, tensor types and a bounds check of every tensor's data; a truncated or garbled
-    file raises GGUFError naming it."""
+def read_gguf_info(path: Path, source: Path | None = None) -> GGUFInfo:
+    """Header, tensor types and a bounds check of every tensor's data, read by gguf-py's
+    GGUFReader; a truncated or garbled file raises GGUFError naming it.
+
+    Args:
+        source: the llama.cpp source whose gguf-py reads the file; default `converter_source()`.
+    """
     check_gguf_header(path)
-    with path.open("rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        cursor = _Cursor(buf, path)
-        cursor.take(4)
-        version, tensor_count, kv_count = (cursor.unpack("<I"), cursor.unpack("<Q"),
-                                           cursor.unpack("<Q"))
-        if version not in (2, 3):
-            raise GGUFError(f"{path}: corrupted GGUF file (version {version})")
-        metadata = {}
-        for _ in range(kv_count):
-            key = cursor.string()
-            metadata[key] = cursor.value(cursor.unpack("<I"))
-        tensors = [_tensor_info(cursor, path) for _ in range(tensor_count)]
-        alignment = metadata.get("general.alignment") or _DEFAULT_ALIGNMENT
-        data_start = -(-cursor.offset // alignment) * alignment
-        data_bytes = _check_tensor_bounds(tensors, data_start, len(buf), path)
-    types: dict[str, int] = {}
-    for _name, type_name, _offset, _bytes in tensors:
-        types[type_name] = types.get(type_name, 0) + 1
-    return GGUFInfo(path=path, version=version, architecture=metadata.get("general.architecture"),
-                    tensor_types=types, tensors=tensor_count, data_bytes=data_bytes)
+    gguf = gguf_py(source)
+    try:
+        reader = _checked_reader_class(gguf)(path)
+    except _READ_ERRORS as error:
+        reason = error.args[0] if isinstance(error, KeyError) else error
+        raise GGUFError(f"{path}: corrupted GGUF file ({reason})") from error
+    types = Counter(tensor.tensor_type.name for tensor in reader.tensors)
+    end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=reader.data_offset)
+    return GGUFInfo(path=path, version=int(_field(reader, "GGUF.version")),
+                    architecture=_field(reader, "general.architecture"),
+                    name=_field(reader, "general.name"), tensor_types=dict(types),
+                    tensors=len(reader.tensors), data_bytes=end - reader.data_offset)
 
 
-def _tensor_info(cursor: _Cursor, path: Path) -> tuple[str, str, int, int]:
-    name = cursor.string()
-    dims = [cursor.unpack("<Q") for _ in range(cursor.unpack("<I"))]
-    type_id, offset = cursor.unpack("<I"), cursor.unpack("<Q")
-    type_name = ggml_type_name(type_id)
-    if type_name is None or not dims:
-        raise GGUFError(f"{path}: corrupted GGUF file (tensor {name!r} has type {type_id}, "
-                        f"shape {dims})")
-    rows = math.prod(dims[1:])
-    return name, type_name, offset, int(_ggml_functions()[1](type_id, dims[0])) * rows
-
-
-def _check_tensor_bounds(tensors: Sequence[tuple[str, str, int, int]], data_start: int,
-                         file_size: int, path: Path) -> int:
-    end = data_start
-    for name, _type, offset, size in tensors:
-        tensor_end = data_start + offset + size
-        if tensor_end > file_size:
-            raise GGUFError(f"{path}: corrupted GGUF file (tensor {name!r} ends at byte "
-                            f"{tensor_end}, the file has {file_size}; truncated?)")
-        end = max(end, tensor_end)
-    return end - data_start
+def _field(reader: Any, key: str) -> Any:
+    field = reader.get_field(key)
+    return None if field is None else field.contents()
 
 
 def check_gguf_header(path: Path) -> None:
+    """Refuses a missing file or one without the GGUF magic before llama.cpp opens it."""
     if not path.is_file():
         raise GGUFError(f"{path}: GGUF file not found")
     with path.open("rb") as handle:
@@ -378,15 +365,73 @@ def greedy_tokens(llm, token_ids: Sequence[int], count: int) -> list[int]:
     return tokens
 
 
-def quiet_llama_logs() -> None:
-    """Only errors from llama.cpp reach stderr. Until a Llama(verbose=False) exists, llama-cpp-
-    python prints every log line (quantize lists each tensor), and mtmd logs every image slice
-    whatever `verbose` says; both go through llama-cpp-python's level-filtered callback."""
-    from llama_cpp import _logger, mtmd_cpp
+# ggml.h's log levels. llama-cpp-python 0.3.36's own callback maps them by an older enum, one off:
+# with verbose=False it prints llama.cpp's warnings and drops its errors.
+GGML_LOG_LEVEL_ERROR, GGML_LOG_LEVEL_CONT = 4, 5
 
-    _logger.set_verbose(False)
-    mtmd_cpp.mtmd_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
-    mtmd_cpp.mtmd_helper_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
+
+def quiet_llama_logs() -> None:
+    """Only errors from llama.cpp and mtmd reach stderr, whatever `verbose` a Llama gets: mtmd
+    logs every image slice, quantize lists each tensor, and loading a Qwen vocabulary warns about
+    its control tokens."""
+    import llama_cpp
+    from llama_cpp import mtmd_cpp
+
+    callback = _errors_only_callback()
+    llama_cpp.llama_log_set(callback, ctypes.c_void_p(0))
+    mtmd_cpp.mtmd_log_set(callback, ctypes.c_void_p(0))
+    mtmd_cpp.mtmd_helper_log_set(callback, ctypes.c_void_p(0))
+
+
+@functools.cache
+def _errors_only_callback() -> Any:
+    """A ggml log callback that writes error lines (and their continuations) to stderr; cached,
+    as llama.cpp keeps calling it after quiet_llama_logs returns."""
+    import llama_cpp
+
+    last_level = GGML_LOG_LEVEL_ERROR
+
+    @llama_cpp.llama_log_callback
+    def callback(level: int, text: bytes, _user_data: Any) -> None:
+        nonlocal last_level
+        last_level = last_level if level == GGML_LOG_LEVEL_CONT else level
+        if last_level == GGML_LOG_LEVEL_ERROR:
+            sys.stderr.write(text.decode("utf-8", errors="replace"))
+            sys.stderr.flush()
+
+    return callback
+
+
+def gguf_general_name(path: Path) -> str | None:
+    """The file's `general.name`, as llama.cpp reads it with the vocabulary alone: 0.3 s for
+    Qwen's, where read_gguf_info takes 7 s and needs the converter's source, which a machine that
+    only serves the files lacks."""
+    import llama_cpp
+
+    check_gguf_header(path)
+    quiet_llama_logs()
+    params = llama_cpp.llama_model_default_params()
+    params.vocab_only = True
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+    if not model:
+        raise GGUFError(f"{path}: llama.cpp cannot read this GGUF file's header; it is "
+                        "corrupted or incomplete")
+    try:
+        return _model_meta_string(llama_cpp, model, b"general.name")
+    finally:
+        llama_cpp.llama_model_free(model)
+
+
+def _model_meta_string(llama_cpp: ModuleType, model: Any, key: bytes) -> str | None:
+    size = 256
+    while True:
+        value = ctypes.create_string_buffer(size)
+        length = llama_cpp.llama_model_meta_val_str(model, key, value, size)
+        if length < 0:
+            return None
+        if length < size:
+            return value.value.decode("utf-8", errors="replace")
+        size = length + 1
 
 
 def image_chat(model_file: Path, mmproj_file: Path, image, question: str,
