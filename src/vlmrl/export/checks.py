@@ -21,8 +21,7 @@ passed off as q8_0, garbled tensor data) breaks them: tests/test_export.py feeds
 
 from __future__ import annotations
 
-import json
-import os
+import math
 import shutil
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from vlmrl.errors import UserError
 from vlmrl.export.gguf import open_gguf
 
 QUANT_PROMPTS = (
@@ -125,28 +125,30 @@ class Need:
 
 
 def checkpoint_parameters(model_dir: Path) -> int:
-    """Parameters of a safetensors checkpoint, read from the headers only."""
-    total = 0
+    """Parameters of a safetensors checkpoint, from the headers only (safetensors' safe_open
+    maps each file and parses its header, never the tensors)."""
+    from safetensors import SafetensorError, safe_open
+
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{model_dir}: no *.safetensors checkpoint to size the export")
+    total = 0
     for path in files:
-        with path.open("rb") as handle:
-            size = int.from_bytes(handle.read(8), "little")
-            header = json.loads(handle.read(size))
-        total += sum(int(np.prod(entry["shape"])) for key, entry in header.items()
-                     if key != "__metadata__")
+        try:
+            with safe_open(path, framework="numpy") as tensors:
+                total += sum(math.prod(tensors.get_slice(name).get_shape())
+                             for name in tensors.keys())  # noqa: SIM118 - not iterable
+        except SafetensorError as error:
+            raise UserError(f"{path}: not a readable safetensors file ({error})") from error
     return total
 
 
 def available_memory() -> int:
-    """MemAvailable from /proc/meminfo (bytes), else the free physical pages."""
-    meminfo = Path("/proc/meminfo")
-    if meminfo.is_file():
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    """Memory the export may take without swapping (bytes): psutil's `available`, which on Linux
+    is the kernel's MemAvailable."""
+    import psutil
+
+    return int(psutil.virtual_memory().available)
 
 
 def free_disk(path: Path) -> int:
