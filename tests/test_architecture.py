@@ -18,7 +18,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 # The root's modules: every package may import them; they import only one another.
 ROOT_MODULES = ("vlmrl", "vlmrl.cli", "vlmrl.errors", "vlmrl.params", "vlmrl.params_checks",
-                "vlmrl.cache", "vlmrl.outputs")
+                "vlmrl.cache", "vlmrl.outputs", "vlmrl.hub")
 MAX_ROOT_MODULES = 8
 # Each package and the packages it may import besides the root's modules. A package missing here
 # fails the first tests until it is placed.

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vlmrl.data.columns import ORIGIN, DataError
+from vlmrl.hub import check_hub_dataset
 
 if TYPE_CHECKING:
     from vlmrl.params import DataParams
@@ -46,6 +47,7 @@ Row = dict[str, Any]
 def hub_rows(settings: DataParams) -> Iterator[Row]:
     from datasets import load_dataset
 
+    check_hub_dataset(settings.source)  # one line for a typo or an unreachable hub, at once
     try:
         rows = load_dataset(settings.source, name=settings.config, split=settings.split,
                             revision=settings.revision)

@@ -28,6 +28,7 @@ from transformers import (
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from vlmrl.cache import cache_root
+from vlmrl.hub import check_hub_model
 from vlmrl.models.processor import chat_template, save_processor_files
 from vlmrl.outputs import atomic_dir
 from vlmrl.params import ModelParams, ParamsError
@@ -147,9 +148,12 @@ def _builder_version() -> str:
 
 
 def resolve_model_path(settings: ModelParams) -> str:
-    """A local directory for the embedded model; hub ids and local paths pass through."""
+    """A local directory for the embedded model; local paths pass through, and hub ids once the
+    hub (or the local cache) has them (vlmrl.hub)."""
     if is_embedded(settings.name):
         return str(ensure_embedded_model(settings.name, seed=settings.seed))
+    if not Path(settings.name).expanduser().exists():
+        check_hub_model(settings.name)
     return settings.name
 
 
