@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 from project_repo import copy_project, run, stage_command, update_params
 
-from vlmrl.data.columns import derive_id, infer_answer_type
+from vlmrl.data.columns import DataError, derive_id, infer_answer_type
 from vlmrl.data.prepare import data_summary, load_raw_records, prepare, render_report, to_dataset
 from vlmrl.params import DataParams, ParamsError
 
@@ -159,7 +159,21 @@ def test_a_duplicate_record_is_skipped(tmp_path: Path) -> None:
     prepared = prepare(load_raw_records(settings), settings)
     (skipped,) = prepared.skipped
     assert "duplicate id" in skipped.reason and skipped.where.endswith("data.jsonl:5")
+    assert skipped.reason.endswith("data.jsonl:2 has the same id")  # the earlier record's line
     assert len(prepared.train) + len(prepared.eval) == 4
+
+
+def test_an_empty_file_or_folder_is_named_empty(tmp_path: Path) -> None:
+    empty_file = tmp_path / "data.jsonl"
+    empty_file.write_text("\n")
+    with pytest.raises(DataError, match=r"data\.jsonl: the file is empty: it holds no records"):
+        prepare(load_raw_records(local(empty_file)), local(empty_file))
+    (tmp_path / "folder").mkdir()
+    settings = local(tmp_path / "folder")
+    with pytest.raises(DataError, match=r"folder: no \.jsonl, .* file and no metadata"):
+        prepare(load_raw_records(settings), settings)
+    with pytest.raises(DataError, match=r"^data\.path .*folder is empty: it holds no records$"):
+        prepare([], settings)  # a source that yields nothing at all
 
 
 @pytest.mark.parametrize(("answer", "kind"), [("72", "integer"), ("-3", "integer"),

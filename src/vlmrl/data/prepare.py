@@ -231,7 +231,7 @@ def prepare(raw_records: Iterable[Mapping[str, Any] | BadLine],
     rows: list[dict[str, Any]] = []
     prepared = PreparedData(train=[], eval=[])
     seen_columns: set[str] = set()
-    seen_pids: set[str] = set()
+    seen_pids: dict[str, str] = {}  # pid -> where its first record was read
     for raw in raw_records:
         prepared.total += 1
         if isinstance(raw, BadLine):
@@ -249,20 +249,32 @@ def prepare(raw_records: Iterable[Mapping[str, Any] | BadLine],
                 continue
             record = validate_record(mapped, settings.image_size)
             if pid in seen_pids:
-                raise DataError("duplicate id (an earlier record has the same id)")
+                raise DataError(f"duplicate id: {seen_pids[pid] or 'an earlier record'} has the "
+                                "same id")
         except DataError as error:
             _reject(prepared, Skipped(pid, str(error), where), settings)
             continue
-        seen_pids.add(pid)
+        seen_pids[pid] = where
         rows.append(to_row(record, system_prompt))
+    if prepared.total == 0:
+        raise DataError(f"{source_name(settings)} is empty: it holds no records")
     check_mapped_columns(settings, seen_columns)
     if not rows:
+        first = prepared.skipped[0] if prepared.skipped else None
+        example = f": {first.where or first.pid}: {first.reason}" if first else ""
         raise DataError(
             f"no records left after filtering {prepared.total} records by data.question_types="
             f"{list(settings.question_types)} and data.answer_types={list(settings.answer_types)}"
-            f" ({len(prepared.skipped)} skipped as bad)")
+            f" ({len(prepared.skipped)} skipped as bad{example})")
     prepared.train, prepared.eval = split_by_pid(rows, settings.eval_size, settings.seed)
     return prepared
+
+
+def source_name(settings: DataParams) -> str:
+    """The data as params name it: the local file or folder, else the source."""
+    if settings.source == LOCAL_SOURCE:
+        return f"data.path {settings.path}"
+    return f"data.source {settings.source}"
 
 
 def _reject(prepared: PreparedData, skipped: Skipped, settings: DataParams) -> None:

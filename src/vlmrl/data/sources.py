@@ -95,7 +95,9 @@ def read_record_file(path: Path) -> Iterator[Row | BadLine]:
                ".parquet": _parquet_rows}
     if path.suffix not in readers:
         raise DataError(f"{path}: not a {', '.join(RECORD_SUFFIXES)} file")
+    rows = 0
     for row in readers[path.suffix](path):
+        rows += 1
         if isinstance(row, tuple):
             where, values = row
             source = path.parent.name if path.name in METADATA_FILES else path.name
@@ -103,6 +105,8 @@ def read_record_file(path: Path) -> Iterator[Row | BadLine]:
             yield values
         else:
             yield row
+    if not rows:
+        yield BadLine(str(path), "the file is empty: it holds no records")
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, Row] | BadLine]:
