@@ -4,7 +4,9 @@ content as a list of parts; llama.cpp's chat template for a model without a proj
 content as a string only, and answered such a list with HTTP 500. So for a text model the text
 parts are joined into one string (with newlines, as the pipeline's prompts join them), and an
 image part is refused with HTTP 400 naming it; a model served with its projector gets the parts
-as sent (llama.cpp's multimodal handler reads them).
+as sent (llama.cpp's multimodal handler reads them). With `--verbose False` (as `vlmrl serve` runs
+it unless told otherwise) the process prints one line, once its port listens, instead of
+llama.cpp's model metadata and uvicorn's logs.
 
     python -m vlmrl.serve.app --model model-Q4_K_M.gguf [--clip_model_path mmproj-f16.gguf ...]
 """
@@ -15,6 +17,10 @@ import argparse
 import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
+
+from starlette.datastructures import MutableHeaders
+from starlette.requests import Request
+from starlette.responses import JSONResponse
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -68,24 +74,15 @@ class ContentParts:
                 or not scope.get("path", "").endswith("/chat/completions")):
             await self.app(scope, receive, send)
             return
-        body = await read_body(receive)
+        body = await Request(scope, receive).body()
         try:
             body = json.dumps(text_only_messages(json.loads(body))).encode()
         except json.JSONDecodeError:
             pass  # the server answers a body that is not JSON itself
         except RequestProblem as problem:
-            await send_error(send, 400, str(problem))
+            await openai_error(400, str(problem))(scope, receive, send)
             return
         await self.app(with_length(scope, len(body)), replay(body, receive), send)
-
-
-async def read_body(receive: Receive) -> bytes:
-    chunks = []
-    while True:
-        message = await receive()
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body"):
-            return b"".join(chunks)
 
 
 def replay(body: bytes, receive: Receive) -> Receive:
@@ -104,26 +101,28 @@ def replay(body: bytes, receive: Receive) -> Receive:
 
 
 def with_length(scope: Scope, length: int) -> Scope:
-    headers = [(name, value) for name, value in scope.get("headers", [])
-               if name.lower() != b"content-length"]
-    return {**scope, "headers": [*headers, (b"content-length", str(length).encode())]}
+    """A copy of `scope` whose content-length header says `length`."""
+    scope = {**scope, "headers": list(scope.get("headers", []))}
+    MutableHeaders(scope=scope)["content-length"] = str(length)
+    return scope
 
 
-async def send_error(send: Send, status: int, message: str) -> None:
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error",
-                                 "param": "messages", "code": None}}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
+def openai_error(status: int, message: str) -> JSONResponse:
+    """An error response in the shape OpenAI's API answers with."""
+    return JSONResponse({"error": {"message": message, "type": "invalid_request_error",
+                                   "param": "messages", "code": None}}, status_code=status)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """llama_cpp.server's command line (its own options), served through ContentParts."""
+    """llama_cpp.server's command line (its own options), served through ContentParts. With
+    `--verbose False` it prints one line, once the port listens; with True, llama.cpp's and
+    uvicorn's logs as well."""
     import uvicorn
     from llama_cpp.server.app import create_app
     from llama_cpp.server.cli import add_args_from_model, parse_model_from_args
     from llama_cpp.server.settings import ModelSettings, ServerSettings, Settings
+
+    from vlmrl.export.gguf import quiet_llama_logs
 
     parser = argparse.ArgumentParser(prog="python -m vlmrl.serve.app",
                                      description="Runs llama_cpp.server's app for vlmrl serve.")
@@ -131,9 +130,36 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     server = parse_model_from_args(ServerSettings, args)
     model = parse_model_from_args(ModelSettings, args)
-    app = create_app(server_settings=server, model_settings=[model])
-    uvicorn.run(ContentParts(app, vision=model.clip_model_path is not None),
-                host=server.host, port=server.port)
+    if not model.verbose:
+        quiet_llama_logs()
+    try:
+        app = create_app(server_settings=server, model_settings=[model])
+    except ValueError as error:  # llama-cpp-python's answer to a file llama.cpp cannot load
+        raise SystemExit(f"serve failed: {model.model}: llama.cpp cannot load it ({error})")
+    config = uvicorn.Config(ContentParts(app, vision=model.clip_model_path is not None),
+                            host=server.host, port=server.port,
+                            log_level="info" if model.verbose else "warning")
+    ready_server(config, ready_line(server.host, server.port, model.model_alias)).run()
+
+
+def ready_line(host: str, port: int, model_id: str | None) -> str:
+    """What `vlmrl serve` prints once it answers: where, and the model id to send."""
+    return (f"vlmrl serve: ready on http://{host}:{port}/v1 (OpenAI chat API), model id "
+            f"{model_id!r}; Ctrl-C stops it")
+
+
+def ready_server(config: Any, line: str) -> Any:
+    """A uvicorn.Server that prints `line` once its socket listens: clients that wait for the
+    line can connect at once."""
+    import uvicorn
+
+    class ReadyServer(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets=sockets)
+            if not self.should_exit:
+                print(line, flush=True)
+
+    return ReadyServer(config)
 
 
 if __name__ == "__main__":

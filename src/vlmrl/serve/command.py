@@ -18,6 +18,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from vlmrl.export.gguf import GGUFError, gguf_general_name
 from vlmrl.export.gguf_release import PROJECTOR_KIND, default_model_file
 
 SERVER_MODULE = "vlmrl.serve.app"
@@ -42,21 +43,38 @@ def gguf_names(folder: Path) -> dict[str, str]:
 
 
 def serve_command(folder: Path, *, file: str | None = None, host: str = "127.0.0.1",
-                  port: int = 8080, n_ctx: int = 4096, projector: bool = True) -> list[str]:
+                  port: int = 8080, n_ctx: int = 4096, projector: bool = True,
+                  alias: str | None = None, verbose: bool = False) -> list[str]:
     """The server's command line for the folder (`python -m` SERVER_MODULE, llama_cpp.server's
-    app behind vlmrl.serve.app's request filter)."""
+    app behind vlmrl.serve.app's request filter).
+
+    Args:
+        alias: the model id clients send and /v1/models lists; default `release_model_name`.
+        verbose: llama.cpp's model metadata and logs, and uvicorn's, instead of one ready line.
+    """
     names = gguf_names(folder)
-    model = file or default_model_file(names)
-    if not (Path(folder) / model).is_file():
-        raise ServeError(f"{Path(folder) / model}: no such GGUF file; the folder has "
+    model = Path(folder) / (file or default_model_file(names))
+    if not model.is_file():
+        raise ServeError(f"{model}: no such GGUF file; the folder has "
                          f"{sorted(names.values())}")
-    command = [sys.executable, "-m", SERVER_MODULE, "--model", str(Path(folder) / model),
-               "--host", host, "--port", str(port), "--n_ctx", str(n_ctx),
-               "--n_threads", str(os.cpu_count() or 1), "--seed", "0"]
+    command = [sys.executable, "-m", SERVER_MODULE, "--model", str(model),
+               "--model_alias", alias or release_model_name(model), "--host", host,
+               "--port", str(port), "--n_ctx", str(n_ctx),
+               "--n_threads", str(os.cpu_count() or 1), "--seed", "0",
+               "--verbose", str(verbose)]
     if projector and PROJECTOR_KIND in names:
         command += ["--clip_model_path", str(Path(folder) / names[PROJECTOR_KIND]),
                     "--chat_format", "mtmd"]
     return command
+
+
+def release_model_name(model: Path) -> str:
+    """The model's name in the release: the GGUF file's `general.name` (export writes the base
+    model's name + "-gspo" there), else the file's name without `.gguf`."""
+    try:
+        return gguf_general_name(model) or model.stem
+    except GGUFError as error:
+        raise ServeError(str(error)) from error
 
 
 def check_server_installed() -> None:
@@ -83,19 +101,26 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="context length in tokens (default: 4096)")
     parser.add_argument("--no-projector", action="store_true",
                         help="text only, even where the folder has a projector (default: off)")
+    parser.add_argument("--alias", metavar="NAME",
+                        help="the model id OpenAI clients send (default: the release's model "
+                        "name, the GGUF file's general.name)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show llama.cpp's model metadata and logs, and each request "
+                        "(default: one line once the server is ready)")
     return parser.parse_args(argv)
 
 
 def cli_serve(argv: Sequence[str] | None = None) -> int:
+    """Execs the server; it prints one line once it answers (`vlmrl.serve.app.ready_line`)."""
     args = parse_args(argv)
     try:
         check_server_installed()
         command = serve_command(args.gguf, file=args.file, host=args.host, port=args.port,
-                                n_ctx=args.n_ctx, projector=not args.no_projector)
+                                n_ctx=args.n_ctx, projector=not args.no_projector,
+                                alias=args.alias, verbose=args.verbose)
     except ServeError as error:
         print(f"serve failed: {error}", file=sys.stderr)
         return 1
-    print(f"serving {command[4]} on http://{args.host}:{args.port}/v1 (OpenAI chat API); "
-          "Ctrl-C stops it", flush=True)
+    sys.stdout.flush()
     sys.stderr.flush()
     os.execv(command[0], command)  # returns only by raising OSError
