@@ -4,13 +4,19 @@ writes the starting LoRA adapter that baseline_eval applies and train_gspo conti
 Like train_gspo, where `train.distributed` resolves to several processes (by default one per
 GPU, on a host with several) the script relaunches itself under `accelerate launch`
 (vlmrl.distributed.launch) and rank 0 alone writes; the decision comes before torch is imported. A
-pass-through SFT (nothing to train) always runs in this process."""
+pass-through SFT (nothing to train) always runs in this process, on the main machine alone where
+several train together."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from vlmrl.distributed.launch import is_main_process, launch_unless_worker, training_plan
+from vlmrl.distributed.launch import (
+    is_main_process,
+    launch_unless_worker,
+    other_machine,
+    training_plan,
+)
 from vlmrl.errors import run_stage
 from vlmrl.outputs import stage_outputs, stage_parser, write_json_atomic
 from vlmrl.params import load_params
@@ -27,9 +33,13 @@ def main() -> int:
 
     outputs = (args.out, args.metrics, args.log, args.details, args.timings)
     params = load_params(args.params)  # a bad param fails here, before any file moves
+    if not params.sft.trains and other_machine(params.train):
+        print("sft_cold_start: nothing to train; node 0 writes the pass-through")
+        return 0
     plan = training_plan(params.train, params.model, "sft_cold_start") \
         if params.sft.trains else None
-    if launch_unless_worker(plan, params.sft.args, params.model, __file__, outputs):
+    if launch_unless_worker(plan, params.sft.args, params.model, __file__, outputs,
+                            args.params):
         return 0
     with stage_outputs(*outputs, owner=is_main_process()):
         from vlmrl.training.sft import run_sft  # torch: once the GPUs are chosen

@@ -2,7 +2,8 @@
 
 Where `train.distributed` resolves to several processes (by default one per GPU, on a host with
 several) the script relaunches itself under `accelerate launch` (vlmrl.distributed.launch) and rank 0 alone
-writes the outputs. The decision comes before torch is imported (vlmrl.training.gspo imports it), so
+writes the outputs; on several machines (`train.distributed.num_machines`, or NNODES and NODE_RANK)
+each machine runs this script and only node 0's rank 0 writes. The decision comes before torch is imported (vlmrl.training.gspo imports it), so
 a run in this process on a host with several GPUs can still keep to one of them."""
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def main() -> int:
     params = load_params(args.params)  # a bad param fails here, before any file moves
     use_expandable_segments(params.train.expandable_segments)  # before torch initialises CUDA
     plan = training_plan(params.train, params.model, "train_gspo")
-    if launch_unless_worker(plan, params.train.grpo, params.model, __file__, outputs):
+    if launch_unless_worker(plan, params.train.grpo, params.model, __file__, outputs,
+                            args.params):
         return 0
     with stage_outputs(*outputs, owner=is_main_process()):
         from vlmrl.training.gspo import LiveOutputs, train  # torch: once the GPUs are chosen

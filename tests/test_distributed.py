@@ -40,6 +40,8 @@ from vlmrl.distributed.launch import (
     visible_gpus,
     worker_env,
 )
+from vlmrl.distributed.nodes import Nodes
+from vlmrl.distributed.settings import machines
 from vlmrl.params import ModelParams, ParamsError, TrainParams
 from vlmrl.training.gspo import rows_report, split_batch
 
@@ -104,6 +106,102 @@ def test_launch_command_and_environment() -> None:
     assert env["VLMRL_LAUNCHED"] == "1"
 
 
+MACHINE_VARIABLES = ("NNODES", "WORLD_SIZE", "NODE_RANK", "MACHINE_RANK", "MASTER_ADDR",
+                     "MASTER_PORT")
+
+
+def test_one_machine_is_the_default_and_ignores_the_node_variables() -> None:
+    """`num_machines: 1` launches as it always has, whatever MASTER_* or NODE_RANK say."""
+    defaults = DistributedParams.from_params({})
+    assert (defaults.num_machines, defaults.machine_rank, defaults.main_process_ip,
+            defaults.main_process_port, defaults.rdzv_timeout) == (1, 0, None, 29500, 600)
+    found = machines(defaults, {"NODE_RANK": "3", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1"})
+    assert not found.several_machines
+    launch = training_launch(resolve(found, 0), "no")
+    assert launch is None  # one process on a CPU, in this process, as before
+
+
+def test_the_node_variables_set_the_machine_keys() -> None:
+    params = DistributedParams.from_params({"num_machines": 2, "main_process_ip": "10.0.0.1"})
+    assert machines(params, {}).nodes() == Nodes(2, 0, "10.0.0.1", 29500, 600.0)
+    slurm = {"NNODES": "4", "NODE_RANK": "3", "MASTER_ADDR": "gpu-001", "MASTER_PORT": "29400",
+             "WORLD_SIZE": "99"}  # NNODES first
+    assert machines(DistributedParams.from_params({}), slurm).nodes() == Nodes(
+        4, 3, "gpu-001", 29400, 600.0)
+    kubeflow = {"WORLD_SIZE": "2", "MACHINE_RANK": "1", "MASTER_ADDR": "main"}
+    assert machines(params, kubeflow).nodes() == Nodes(2, 1, "main", 29500, 600.0)
+
+
+@pytest.mark.parametrize(("params", "environ", "message"), [
+    ({}, {"NNODES": "two"}, ("environment variable NNODES (train.distributed.num_machines): "
+                            "must be an integer >= 1, got 'two'")),
+    ({}, {"NNODES": "2", "MASTER_ADDR": "h", "MASTER_PORT": "65535"},
+     ("environment variable MASTER_PORT (train.distributed.main_process_port): must be an "
+     "integer in [1, 65534], got '65535'")),
+    ({}, {"NNODES": "2", "NODE_RANK": "2", "MASTER_ADDR": "h"},
+     ("params.yaml train.distributed.machine_rank 2 (NODE_RANK=2) must be below num_machines 2 "
+     "(NNODES=2)")),
+    ({"num_machines": 2}, {}, ("params.yaml train.distributed.main_process_ip is needed with "
+                              "num_machines 2 (train.distributed.num_machines): the main "
+                              "machine's address, or MASTER_ADDR")),
+    ({"strategy": "none"}, {"NNODES": "2", "MASTER_ADDR": "h"},
+     ("params.yaml train.distributed.strategy none runs one process on one machine; "
+     "num_machines 2 (NNODES=2) needs auto, ddp, zero2, zero3 or fsdp")),
+])
+def test_bad_machine_settings_are_one_line_naming_the_key(params, environ, message) -> None:
+    with pytest.raises(ParamsError) as raised:
+        machines(DistributedParams.from_params(params), environ)
+    assert str(raised.value) == message
+
+
+def test_bad_machine_params_are_named() -> None:
+    with pytest.raises(ParamsError, match=r"train\.distributed\.machine_rank: input should be "
+                                          r"greater than or equal to 0"):
+        DistributedParams.from_params({"machine_rank": -1})
+    with pytest.raises(ParamsError, match=r"train\.distributed\.num_machines: must be a positive "
+                                          r"integer, got 0"):
+        DistributedParams.from_params({"num_machines": 0})
+
+
+def test_processes_count_every_machine_and_divide_among_them() -> None:
+    two = machines(DistributedParams.from_params({}), {"NNODES": "2", "MASTER_ADDR": "h"})
+    assert [(r.strategy, r.num_processes) for r in (resolve(two, 0), resolve(two, 8))] == [
+        ("ddp", 2), ("ddp", 16)]  # auto: one per machine on CPUs, one per GPU on each
+    odd = two.model_copy(update={"num_processes": 3})
+    with pytest.raises(ParamsError, match=r"num_processes \(3\) counts the processes of all 2 "
+                                          r"machines and must divide among them"):
+        resolve(odd, 0)
+    many = two.model_copy(update={"num_processes": 16})
+    with pytest.raises(ParamsError, match=r"num_processes \(16\) over 2 machines is 8 each, "
+                                          r"more than the 4 GPUs visible here"):
+        resolve(many, 4)
+
+
+def test_launch_command_on_several_machines() -> None:
+    settings = machines(DistributedParams.from_params({"rdzv_timeout": 90}),
+                        {"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1",
+                         "MASTER_PORT": "29400"})
+    launch = training_launch(resolve(settings, 8), "bf16")
+    command = launch_command(launch, "stages/train_gspo.py", ["--out", "x"])
+    flags = dict(zip(command[3:-3:2], command[4:-3:2], strict=True))
+    assert flags == {"--config_file": str(ACCELERATE_CONFIGS / "ddp.yaml"),
+                     "--num_processes": "16", "--num_machines": "2", "--machine_rank": "1",
+                     "--main_process_ip": "10.0.0.1", "--main_process_port": "29400",
+                     "--rdzv_backend": "static", "--rdzv_conf": "timeout=90",
+                     "--mixed_precision": "bf16"}
+    assert command[-3:] == ["stages/train_gspo.py", "--out", "x"]
+
+
+def test_unsloth_on_several_machines_is_refused(tmp_path: Path, monkeypatch,
+                                                no_launch_env) -> None:
+    monkeypatch.setenv("PATH", fake_nvidia_smi(tmp_path / "bin", 2)["PATH"])
+    for name, value in {"NNODES": "2", "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(name, value)
+    unsloth = ModelParams(name="embedded:tiny-qwen3-vl", backend="unsloth")
+    with pytest.raises(ParamsError, match=r"strategy ddp: Unsloth trains on one GPU"):
+        training_plan(train_params(), unsloth, "train_gspo")
+
+
 def test_the_global_batch_is_split_among_processes() -> None:
     grpo = {"per_device_train_batch_size": 32, "num_generations": 16}
     assert split_batch(grpo, 1) == grpo
@@ -153,7 +251,8 @@ def no_launch_env(monkeypatch) -> None:
     """This process as a stage's own (no torchrun variables), with no GPU narrowing set. Each
     variable is set before it is removed, so that monkeypatch restores its absence even where
     the code under test sets it (keep_one_gpu sets CUDA_VISIBLE_DEVICES in this process)."""
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "VLMRL_LAUNCHED", "CUDA_VISIBLE_DEVICES"):
+    for name in ("RANK", "LOCAL_RANK", "VLMRL_LAUNCHED", "CUDA_VISIBLE_DEVICES",
+                 *MACHINE_VARIABLES):
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+from vlmrl.errors import UserError
 from vlmrl.params import ParamsError
 
 T = TypeVar("T")
@@ -76,13 +77,24 @@ def gather_lists(local: list[T]) -> list[list[T]]:
 
 def main_decides(decide: Callable[[], T], follow: Callable[[], T]) -> T:
     """Rank 0 runs `decide` (which may move and write files); the others wait for it and then
-    run `follow`, which must only read what rank 0 left."""
+    run `follow`, which must only read what rank 0 left, and find what rank 0 decided. A rank on
+    another machine that does not see rank 0's files (a checkpoint to resume from, where the
+    checkpoint folder is not shared) would train from another state: every rank stops with one
+    line instead (a collective: every rank must call this)."""
     from accelerate import PartialState
 
     state = PartialState()
     result = decide() if state.is_main_process else None
     state.wait_for_everyone()
-    return result if state.is_main_process else follow()
+    mine = result if state.is_main_process else follow()
+    views = gather_lists([mine])
+    for rank, [view] in enumerate(views):
+        if view != views[0][0]:
+            raise UserError(f"process {rank} found {view} where process 0 decided "
+                            f"{views[0][0]}: on several machines every one must see the files "
+                            "process 0 prepares (a shared checkpoint folder), or process 0's "
+                            "checkpoints be moved aside to start over")
+    return mine
 
 
 def write_gathered_files(files: Mapping[str, bytes], output_dir: Path, is_main: bool) -> None:

@@ -10,6 +10,10 @@ the first one (`keep_one_gpu`), since TRL's trainers refuse the nn.DataParallel 
 transformers' Trainer would otherwise wrap the model in. GPUs are counted with nvidia-smi
 (`visible_gpus`), so the decision is made before torch initialises CUDA.
 
+Several machines (`train.distributed.num_machines`, or NNODES with NODE_RANK, MASTER_ADDR and
+MASTER_PORT: vlmrl.distributed.settings) run the same stage on each machine; the launchers meet
+and watch each other (vlmrl.distributed.nodes) around one multi-node `accelerate launch` each.
+
 Rank 0 alone writes a stage's outputs; `is_main_process` reads the rank from the environment
 torchrun gives every worker, so a stage can decide before torch is imported. Every launch keeps
 NVLink multicast off (NCCL NVLS, torch symmetric memory, NVSHMEM): lent multi-GPU machines require
@@ -25,47 +29,16 @@ import sys
 from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Self
+from typing import Any
 
-from pydantic import model_validator
-
-from vlmrl.params import ModelParams, ParamsError, ProcessCount, Section, TrainParams
+from vlmrl.distributed.nodes import SKIP, Identity, NodeError, Nodes, identity, meet, watch
+from vlmrl.distributed.settings import UP_TO_DATE_ENV, DistributedParams, machines
+from vlmrl.params import PARAMS_FILE, ModelParams, ParamsError, TrainParams
 
 ACCELERATE_CONFIGS = Path(__file__).resolve().parents[1] / "assets" / "accelerate_configs"
 WORKER_ENV = "VLMRL_LAUNCHED"
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                     "NVSHMEM_DISABLE_NVLS": "1"}
-
-
-# none runs in this process; the others relaunch the stage with the config file of that name;
-# auto picks one of them by the number of GPUs (`resolve`).
-Strategy = Literal["auto", "none", "ddp", "zero2", "zero3", "fsdp"]
-MultiProcessStrategy = Literal["ddp", "zero2", "zero3", "fsdp"]
-
-
-class DistributedParams(Section):
-    """`train.distributed`: how many processes train (sft_cold_start and train_gspo) and how.
-    `strategy: auto` with `num_processes: auto` trains with one process per visible GPU under
-    `multi_gpu_strategy` where there are several GPUs, in this process otherwise. The batch
-    sizes in `train.grpo` and `sft.args` are global: each of `num_processes` processes gets
-    `per_device_train_batch_size / num_processes` rows (as accelerate's `split_batches`), so the
-    optimizer and generation batches mean the same at any process count. (Here rather than in
-    vlmrl.params, which is at its length limit.)"""
-
-    SECTION = "train.distributed"
-    num_processes: ProcessCount = "auto"
-    strategy: Strategy = "auto"
-    # what auto launches with several processes: ddp where the model fits one GPU, zero3 or
-    # fsdp where it must be sharded
-    multi_gpu_strategy: MultiProcessStrategy = "ddp"
-    config_file: str | None = None  # an accelerate config of your own instead of the strategy's
-
-    @model_validator(mode="after")
-    def _strategy_for_processes(self) -> Self:
-        if self.num_processes not in (1, "auto") and self.strategy == "none":
-            raise ValueError(f"num_processes {self.num_processes} needs a strategy (auto, ddp, "
-                             "zero2, zero3 or fsdp); strategy none runs one process")
-        return self
 
 
 def visible_gpus() -> int:
@@ -104,20 +77,27 @@ def world_size() -> int | None:
 
 def resolve(settings: DistributedParams, gpus: int,
             world: int | None = None) -> DistributedParams:
-    """`settings` with a concrete strategy (none: this process) and process count. `auto`
-    processes: `world` in a launched worker, else one per GPU where there are several, else 1;
-    `auto` strategy: `multi_gpu_strategy` for more than one process, else none. More processes
-    than `gpus` (where there are any) is a params error."""
+    """`settings` with a concrete strategy (none: this process) and process count, the count of
+    every machine's processes together. `auto` processes: `world` in a launched worker, else
+    one per GPU where there are several, else 1, on each of `num_machines` machines; `auto`
+    strategy: `multi_gpu_strategy` for more than one process, else none. A count that does not
+    divide among the machines, or asks more processes of a machine than `gpus` (where there
+    are any), is a params error."""
+    machines = settings.num_machines
     count = settings.num_processes
     if count == "auto":
-        count = world or (gpus if gpus > 1 and settings.strategy != "none" else 1)
+        count = world or machines * (gpus if gpus > 1 and settings.strategy != "none" else 1)
     strategy = settings.strategy
     if strategy == "auto":
         strategy = settings.multi_gpu_strategy if count > 1 else "none"
-    if world is None and 0 < gpus < count:
-        raise ParamsError(f"params.yaml train.distributed.num_processes ({count}) is more than "
-                          f"the {gpus} GPUs visible here; one process per GPU at most (auto: "
-                          "one per GPU)")
+    if world is None and count % machines:
+        raise ParamsError(f"params.yaml train.distributed.num_processes ({count}) counts the "
+                          f"processes of all {machines} machines and must divide among them")
+    if world is None and 0 < gpus < count // machines:
+        what = (f"({count}) is more than" if machines == 1 else
+                f"({count}) over {machines} machines is {count // machines} each, more than")
+        raise ParamsError(f"params.yaml train.distributed.num_processes {what} the {gpus} GPUs "
+                          "visible here; one process per GPU at most (auto: one per GPU)")
     return settings.model_copy(update={"strategy": strategy, "num_processes": count})
 
 
@@ -178,16 +158,17 @@ def training_plan(train: TrainParams, model: ModelParams, stage: str) -> Distrib
     """What a training stage does, decided before torch initialises CUDA: `train.distributed`
     resolved on this host and checked against the model. Where it runs in this process on
     several GPUs it keeps one; Unsloth trains on one GPU, so `auto` keeps one for it too (an
-    explicit strategy or count with Unsloth is a params error). A launched worker only
-    resolves."""
+    explicit strategy or count with Unsloth is a params error, as is Unsloth on several
+    machines). The machines come from params and the environment (`machines`). A launched
+    worker only resolves."""
     if launched_worker():
         return distributed_settings(train)
     gpus = visible_gpus()
-    settings = DistributedParams.from_params(train.distributed)
+    settings = machines(DistributedParams.from_params(train.distributed))
     resolved = resolve(settings, gpus)
     unsloth = unsloth_chosen(model.backend)
     if unsloth and resolved.strategy != "none" and settings.strategy == "auto" == (
-            settings.num_processes):
+            settings.num_processes) and not settings.several_machines:
         keep_one_gpu(gpus, f"{stage}: Unsloth trains on one GPU (model.backend: transformers "
                            "trains on all)")
         return resolved.model_copy(update={"strategy": "none", "num_processes": 1})
@@ -256,8 +237,9 @@ class Launch:
     precision (from the model's dtype, as in one process; the config file's value is not used)."""
 
     config_file: Path
-    num_processes: int
+    num_processes: int  # on every machine together
     mixed_precision: str = "no"
+    nodes: Nodes | None = None  # several machines: this one's place among them
 
 
 def launched_worker() -> bool:
@@ -306,7 +288,8 @@ def training_launch(settings: DistributedParams, mixed_precision: str) -> Launch
     """None where training runs in this process (resolved strategy none)."""
     if settings.strategy == "none":
         return None
-    return Launch(config_for(settings), settings.num_processes, mixed_precision)
+    return Launch(config_for(settings), settings.num_processes, mixed_precision,
+                  settings.nodes() if settings.several_machines else None)
 
 
 def evaluation_launch(num_processes: int) -> Launch | None:
@@ -317,13 +300,23 @@ def evaluation_launch(num_processes: int) -> Launch | None:
 
 
 def launch_command(launch: Launch, script: Path | str, argv: Sequence[str]) -> list[str]:
-    """`accelerate launch` on `script` with `argv`; port 0: accelerate picks a free one, so two
-    stages (or two test runs) can launch at once."""
-    return [sys.executable, "-m", "accelerate.commands.launch",
-            "--config_file", str(launch.config_file),
-            "--num_processes", str(launch.num_processes), "--num_machines", "1",
-            "--mixed_precision", launch.mixed_precision, "--main_process_port", "0",
-            str(script), *argv]
+    """`accelerate launch` on `script` with `argv`. One machine: port 0, so that accelerate picks
+    a free one and two stages (or two test runs) can launch at once. Several: this machine's
+    rank, the main machine's address and port, and torch's static rendezvous, which waits
+    `rdzv_timeout` for the machines (by then the launchers have met: `run_on_nodes`)."""
+    command = [sys.executable, "-m", "accelerate.commands.launch",
+               "--config_file", str(launch.config_file),
+               "--num_processes", str(launch.num_processes)]
+    nodes = launch.nodes
+    if nodes is None:
+        command += ["--num_machines", "1", "--mixed_precision", launch.mixed_precision,
+                    "--main_process_port", "0"]
+    else:
+        command += ["--num_machines", str(nodes.count), "--machine_rank", str(nodes.rank),
+                    "--main_process_ip", nodes.address, "--main_process_port", str(nodes.port),
+                    "--rdzv_backend", "static", "--rdzv_conf", f"timeout={nodes.timeout:g}",
+                    "--mixed_precision", launch.mixed_precision]
+    return [*command, str(script), *argv]
 
 
 def worker_env() -> dict[str, str]:
@@ -331,38 +324,62 @@ def worker_env() -> dict[str, str]:
 
 
 def launch_unless_worker(plan: DistributedParams | None, trainer_args: Mapping[str, Any],
-                         model: ModelParams, script: Path | str,
-                         outputs: Sequence[Path]) -> bool:
+                         model: ModelParams, script: Path | str, outputs: Sequence[Path],
+                         params_file: Path = PARAMS_FILE) -> bool:
     """The launcher's half of a training stage. Where `plan` asks for several processes and this
     process is none of them, runs the stage script's workers under `accelerate launch` with this
-    process's arguments and returns True once they succeeded (rank 0 wrote the outputs); where
-    one failed, brings back the outputs a killed rank 0 could not (vlmrl.outputs) and exits with
-    their status. Otherwise returns False and this process does the work (a launched worker
-    first asks to die with its launcher).
+    process's arguments (on several machines, once the machines have met) and returns True once
+    they succeeded (rank 0 wrote the outputs); where one failed, brings back the outputs a killed
+    rank 0 could not (vlmrl.outputs) and exits with their status, or raises the NodeError that
+    names the machine that failed. On node 0, with UP_TO_DATE_ENV set (DVC has the stage up to
+    date), it only tells the other machines so and returns True. Otherwise returns False and
+    this process does the work (a launched worker first asks to die with its launcher).
 
     Args:
         plan: `training_plan`'s decision, or None for a stage with nothing to train.
         trainer_args: the trainer's params section (`train.grpo`, `sft.args`), whose precision
             flags the launch passes to accelerate.
         outputs: the stage's outputs, which rank 0 writes.
+        params_file: the stage's params file, which every machine must hold the same.
     """
+    several = plan is not None and plan.several_machines and not launched_worker()
+    if os.environ.get(UP_TO_DATE_ENV) == "1" and not launched_worker():
+        if several:
+            meet(plan.nodes(), identity(script, sys.argv[1:], params_file), SKIP)
+        return True
     if plan is None or plan.strategy == "none" or launched_worker():
         die_with_launcher()
         return False
     from vlmrl.models.backend import mixed_precision  # torch, not initialising CUDA
 
     launch = training_launch(plan, mixed_precision(trainer_args, model))
-    finish_launched(run_launched(launch, script, sys.argv[1:]), outputs)
+    if several:
+        me = identity(script, sys.argv[1:], params_file)
+        finish_launched(run_on_nodes(launch, script, sys.argv[1:], me), outputs)
+    else:
+        finish_launched(run_launched(launch, script, sys.argv[1:]), outputs)
     return True
 
 
-def finish_launched(code: int, outputs: Sequence[Path]) -> None:
-    """After the workers: a failure exits with their status, with the outputs that a killed
-    rank 0 left moved aside brought back."""
+def other_machine(train: TrainParams) -> bool:
+    """Whether this process is the launcher of a machine other than the main one of a
+    multi-machine run, which writes nothing: a stage with nothing to train leaves its
+    pass-through to node 0."""
+    if launched_worker():
+        return False
+    settings = machines(DistributedParams.from_params(train.distributed))
+    return settings.several_machines and settings.machine_rank > 0
+
+
+def finish_launched(code: int | BaseException, outputs: Sequence[Path]) -> None:
+    """After the workers: a failure exits with their status (or raises the NodeError that
+    stopped them), with the outputs that a killed rank 0 left moved aside brought back."""
     if code:
         from vlmrl.outputs import recover_outputs
 
         recover_outputs(*outputs)
+        if isinstance(code, BaseException):
+            raise code
         raise SystemExit(code)
 
 
@@ -372,3 +389,24 @@ def run_launched(launch: Launch, script: Path | str, argv: Sequence[str]) -> int
     print(f"launching {launch.num_processes} process(es) with {launch.config_file.name}: "
           + " ".join(command[1:]), flush=True)
     return subprocess.run(command, env=worker_env(), check=False).returncode
+
+
+def run_on_nodes(launch: Launch, script: Path | str, argv: Sequence[str],
+                 me: Identity) -> int | NodeError:
+    """This machine's share of a multi-machine run: meets the other machines' launchers, runs
+    its workers and watches the others until they end (vlmrl.distributed.nodes). Returns the
+    workers' exit code, or the NodeError naming the machine that failed, left or never came."""
+    nodes = launch.nodes
+    try:
+        peers, answer = meet(nodes, me)
+        if answer == SKIP:
+            print(f"{nodes.name()}: node 0 has the stage up to date; nothing to train here",
+                  flush=True)
+            return 0
+        command = launch_command(launch, script, argv)
+        print(f"{nodes.name()}: launching {launch.num_processes // nodes.count} of "
+              f"{launch.num_processes} process(es) with {launch.config_file.name}: "
+              + " ".join(command[1:]), flush=True)
+        return watch(nodes, peers, subprocess.Popen(command, env=worker_env()))
+    except NodeError as error:
+        return error
