@@ -15,6 +15,7 @@ from vlmrl.errors import run_stage
 from vlmrl.outputs import stage_outputs, stage_parser, write_json_atomic, write_text_atomic
 from vlmrl.params import load_params
 from vlmrl.publish import S3Location, UploadResult, params_hash, publish
+from vlmrl.publish.upload import check_upload_params
 from vlmrl.publish.model_card import CardInputs, build_release_cards
 from vlmrl.reporting.metrics import write_stage_metrics
 
@@ -71,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     upload_params = all_params.upload
     if args.promote:
         upload_params = upload_params.model_copy(update={"promote": True})
+    check_upload_params(upload_params)
     with stage_outputs(*outputs):
         for group, card in build_release_cards(all_params.raw, card_inputs).items():
             write_text_atomic(card_paths[group], card)

@@ -66,6 +66,21 @@ def truncated_adapter(project: Path) -> None:
     weights.write_bytes(weights.read_bytes()[:-100])
 
 
+def empty_local_file(project: Path) -> None:
+    write(project / "data/local/train.jsonl", "")
+
+
+def duplicate_local_records(project: Path) -> None:
+    record = json.dumps({"id": "a1", "question": "What is 3 + 4?", "answer": "7"})
+    write(project / "data/local/train.jsonl", f"{record}\n{record}\n")
+
+
+def missing_baseline(project: Path) -> None:
+    write(project / "data/models/adapter/adapter_config.json", "{}")
+    shutil.rmtree(project / "data/eval/baseline", ignore_errors=True)
+    (project / "data/metrics/baseline_eval.json").unlink(missing_ok=True)
+
+
 def params(update: dict) -> Callable[[Path], None]:
     return lambda project: update_params(project, update)
 
@@ -94,6 +109,49 @@ CASES = [
     ("train_gspo", params({"train.grpo.num_generations": 0}), "train.grpo.num_generations"),
     ("verify_lora", truncated_adapter,
      "data/models/adapter/adapter_model.safetensors: not a readable safetensors file"),
+    # params, checked before any model loads
+    ("prepare_data", params({"data.image_size": 8}), "data.image_size"),
+    ("prepare_data", params({"data.answer_pattern": "(unclosed"}), "data.answer_pattern"),
+    ("sft_cold_start", params({"sft.args.learning_rate": -1e-3}), "sft.args.learning_rate"),
+    ("sft_cold_start", params({"sft.args.max_steps": 4, "sft.args.warmup_steps": 9}),
+     "sft.args.warmup_steps"),
+    ("train_gspo", params({"train.grpo.learning_rate": -3e-4}), "train.grpo.learning_rate"),
+    ("train_gspo", params({"train.grpo.per_device_train_batch_size": 3}),
+     "train.grpo.num_generations"),
+    ("train_gspo", params({"train.lora.dropout": 1.5}), "train.lora.dropout"),
+    ("train_gspo", params({"train.grpo.no_such_key": 1}), "train.grpo.no_such_key"),
+    ("baseline_eval", then(pass_through_sft, params({"eval.max_new_tokens": 0})),
+     "eval.max_new_tokens"),
+    ("verify_lora", params({"verify.logit_tolerance": -1}), "verify.logit_tolerance"),
+    ("export", params({"export.dtype": "float64"}), "export.dtype"),
+    # data files
+    ("prepare_data", then(empty_local_file, params({"data.source": "local",
+                                                     "data.path": "data/local/train.jsonl"})),
+     "the file is empty"),
+    ("prepare_data", then(duplicate_local_records,
+                          params({"data.source": "local", "data.path": "data/local/train.jsonl",
+                                  "data.strict": True, "data.columns": {"id": "id"}})),
+     "duplicate id: data/local/train.jsonl:1 has the same id"),
+    ("prepare_data", params({"data.source": "local", "data.path": "data/local/none.jsonl"}),
+     "data/local/none.jsonl"),
+    # model and data ids
+    ("prepare_data", params({"data.source": "org/no-such-dataset"}),
+     "data.source: the Hugging Face hub cannot be reached"),
+    ("sft_cold_start", params({"model.name": "Qwen/Qwen3-VL-2B-Instrukt"}),
+     "model.name: the Hugging Face hub cannot be reached"),
+    ("baseline_eval", then(pass_through_sft, params({"model.name": "Qwen/Qwen3-VL-2B-Instrukt"})),
+     "model.name: the Hugging Face hub cannot be reached"),
+    # reward specs
+    ("baseline_eval", then(pass_through_sft, params({"rewards.length_penalty.shortest": 3})),
+     "rewards: "),
+    ("train_gspo", params({"rewards.weights.my_rewards:brevity": 1.0}), "my_rewards:brevity"),
+    # adapters and earlier stages' outputs
+    ("post_eval", missing_baseline, "the baseline_eval stage makes it"),
+    ("export", corrupt_adapter, "data/models/adapter/adapter_config.json: not valid JSON"),
+    # S3 settings
+    ("upload", params({"upload.version": "v1/../x"}), "upload.version"),
+    ("upload", params({"upload.multipart_threshold_mb": 1}), "upload.multipart_threshold_mb"),
+    ("upload", params({"upload.endpoint_url": "minio:9000"}), "upload.endpoint_url"),
 ]
 
 
@@ -115,15 +173,36 @@ def run_stage_script(project: Path, stage: str, debug: bool = False):
     return run(stage_command(stage, project), project, check=False, env=env)
 
 
+def earlier_outputs(project: Path, stage: str) -> dict[Path, str]:
+    """Files standing for the outputs of the stage's last good run: its metrics and details."""
+    command = stage_command(stage, project)
+    files = {}
+    for flag in ("--metrics", "--details"):
+        path = project / command[command.index(flag) + 1]
+        write(path, json.dumps({"from": "the last good run", "flag": flag}))
+        files[path] = path.read_text()
+    return files
+
+
+def test_there_are_many_cases_over_every_stage() -> None:
+    assert len(CASES) >= 30
+    assert {stage for stage, *_ in CASES} == {
+        "prepare_data", "sft_cold_start", "baseline_eval", "train_gspo", "post_eval",
+        "verify_lora", "export", "upload"}
+
+
 @pytest.mark.parametrize(("stage", "setup", "named"), CASES, ids=case_ids(CASES))
 def test_stage_refuses_bad_input_in_one_line(project: Path, stage, setup, named) -> None:
     setup(project)
+    before = earlier_outputs(project, stage)
     result = run_stage_script(project, stage)
     assert result.returncode == USER_ERROR_STATUS, result.stderr[-3000:]
     assert result.stderr.strip().splitlines() == [result.stderr.strip()], result.stderr[-3000:]
     line = result.stderr.strip()
     assert line.startswith(f"{stage} failed: "), line
     assert named in line, line
+    assert "Traceback" not in result.stdout + result.stderr
+    assert {path: path.read_text() for path in before} == before  # the last good run's, as they were
 
 
 def test_malformed_params_file_names_file_and_line(project: Path) -> None:

@@ -33,6 +33,7 @@ from vlmrl.distributed.launch import evaluation_processes
 from vlmrl.errors import UserError
 from vlmrl.models.backend import model_device
 from vlmrl.models.loading import load_model
+from vlmrl.models.merged_weights import check_adapter
 from vlmrl.models.processor import (
     has_vision,
     model_inputs,
@@ -268,12 +269,6 @@ def check_eval_set(path: Path) -> None:
     if not (path / "dataset_info.json").is_file() and not (path / "state.json").is_file():
         raise FileNotFoundError(f"{path}: no prepared eval set there; the prepare_data stage "
                                 f"makes it (dvc repro prepare_data)")
-
-
-def check_adapter(path: Path) -> None:
-    if not (path / "adapter_config.json").is_file():
-        raise FileNotFoundError(f"{path}: no LoRA adapter (adapter_config.json) there; the "
-                                f"train_gspo stage makes it (dvc repro train_gspo)")
 
 
 def load_eval_set(path: Path):

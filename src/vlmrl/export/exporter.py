@@ -60,7 +60,7 @@ from vlmrl.models.forward import (
     text_prompt,
 )
 from vlmrl.models.loading import load_merged, merge_adapter, sixteen_bit
-from vlmrl.models.merged_weights import compare_merged_weights
+from vlmrl.models.merged_weights import check_adapter, compare_merged_weights
 from vlmrl.models.portable import gguf_metadata, release_base_name, strip_machine_settings
 from vlmrl.models.processor import is_text_checkpoint
 from vlmrl.outputs import atomic_dir
@@ -225,9 +225,7 @@ def run_export(*, params: Params, adapter: Path, eval_set: Path, merged_out: Pat
     export metrics. `free_space` and `memory` measure the machine for the preflight."""
     model_settings, settings = params.model, params.export
     check_quantize_types(settings)
-    if not (Path(adapter) / "adapter_config.json").is_file():
-        raise FileNotFoundError(f"{adapter}: no LoRA adapter (adapter_config.json) there; the "
-                                "train_gspo stage makes it (dvc repro train_gspo)")
+    check_adapter(adapter)
     row = first_eval_row(eval_set)
     total = 11 + len(settings.gguf_outtypes) + len(settings.quantize)
     with tempfile.TemporaryDirectory(prefix="vlmrl-export-") as scratch:

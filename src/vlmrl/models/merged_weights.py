@@ -45,6 +45,22 @@ def check_adapter_weights(adapter: Path | str) -> None:
                               f"({error}); rerun the stage that wrote it") from None
 
 
+def check_adapter(adapter: Path | str) -> None:
+    """An adapter folder a stage can load: adapter_config.json there and valid JSON, and its
+    weights readable (`check_adapter_weights`); each problem one line naming the file, before
+    a model is loaded."""
+    config = Path(adapter) / "adapter_config.json"
+    if not config.is_file():
+        raise FileNotFoundError(f"{adapter}: no LoRA adapter (adapter_config.json) there; the "
+                                "train_gspo stage makes it (dvc repro train_gspo)")
+    try:
+        json.loads(config.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise MergeCheckError(f"{config}: not valid JSON ({error}); rerun the stage that wrote "
+                              "it") from None
+    check_adapter_weights(adapter)
+
+
 def canonical_name(key: str) -> str:
     """`base_model.model.model.language_model.layers.0.mlp.up_proj.weight` and
     `model.language_model.layers.0.mlp.up_proj.weight` -> `language_model.layers.0.mlp.up_proj.weight`."""

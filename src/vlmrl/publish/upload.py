@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from vlmrl.models.portable import machine_values_in
 from vlmrl.params import UploadParams
@@ -39,6 +40,7 @@ from vlmrl.publish.manifest import (
     manifest_bytes,
     read_manifest_metrics,
     replace_file,
+    validate_version,
 )
 from vlmrl.publish.provenance import built_from
 from vlmrl.publish.s3 import (
@@ -326,6 +328,17 @@ def dirty_version_warning(version: str) -> str | None:
     )
 
 
+def check_upload_params(params: UploadParams) -> None:
+    """What a wrong upload setting would fail on only after the cards are rendered and the
+    artifacts hashed: a version name pull could not take, an endpoint that is no URL."""
+    if params.version:
+        validate_version(params.version, "params.yaml upload.version")
+    url = urlsplit(params.endpoint_url)
+    if params.endpoint_url and (url.scheme not in ("http", "https") or not url.netloc):
+        raise PublishError(f"params.yaml upload.endpoint_url: {params.endpoint_url!r} is not an "
+                           "http(s) URL (e.g. http://127.0.0.1:9000); empty: AWS")
+
+
 def publish(
     inputs: Mapping[str, Path],
     params: UploadParams,
@@ -340,6 +353,7 @@ def publish(
     `cards` (group -> file) are published as each group's README.md, replacing one the folder
     holds; `model_card` is the merged group's. A text file that names this machine (a local
     path, `local_files_only`: `vlmrl.models.portable`) stops the upload before anything is sent."""
+    check_upload_params(params)
     version = derive_version(params.version, params_digest, repo_dir)
     files = collect_artifacts(inputs)
     cards = {**({"merged": model_card} if model_card is not None else {}), **(cards or {})}
