@@ -248,6 +248,24 @@ def test_text_model_takes_content_parts_and_refuses_an_image(text_served: Served
                                        "served without a vision projector")
 
 
+def test_a_file_llama_cpp_cannot_load_is_one_line_naming_it(text_gguf: Path,
+                                                             tmp_path: Path) -> None:
+    """Refused by `vlmrl serve` as it reads the model's name, or, with --alias, by the server as
+    it loads the model: either way one line and exit status 1, no traceback."""
+    cut = tmp_path / "model-f16.gguf"
+    data = (text_gguf / "model-f16.gguf").read_bytes()
+    cut.write_bytes(data[:len(data) // 2])
+    for flags, why in (((), "cannot read this GGUF file (error loading model: tensor '"),
+                       (("--alias", "x"), "cannot load it (Failed to load model from file")):
+        result = subprocess.run(
+            [sys.executable, "-m", "vlmrl.cli", "serve", "--gguf", str(tmp_path), "--port",
+             str(free_port()), *flags], capture_output=True, text=True, env=src_env(),
+            timeout=120, check=False)
+        lines = (result.stdout + result.stderr).splitlines()
+        assert result.returncode == 1 and len(lines) == 1, result.stdout + result.stderr
+        assert lines[0].startswith(f"serve failed: {cut}: llama.cpp {why}"), lines
+
+
 def readme_commands(folder: Path) -> dict[str, str]:
     """The GGUF folder README's shell lines, by program, continuation lines joined and the
     comments left off."""

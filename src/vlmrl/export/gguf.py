@@ -383,21 +383,44 @@ def quiet_llama_logs() -> None:
     mtmd_cpp.mtmd_helper_log_set(callback, ctypes.c_void_p(0))
 
 
+class _LlamaErrors:
+    """Where quiet_llama_logs sends llama.cpp's error lines: stderr, or a list while `collect`
+    runs, for an error message of our own to quote."""
+
+    def __init__(self) -> None:
+        self.level = GGML_LOG_LEVEL_ERROR
+        self.collected: list[str] | None = None
+
+    def log(self, level: int, text: str) -> None:
+        self.level = self.level if level == GGML_LOG_LEVEL_CONT else level
+        if self.level != GGML_LOG_LEVEL_ERROR:
+            return
+        if self.collected is not None:
+            self.collected.append(text)
+        else:
+            sys.stderr.write(text)
+            sys.stderr.flush()
+
+    @contextlib.contextmanager
+    def collect(self) -> Iterator[list[str]]:
+        self.collected = []
+        try:
+            yield self.collected
+        finally:
+            self.collected = None
+
+
+_LLAMA_ERRORS = _LlamaErrors()
+
+
 @functools.cache
 def _errors_only_callback() -> Any:
-    """A ggml log callback that writes error lines (and their continuations) to stderr; cached,
-    as llama.cpp keeps calling it after quiet_llama_logs returns."""
+    """The ggml log callback of quiet_llama_logs; cached, as llama.cpp keeps calling it."""
     import llama_cpp
-
-    last_level = GGML_LOG_LEVEL_ERROR
 
     @llama_cpp.llama_log_callback
     def callback(level: int, text: bytes, _user_data: Any) -> None:
-        nonlocal last_level
-        last_level = last_level if level == GGML_LOG_LEVEL_CONT else level
-        if last_level == GGML_LOG_LEVEL_ERROR:
-            sys.stderr.write(text.decode("utf-8", errors="replace"))
-            sys.stderr.flush()
+        _LLAMA_ERRORS.log(level, text.decode("utf-8", errors="replace"))
 
     return callback
 
@@ -412,10 +435,11 @@ def gguf_general_name(path: Path) -> str | None:
     quiet_llama_logs()
     params = llama_cpp.llama_model_default_params()
     params.vocab_only = True
-    model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+    with _LLAMA_ERRORS.collect() as errors:
+        model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
     if not model:
-        raise GGUFError(f"{path}: llama.cpp cannot read this GGUF file's header; it is "
-                        "corrupted or incomplete")
+        reason = re.sub(r"^(\w+: )+", "", errors[0].strip()) if errors else "no reason given"
+        raise GGUFError(f"{path}: llama.cpp cannot read this GGUF file ({reason})")
     try:
         return _model_meta_string(llama_cpp, model, b"general.name")
     finally:
