@@ -33,7 +33,9 @@ from vlmrl.data.synth.core import (
     Kind,
     Problem,
     distinct_values,
+    extreme_index,
     float_problem,
+    integer_problem,
     mean,
     text_choices,
     threshold_between,
@@ -91,14 +93,10 @@ def _bar_integer(rng: random.Random) -> Problem | None:
     labels, values = synth["labels"], synth["values"]
     first, second = rng.sample(range(len(labels)), 2)
     a, b = labels[first], labels[second]
-    if template == "max":
-        return Problem(
-            synth, "What is the value of the tallest bar?", str(max(values)), "integer", STATISTICS
-        )
-    if template == "min":
-        return Problem(
-            synth, "What is the value of the shortest bar?", str(min(values)), "integer", STATISTICS
-        )
+    if template in ("max", "min"):
+        extreme = "tallest" if template == "max" else "shortest"
+        value = max(values) if template == "max" else min(values)
+        return integer_problem(synth, f"What is the value of the {extreme} bar?", value, STATISTICS)
     if template in ("sum_pair", "difference_pair"):
         synth["operands"] = [a, b]
         if template == "sum_pair":
@@ -111,27 +109,16 @@ def _bar_integer(rng: random.Random) -> Problem | None:
                 f"What is the difference between the values of {a} and {b}?",
                 abs(values[first] - values[second]),
             )
-        return Problem(synth, question, str(answer), "integer", ARITHMETIC_STATISTICS)
+        return integer_problem(synth, question, answer, ARITHMETIC_STATISTICS)
     if template == "total":
-        return Problem(
-            synth,
-            "What is the sum of all the values in the chart?",
-            str(sum(values)),
-            "integer",
-            ARITHMETIC_STATISTICS,
-        )
+        question = "What is the sum of all the values in the chart?"
+        return integer_problem(synth, question, sum(values), ARITHMETIC_STATISTICS)
     threshold = threshold_between(rng, values)
     if threshold is None:
         return None
     synth["threshold"] = threshold
-    answer = sum(value > threshold for value in values)
-    return Problem(
-        synth,
-        f"How many bars have a value greater than {threshold}?",
-        str(answer),
-        "integer",
-        STATISTICS,
-    )
+    question = f"How many bars have a value greater than {threshold}?"
+    return integer_problem(synth, question, sum(value > threshold for value in values), STATISTICS)
 
 
 def _bar_float(rng: random.Random) -> Problem | None:
@@ -160,9 +147,8 @@ def _bar_float(rng: random.Random) -> Problem | None:
 def _bar_choice(rng: random.Random) -> Problem | None:
     template = rng.choice(("argmax", "argmin"))
     synth = _bar_data(rng, template)
-    labels, values = synth["labels"], synth["values"]
-    pick = max if template == "argmax" else min
-    answer = labels[values.index(pick(values))]
+    labels = synth["labels"]
+    answer = labels[extreme_index(template, synth["values"])]
     adjective = "largest" if template == "argmax" else "smallest"
     return Problem(
         synth,

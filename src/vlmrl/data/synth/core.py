@@ -151,6 +151,17 @@ def format_float(value: Fraction | float, precision: int) -> str | None:
     return f"{text[:-precision]}.{text[-precision:]}"
 
 
+def integer_problem(
+    synth: dict[str, Any],
+    question: str,
+    value: int,
+    skills: tuple[str, ...],
+    unit: str | None = None,
+) -> Problem:
+    """A question whose gold answer is the integer `value`."""
+    return Problem(synth, question, str(value), "integer", skills, unit=unit)
+
+
 def float_problem(
     synth: dict[str, Any],
     question: str,
@@ -159,6 +170,8 @@ def float_problem(
     skills: tuple[str, ...],
     unit: str | None = None,
 ) -> Problem | None:
+    """A question whose gold answer is `value` rounded to `precision` decimals; None where that
+    rounding is a tie or ends in 0 (`format_float`), so the builder draws again."""
     answer = format_float(value, precision)
     if answer is None:
         return None
@@ -170,6 +183,11 @@ def text_choices(rng: random.Random, answer: str, pool: Sequence[str]) -> list[s
     choices = rng.sample([item for item in pool if item != answer], 3) + [answer]
     rng.shuffle(choices)
     return choices
+
+
+def extreme_index(template: str, values: Sequence[int]) -> int:
+    """Where the largest ("argmax") or else the smallest of the distinct `values` stands."""
+    return values.index(max(values) if template == "argmax" else min(values))
 
 
 def threshold_between(rng: random.Random, values: Sequence[int]) -> int | None:

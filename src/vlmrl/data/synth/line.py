@@ -13,7 +13,6 @@ Deliberate choices:
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -36,7 +35,9 @@ from vlmrl.data.synth.core import (
     Kind,
     Problem,
     distinct_values,
+    extreme_index,
     float_problem,
+    integer_problem,
     mean,
 )
 
@@ -86,9 +87,18 @@ def _from_to(synth: dict[str, Any], x_from: int, x_to: int) -> str:
     return f"from x = {x_from} to x = {x_to}"
 
 
-def _rising_pair(rng: random.Random, ys: Sequence[int], min_gap: int) -> tuple[int, int] | None:
+def _rising_pair(
+    rng: random.Random, synth: dict[str, Any], min_gap: int
+) -> tuple[int, int] | None:
+    """Indices i < j at least `min_gap` apart whose value rises from i to j (their x values
+    become the question's operands); None where the series has no such pair."""
+    ys = synth["y"]
     pairs = [(i, j) for i in range(len(ys)) for j in range(i + min_gap, len(ys)) if ys[j] > ys[i]]
-    return rng.choice(pairs) if pairs else None
+    if not pairs:
+        return None
+    i, j = rng.choice(pairs)
+    synth["operands"] = [synth["x"][i], synth["x"][j]]
+    return i, j
 
 
 def _line_integer(rng: random.Random) -> Problem | None:
@@ -98,33 +108,19 @@ def _line_integer(rng: random.Random) -> Problem | None:
     if template == "value_at":
         index = rng.randrange(len(xs))
         synth["operands"] = [xs[index]]
-        return Problem(
-            synth,
-            f"What is the {measure} {_at(synth, xs[index])}?",
-            str(ys[index]),
-            "integer",
-            STATISTICS,
-            unit=synth["unit"],
-        )
+        question = f"What is the {measure} {_at(synth, xs[index])}?"
+        return integer_problem(synth, question, ys[index], STATISTICS, unit=synth["unit"])
     if template == "range":
         question = f"What is the difference between the highest and the lowest {measure}?"
-        return Problem(
-            synth,
-            question,
-            str(max(ys) - min(ys)),
-            "integer",
-            ARITHMETIC_STATISTICS,
-            unit=synth["unit"],
-        )
-    pair = _rising_pair(rng, ys, 1)
+        skills = ARITHMETIC_STATISTICS
+        return integer_problem(synth, question, max(ys) - min(ys), skills, unit=synth["unit"])
+    pair = _rising_pair(rng, synth, 1)
     if pair is None:
         return None
     i, j = pair
-    synth["operands"] = [xs[i], xs[j]]
     question = f"By how much did the {measure} increase {_from_to(synth, xs[i], xs[j])}?"
-    return Problem(
-        synth, question, str(ys[j] - ys[i]), "integer", ARITHMETIC_STATISTICS, unit=synth["unit"]
-    )
+    skills = ARITHMETIC_STATISTICS
+    return integer_problem(synth, question, ys[j] - ys[i], skills, unit=synth["unit"])
 
 
 def _line_float(rng: random.Random) -> Problem | None:
@@ -145,11 +141,10 @@ def _line_float(rng: random.Random) -> Problem | None:
             ARITHMETIC_STATISTICS,
             unit=synth["unit"],
         )
-    pair = _rising_pair(rng, ys, 2)
+    pair = _rising_pair(rng, synth, 2)
     if pair is None:
         return None
     i, j = pair
-    synth["operands"] = [xs[i], xs[j]]
     step = "year" if synth["x_name"] == "year" else "unit of x"
     question = (
         f"What is the average increase per {step} in the {measure} {_from_to(synth, xs[i], xs[j])}?"
@@ -162,9 +157,8 @@ def _line_float(rng: random.Random) -> Problem | None:
 def _line_choice(rng: random.Random) -> Problem | None:
     template = rng.choice(("argmax", "argmin"))
     synth = _line_data(rng, template)
-    xs, ys = synth["x"], synth["y"]
-    pick = max if template == "argmax" else min
-    answer = xs[ys.index(pick(ys))]
+    xs = synth["x"]
+    answer = xs[extreme_index(template, synth["y"])]
     others = rng.sample([x for x in xs if x != answer], 3)
     choices = [str(x) for x in sorted(others + [answer])]
     which = "In which year" if synth["x_name"] == "year" else "At which x value"

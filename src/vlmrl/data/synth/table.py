@@ -25,7 +25,9 @@ from vlmrl.data.synth.core import (
     Problem,
     article,
     distinct_values,
+    extreme_index,
     float_problem,
+    integer_problem,
     mean,
     text_choices,
     threshold_between,
@@ -137,59 +139,27 @@ def _table_integer(rng: random.Random) -> Problem | None:
     template = rng.choice(("total", "pair_sum", "range", "median", "count_above"))
     synth, theme = _table_data(rng, template)
     names, values = synth["names"], synth["values"]
+    if template == "count_above":
+        threshold = threshold_between(rng, values)
+        if threshold is None:
+            return None
+        synth["threshold"] = threshold
+        question = f"How many {theme.plural} have {article(theme.measure)} {theme.measure} greater than {threshold}?"
+        answer = sum(value > threshold for value in values)
+        return integer_problem(synth, question, answer, ARITHMETIC_STATISTICS)
     if template == "total":
-        return Problem(
-            synth,
-            theme.total_question,
-            str(sum(values)),
-            "integer",
-            ARITHMETIC_STATISTICS,
-            unit=theme.unit,
-        )
-    if template == "pair_sum":
+        question, answer = theme.total_question, sum(values)
+    elif template == "pair_sum":
         first, second = rng.sample(range(len(names)), 2)
         synth["operands"] = [names[first], names[second]]
         question = f"What is the combined {theme.measure} of {names[first]} and {names[second]}?"
-        return Problem(
-            synth,
-            question,
-            str(values[first] + values[second]),
-            "integer",
-            ARITHMETIC_STATISTICS,
-            unit=theme.unit,
-        )
-    if template == "range":
+        answer = values[first] + values[second]
+    elif template == "range":
         question = f"What is the difference between the highest and the lowest {theme.measure}?"
-        return Problem(
-            synth,
-            question,
-            str(max(values) - min(values)),
-            "integer",
-            ARITHMETIC_STATISTICS,
-            unit=theme.unit,
-        )
-    if template == "median":
-        median = sorted(values)[len(values) // 2]
-        return Problem(
-            synth,
-            f"What is the median {theme.measure}?",
-            str(median),
-            "integer",
-            ARITHMETIC_STATISTICS,
-            unit=theme.unit,
-        )
-    threshold = threshold_between(rng, values)
-    if threshold is None:
-        return None
-    synth["threshold"] = threshold
-    question = f"How many {theme.plural} have {article(theme.measure)} {theme.measure} greater than {threshold}?"
-    return Problem(
-        synth,
-        question,
-        str(sum(value > threshold for value in values)),
-        "integer",
-        ARITHMETIC_STATISTICS,
-    )
+        answer = max(values) - min(values)
+    else:  # median
+        question, answer = f"What is the median {theme.measure}?", sorted(values)[len(values) // 2]
+    return integer_problem(synth, question, answer, ARITHMETIC_STATISTICS, unit=theme.unit)
 
 
 def _table_float(rng: random.Random) -> Problem | None:
@@ -208,9 +178,8 @@ def _table_float(rng: random.Random) -> Problem | None:
 def _table_choice(rng: random.Random) -> Problem | None:
     template = rng.choice(("argmax", "argmin"))
     synth, theme = _table_data(rng, template)
-    names, values = synth["names"], synth["values"]
-    pick = max if template == "argmax" else min
-    answer = names[values.index(pick(values))]
+    names = synth["names"]
+    answer = names[extreme_index(template, synth["values"])]
     question = theme.most_question if template == "argmax" else theme.least_question
     return Problem(
         synth,
