@@ -122,12 +122,37 @@ def program_tile(start, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def store_partials(part_ptr, xa_part_ptr, acc, xa, split, M, N, rows, cols, ranks, segment,
-                   first_tile, row_ok, col_ok, HAS_LORA: tl.constexpr, SEGMENTS: tl.constexpr,
-                   R: tl.constexpr):
-    """A program's partial sums (stored as x W^T, in the parts' type: `Tiles.partials`) in its
-    split's part, and, for the first column tile of its projection, its x A^T in the
-    projection's R columns of xa_part."""
+def program_start(M, N, w_ptr, w1_ptr, w2_ptr, absmax2_ptr, absmax2_1_ptr, absmax2_2_ptr,
+                  code2_ptr, code2_1_ptr, code2_2_ptr, offset, offset1, offset2, a_ptr, a1_ptr,
+                  a2_ptr, start1, start2, PDL: tl.constexpr, SEGMENTS: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """What both matmul kernels begin with: with PDL, the wait for the kernel before
+    (`after_the_kernel_before`); then the program's K split (program_id 1), its projection's
+    segment, weight, nested scales, offset and adapter (`projection_of`) and its tile
+    (`program_tile`)."""
+    if PDL:
+        after_the_kernel_before()
+    segment, start = segment_of(tl.program_id(0) * BLOCK_N, start1, start2, SEGMENTS)
+    w_ptr, absmax2_ptr, code2_ptr, offset, a_ptr = projection_of(
+        segment, SEGMENTS, w_ptr, w1_ptr, w2_ptr, absmax2_ptr, absmax2_1_ptr, absmax2_2_ptr,
+        code2_ptr, code2_1_ptr, code2_2_ptr, offset, offset1, offset2, a_ptr, a1_ptr, a2_ptr)
+    first_tile, rows, cols, local_cols, row_ok, col_ok = program_tile(start, M, N, BLOCK_M,
+                                                                      BLOCK_N)
+    return (tl.program_id(1), segment, w_ptr, absmax2_ptr, code2_ptr, offset, a_ptr, first_tile,
+            rows, cols, local_cols, row_ok, col_ok)
+
+
+@triton.jit
+def store_partials(part_ptr, xa_part_ptr, row_up_ptr, acc, xa, split, M, N, rows, cols, ranks,
+                   segment, first_tile, row_ok, col_ok, HAS_LORA: tl.constexpr,
+                   SEGMENTS: tl.constexpr, R: tl.constexpr):
+    """A program's partial sums `acc` and `xa`, each times its rows' powers of two (`row_up_ptr`,
+    which undo the fp16 scaling of x's rows): the sums (stored as x W^T, in the parts' type:
+    `Tiles.partials`) in its split's part, and, for the first column tile of its projection, its
+    x A^T in the projection's R columns of xa_part."""
+    row_up = tl.load(row_up_ptr + rows, mask=row_ok, other=1.0)
+    acc = acc * row_up[None, :]
+    xa = xa * row_up[:, None]
     tl.store(part_ptr + split * M * N + rows[None, :] * N + cols[:, None],
              acc.to(part_ptr.dtype.element_ty), mask=row_ok[None, :] & col_ok[:, None])
     if HAS_LORA:  # noqa: SIM102  (a compile-time branch around a run-time one)
@@ -191,15 +216,11 @@ def nf4_lora_matmul(x_ptr, row_up_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr,
     QBLOCK: x A^T in products of XA_CHUNK columns, read where they are needed (an fp32 product
     on CUDA cores holds its whole K in registers, and a kernel gets the registers of its
     costliest path: at a K of 64 that is the adapter's)."""
-    if PDL:
-        after_the_kernel_before()
-    split = tl.program_id(1)
-    segment, start = segment_of(tl.program_id(0) * BLOCK_N, start1, start2, SEGMENTS)
-    w_ptr, absmax2_ptr, code2_ptr, offset, a_ptr = projection_of(
-        segment, SEGMENTS, w_ptr, w1_ptr, w2_ptr, absmax2_ptr, absmax2_1_ptr, absmax2_2_ptr,
-        code2_ptr, code2_1_ptr, code2_2_ptr, offset, offset1, offset2, a_ptr, a1_ptr, a2_ptr)
-    first_tile, rows, cols, local_cols, row_ok, col_ok = program_tile(start, M, N, BLOCK_M,
-                                                                      BLOCK_N)
+    (split, segment, w_ptr, absmax2_ptr, code2_ptr, offset, a_ptr, first_tile, rows, cols,
+     local_cols, row_ok, col_ok) = program_start(
+        M, N, w_ptr, w1_ptr, w2_ptr, absmax2_ptr, absmax2_1_ptr, absmax2_2_ptr, code2_ptr,
+        code2_1_ptr, code2_2_ptr, offset, offset1, offset2, a_ptr, a1_ptr, a2_ptr, start1, start2,
+        PDL, SEGMENTS, BLOCK_M, BLOCK_N)
     pairs = tl.arange(0, QBLOCK // 2)  # byte j holds weights 2j (high nibble) and 2j + 1
     within = tl.arange(0, QBLOCK)
     ranks = tl.arange(0, R)
@@ -254,10 +275,8 @@ def nf4_lora_matmul(x_ptr, row_up_ptr, w_ptr, codes_ptr, absmax2_ptr, code2_ptr,
                                      mask=ranks[:, None] < rank, other=0.0)
                         xa += adapter_product(xk, ak, XA_PRECISION)
         codes, scales2, a = next_codes, next_scales2, next_a
-    row_up = tl.load(row_up_ptr + rows, mask=row_ok, other=1.0)
-    store_partials(part_ptr, xa_part_ptr, acc * row_up[None, :], xa * row_up[:, None], split,
-                   M, N, rows, cols, ranks, segment, first_tile, row_ok, col_ok, HAS_LORA,
-                   SEGMENTS, R)
+    store_partials(part_ptr, xa_part_ptr, row_up_ptr, acc, xa, split, M, N, rows, cols, ranks,
+                   segment, first_tile, row_ok, col_ok, HAS_LORA, SEGMENTS, R)
 
 
 @triton.jit
@@ -316,15 +335,11 @@ def nf4_lora_matmul_wide(x_ptr, row_up_ptr, w_ptr, codes_ptr, absmax2_ptr, code2
     each K step's columns in `lane_order` (`nf4_decode.fp16_rows`), the weights are read to
     match (`lane_weights`) and the adapter's A in the same order. The arguments and outputs are
     `nf4_lora_matmul`'s."""
-    if PDL:
-        after_the_kernel_before()
-    split = tl.program_id(1)
-    segment, start = segment_of(tl.program_id(0) * BLOCK_N, start1, start2, SEGMENTS)
-    w_ptr, absmax2_ptr, code2_ptr, offset, a_ptr = projection_of(
-        segment, SEGMENTS, w_ptr, w1_ptr, w2_ptr, absmax2_ptr, absmax2_1_ptr, absmax2_2_ptr,
-        code2_ptr, code2_1_ptr, code2_2_ptr, offset, offset1, offset2, a_ptr, a1_ptr, a2_ptr)
-    first_tile, rows, cols, local_cols, row_ok, col_ok = program_tile(start, M, N, BLOCK_M,
-                                                                      BLOCK_N)
+    (split, segment, w_ptr, absmax2_ptr, code2_ptr, offset, a_ptr, first_tile, rows, cols,
+     local_cols, row_ok, col_ok) = program_start(
+        M, N, w_ptr, w1_ptr, w2_ptr, absmax2_ptr, absmax2_1_ptr, absmax2_2_ptr, code2_ptr,
+        code2_1_ptr, code2_2_ptr, offset, offset1, offset2, a_ptr, a1_ptr, a2_ptr, start1, start2,
+        PDL, SEGMENTS, BLOCK_M, BLOCK_N)
     STEP: tl.constexpr = KB * QBLOCK
     blocks = tl.arange(0, KB)
     pairs = tl.arange(0, QBLOCK // 2)
@@ -367,10 +382,9 @@ def nf4_lora_matmul_wide(x_ptr, row_up_ptr, w_ptr, codes_ptr, absmax2_ptr, code2
                 a = tl.load(a_ptr + ranks[:, None] * K + (k0 + a_at)[None, :], mask=a_ok,
                             other=0.0)
                 xa += adapter_product(x, a, XA_PRECISION)
-    row_up = tl.load(row_up_ptr + rows, mask=row_ok, other=1.0)
-    acc = acc * power_of_two(column_shift)[:, None] * row_up[None, :]
-    store_partials(part_ptr, xa_part_ptr, acc, xa * row_up[:, None], split, M, N, rows, cols,
-                   ranks, segment, first_tile, row_ok, col_ok, HAS_LORA, SEGMENTS, R)
+    store_partials(part_ptr, xa_part_ptr, row_up_ptr, acc * power_of_two(column_shift)[:, None],
+                   xa, split, M, N, rows, cols, ranks, segment, first_tile, row_ok, col_ok,
+                   HAS_LORA, SEGMENTS, R)
 
 
 @triton.jit
