@@ -42,28 +42,36 @@ THUMBNAIL_PIXELS = 160
 Record = Mapping[str, Any]
 
 
+class BeforeAfter:
+    """A row's `before` and `after` values and the change between them."""
+
+    before: float | None
+    after: float | None
+
+    @property
+    def delta(self) -> float | None:
+        """after - before; None where either side has no value."""
+        return None if self.before is None or self.after is None else self.after - self.before
+
+
 @dataclass(frozen=True)
-class HeadlineRow:
+class HeadlineRow(BeforeAfter):
+    """One headline metric (`HEADLINE`) before and after training."""
+
     key: str
     label: str
     before: float | None
     after: float | None
 
-    @property
-    def delta(self) -> float | None:
-        return None if self.before is None or self.after is None else self.after - self.before
-
 
 @dataclass(frozen=True)
-class CategoryRow:
+class CategoryRow(BeforeAfter):
+    """One category's accuracy over its `n` records, before and after training."""
+
     category: str
     n: int
     before: float | None
     after: float | None
-
-    @property
-    def delta(self) -> float | None:
-        return None if self.before is None or self.after is None else self.after - self.before
 
 
 @dataclass(frozen=True)
