@@ -149,22 +149,23 @@ def s3_errors(location: S3Location, missing_bucket_hint: str = "") -> Iterator[N
 
 
 def head_object(client: Any, bucket: str, key: str) -> dict[str, Any] | None:
-    from botocore.exceptions import ClientError
-
-    try:
-        return client.head_object(Bucket=bucket, Key=key)
-    except ClientError as exc:
-        if error_code(exc) in NOT_FOUND_CODES:
-            return None
-        raise
+    """The HeadObject response (size, ETag, metadata), or None when there is no such object."""
+    return _unless_missing(client.head_object, bucket, key)
 
 
 def get_object(client: Any, bucket: str, key: str) -> dict[str, Any] | None:
     """The GetObject response (its body still unread), or None when there is no such object."""
+    return _unless_missing(client.get_object, bucket, key)
+
+
+def _unless_missing(
+    request: Callable[..., dict[str, Any]], bucket: str, key: str
+) -> dict[str, Any] | None:
+    """`request(Bucket=bucket, Key=key)`, or None where S3 answers that the object is missing."""
     from botocore.exceptions import ClientError
 
     try:
-        return client.get_object(Bucket=bucket, Key=key)
+        return request(Bucket=bucket, Key=key)
     except ClientError as exc:
         if error_code(exc) in NOT_FOUND_CODES:
             return None
