@@ -53,33 +53,46 @@ class EmbeddedShape:
     # fitted LoRA leaves p(token) ~ 1e-3 and sampling stays uniform noise: nothing can learn.
     # 6.0 lets LoRA reach confident tokens while the untrained model stays near uniform
     # (measured by the cold-start SFT: loss 11.9 -> 9.8 in 10 steps at 1.0, 13.0 -> 1.7 in 16 at
-    # 6.0; docs/history.md).
+    # 6.0).
     output_norm_scale: float = 1.0
 
 
+def _text(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
+          head_dim: int) -> dict[str, Any]:
+    """A language model's shape, as the keys of transformers' Qwen3 text config."""
+    return {"hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": layers,
+            "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim}
+
+
+def _vision(depth: int, hidden: int, intermediate: int, heads: int, out: int,
+            deepstack: list[int]) -> dict[str, Any]:
+    """A vision tower's shape, as the keys of transformers' Qwen3-VL vision config: `out` is the
+    width it hands the language model, `deepstack` the layers whose features it also hands on."""
+    return {"depth": depth, "hidden_size": hidden, "intermediate_size": intermediate,
+            "num_heads": heads, "out_hidden_size": out, "deepstack_visual_indexes": deepstack}
+
+
+# hidden 256 keeps every row a multiple of 256, so llama.cpp's K-quants really apply.
+TINY_TEXT = _text(hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2, head_dim=64)
+
 SHAPES: dict[str, EmbeddedShape] = {
-    # hidden 256 keeps every row a multiple of 256, so llama.cpp's K-quants really apply.
     "tiny-qwen3-vl": EmbeddedShape(
-        text=dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=64),
-        vision=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2,
-                    out_hidden_size=256, deepstack_visual_indexes=[1]),
+        text=TINY_TEXT,
+        vision=_vision(depth=2, hidden=64, intermediate=128, heads=2, out=256, deepstack=[1]),
         max_pixels=256 * 256,
         mrope_section=[12, 10, 10],
         output_norm_scale=6.0,
     ),
     "qwen3-vl-2b-shape": EmbeddedShape(
-        text=dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                  num_attention_heads=16, num_key_value_heads=8, head_dim=128),
-        vision=dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16,
-                    out_hidden_size=2048, deepstack_visual_indexes=[5, 11, 17]),
+        text=_text(hidden=2048, intermediate=6144, layers=28, heads=16, kv_heads=8, head_dim=128),
+        vision=_vision(depth=24, hidden=1024, intermediate=4096, heads=16, out=2048,
+                       deepstack=[5, 11, 17]),
         max_pixels=512 * 512,
     ),
     "qwen3-vl-8b-shape": EmbeddedShape(
-        text=dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                  num_attention_heads=32, num_key_value_heads=8, head_dim=128),
-        vision=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16,
-                    out_hidden_size=4096, deepstack_visual_indexes=[8, 16, 24]),
+        text=_text(hidden=4096, intermediate=12288, layers=36, heads=32, kv_heads=8, head_dim=128),
+        vision=_vision(depth=27, hidden=1152, intermediate=4304, heads=16, out=4096,
+                       deepstack=[8, 16, 24]),
         max_pixels=512 * 512,
         tie_word_embeddings=False,
         saved_dtype="bfloat16",
@@ -97,11 +110,7 @@ class EmbeddedTextShape:
 
 
 TEXT_SHAPES: dict[str, EmbeddedTextShape] = {
-    "tiny-qwen3": EmbeddedTextShape(
-        text=dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=64),
-        output_norm_scale=6.0,
-    ),
+    "tiny-qwen3": EmbeddedTextShape(text=TINY_TEXT, output_norm_scale=6.0),
 }
 
 
