@@ -11,6 +11,7 @@ an attention backend whose backward is finite (`vlmrl.models.backend.avoid_cudnn
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,24 +87,25 @@ def grpo_class() -> type:
     """The GRPO subclass of what `trl.GRPOTrainer` is now: TRL's own, or Unsloth's replacement.
     (Where unsloth was imported before this module, VlmrlGRPOTrainer was built over the
     replacement and is never used.)"""
-    current = trl.GRPOTrainer
-    if current is VlmrlGRPOTrainer.extends and is_trls_own(current):
-        return VlmrlGRPOTrainer
-    if is_trls_own(current):
-        raise RuntimeError(f"trl.GRPOTrainer is {current.__qualname__} of {current.__module__}, "
-                           "not the class vlmrl's GRPO trainer extends")
-    return unsloth_grpo_class(current)
+    return _subclass_of_current("GRPO", VlmrlGRPOTrainer, unsloth_grpo_class)
 
 
 def sft_class() -> type:
     """The SFT subclass of what `trl.SFTTrainer` is now: TRL's own, or Unsloth's replacement."""
-    current = trl.SFTTrainer
-    if current is VlmrlSFTTrainer.extends and is_trls_own(current):
-        return VlmrlSFTTrainer
+    return _subclass_of_current("SFT", VlmrlSFTTrainer, unsloth_sft_class)
+
+
+def _subclass_of_current(kind: str, ours: type, unsloth_class: Callable[[type], type]) -> type:
+    """`ours` where `trl.<kind>Trainer` is still the TRL class it extends; over another class of
+    TRL's, an error; over a replacement from elsewhere (Unsloth's), `unsloth_class` of it."""
+    name = f"{kind}Trainer"
+    current = getattr(trl, name)
+    if current is ours.extends and is_trls_own(current):
+        return ours
     if is_trls_own(current):
-        raise RuntimeError(f"trl.SFTTrainer is {current.__qualname__} of {current.__module__}, "
-                           "not the class vlmrl's SFT trainer extends")
-    return unsloth_sft_class(current)
+        raise RuntimeError(f"trl.{name} is {current.__qualname__} of {current.__module__}, "
+                           f"not the class vlmrl's {kind} trainer extends")
+    return unsloth_class(current)
 
 
 def grpo_trainer(*, max_nonfinite_steps: int, generation_rows: int | None = None,
