@@ -18,9 +18,8 @@ from __future__ import annotations
 import string
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from functools import cached_property
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, Self, get_args
+from typing import Annotated, Any, ClassVar, Generic, Literal, Self, TypeVar, get_args, overload
 
 import yaml
 from pydantic import (
@@ -328,11 +327,38 @@ class UploadParams(Section):
 
 # -------------------------------------------------------------------------- root
 
+SectionT = TypeVar("SectionT", bound=Section)
+
+
+class TypedSection(Generic[SectionT]):
+    """A `Params` attribute that is one section typed by its class (`kind`): validated when a
+    stage first reads it, so a stage checks only the sections it reads, then kept."""
+
+    def __init__(self, kind: type[SectionT]) -> None:
+        self.kind = kind
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name  # the instance attribute the typed section is kept in
+
+    @overload
+    def __get__(self, params: None, owner: type | None = None) -> Self: ...
+
+    @overload
+    def __get__(self, params: Params, owner: type | None = None) -> SectionT: ...
+
+    def __get__(self, params: Params | None, owner: type | None = None) -> SectionT | Self:
+        if params is None:
+            return self
+        with in_file(params.source):
+            typed = self.kind.from_params(params.section(self.kind.SECTION))
+        params.__dict__[self.name] = typed  # later reads find it there
+        return typed
+
 
 class Params:
     """params.yaml as a stage reads it: the raw mapping (for fingerprints and the model card)
-    and one typed, cached property per section. `source` is the file the mapping came from,
-    which every ParamsError of a section names."""
+    and one typed, cached attribute per section (`TypedSection`). `source` is the file the
+    mapping came from, which every ParamsError of a section names."""
 
     SECTIONS = ("model", "data", "rewards", "eval", "sft", "train", "verify", "export", "upload")
     # Read by other packages: the answer format by vlmrl.rewards.answer_format.
@@ -353,10 +379,6 @@ class Params:
             raise ParamsError(f"params.yaml {name} must be a mapping, got {type(node).__name__}")
         return dict(node)
 
-    def _typed(self, kind: type[Section]) -> Any:
-        with in_file(self.source):
-            return kind.from_params(self.section(kind.SECTION))
-
     def check(self) -> None:
         """Every section validated, as each stage validates the sections it reads, and no
         section this project does not know (a misspelt one would be ignored)."""
@@ -368,41 +390,15 @@ class Params:
         for name in self.SECTIONS:
             getattr(self, name)
 
-    @cached_property
-    def model(self) -> ModelParams:
-        return self._typed(ModelParams)
-
-    @cached_property
-    def data(self) -> DataParams:
-        return self._typed(DataParams)
-
-    @cached_property
-    def rewards(self) -> RewardsParams:
-        return self._typed(RewardsParams)
-
-    @cached_property
-    def eval(self) -> EvalParams:
-        return self._typed(EvalParams)
-
-    @cached_property
-    def sft(self) -> SftParams:
-        return self._typed(SftParams)
-
-    @cached_property
-    def train(self) -> TrainParams:
-        return self._typed(TrainParams)
-
-    @cached_property
-    def verify(self) -> VerifyParams:
-        return self._typed(VerifyParams)
-
-    @cached_property
-    def export(self) -> ExportParams:
-        return self._typed(ExportParams)
-
-    @cached_property
-    def upload(self) -> UploadParams:
-        return self._typed(UploadParams)
+    model = TypedSection(ModelParams)
+    data = TypedSection(DataParams)
+    rewards = TypedSection(RewardsParams)
+    eval = TypedSection(EvalParams)
+    sft = TypedSection(SftParams)
+    train = TypedSection(TrainParams)
+    verify = TypedSection(VerifyParams)
+    export = TypedSection(ExportParams)
+    upload = TypedSection(UploadParams)
 
 
 @contextmanager
