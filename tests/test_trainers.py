@@ -38,6 +38,14 @@ PARAMS = Params({"model": {"name": "embedded:tiny-qwen3-vl"},
                  "train": {"save_steps": 100, "lora": LORA}})
 
 
+def refused(make=grpo_trainer, match: str | None = None) -> UpstreamChangedError:
+    """The error making a trainer (`make`: GRPO's by default) raises, before TRL's constructor
+    runs, where a private name it relies on is missing or re-signed; `match` its pattern."""
+    with pytest.raises(UpstreamChangedError, match=match) as raised:
+        make(max_nonfinite_steps=3, model=None)
+    return raised.value
+
+
 def test_the_installed_trl_and_transformers_have_every_name() -> None:
     check_private_names(trl.GRPOTrainer, GRPO_NAMES + OLD_LOGPS_NAMES)
     check_private_names(trl.SFTTrainer, SFT_NAMES)
@@ -57,14 +65,13 @@ def test_every_private_method_the_subclass_overrides_is_in_the_table(make, table
 
 def test_a_removed_private_method_fails_in_one_line(monkeypatch) -> None:
     monkeypatch.delattr(trl.GRPOTrainer, "_generate_single_turn")
-    with pytest.raises(UpstreamChangedError) as raised:
-        grpo_trainer(max_nonfinite_steps=3, model=None)  # refused before TRL's constructor
-    message = str(raised.value)
-    assert "\n" not in message and one_line(raised.value) == message
+    error = refused()
+    message = str(error)
+    assert "\n" not in message and one_line(error) == message
     assert message.startswith("trl.GRPOTrainer._generate_single_turn is missing: ")
     assert "tested with trl 1.15.x and transformers 5.17.x" in message
     assert f"found trl {trl.__version__}, transformers " in message
-    assert isinstance(raised.value, UserError)  # a stage prints the line, not a traceback
+    assert isinstance(error, UserError)  # a stage prints the line, not a traceback
 
 
 def test_a_changed_signature_fails_in_one_line(monkeypatch) -> None:
@@ -75,11 +82,10 @@ def test_a_changed_signature_fails_in_one_line(monkeypatch) -> None:
             raise AssertionError("never called")
 
     monkeypatch.setattr(trl, "GRPOTrainer", Renamed)
-    with pytest.raises(UpstreamChangedError, match=(
-            r"^trl\.GRPOTrainer\._generate_single_turn takes \(self, prompt_ids, images, "
-            r"multimodal_fields\), not the \(self, prompt_ids, images, multimodal_fields, "
-            r"num_generations, has_tool_images\) it was written for: .*trl 1\.15\.x")):
-        grpo_trainer(max_nonfinite_steps=3, model=None)
+    refused(match=(
+        r"^trl\.GRPOTrainer\._generate_single_turn takes \(self, prompt_ids, images, "
+        r"multimodal_fields\), not the \(self, prompt_ids, images, multimodal_fields, "
+        r"num_generations, has_tool_images\) it was written for: .*trl 1\.15\.x"))
 
 
 def test_a_pass_through_wrapper_is_checked_for_the_method_it_wraps(monkeypatch) -> None:
@@ -104,11 +110,10 @@ def test_a_pass_through_wrapper_is_checked_for_the_method_it_wraps(monkeypatch) 
 
     monkeypatch.setattr(trl, "GRPOTrainer", type("UnslothGRPOTrainer", (Resigned,),
                                                   {"_generate_and_score_completions": wrapped}))
-    with pytest.raises(UpstreamChangedError, match=(
-            r"^trl\.GRPOTrainer\._generate_and_score_completions takes \(self, inputs, mode\), "
-            r"not the \(self, inputs\) it was written for: .* \(the class checked: "
-            r"test_trainers\.UnslothGRPOTrainer\)$")):
-        grpo_trainer(max_nonfinite_steps=3, model=None)
+    refused(match=(
+        r"^trl\.GRPOTrainer\._generate_and_score_completions takes \(self, inputs, mode\), "
+        r"not the \(self, inputs\) it was written for: .* \(the class checked: "
+        r"test_trainers\.UnslothGRPOTrainer\)$"))
 
 
 def test_unsloths_replacement_keeps_its_own_scoring(monkeypatch) -> None:
@@ -136,9 +141,7 @@ def test_unsloths_replacement_keeps_its_own_scoring(monkeypatch) -> None:
 
 def test_a_removed_module_name_fails_in_one_line(monkeypatch) -> None:
     monkeypatch.delattr(trl_utils, "_ChunkedLogProbFunction")
-    with pytest.raises(UpstreamChangedError,
-                       match=r"^trl\.trainer\.utils\._ChunkedLogProbFunction is missing: "):
-        sft_trainer(max_nonfinite_steps=3, model=None)
+    refused(sft_trainer, match=r"^trl\.trainer\.utils\._ChunkedLogProbFunction is missing: ")
 
 
 # Private names of other libraries the package reads (the table covers TRL and transformers).
@@ -177,10 +180,9 @@ def test_every_private_name_the_package_reads_is_in_the_table() -> None:
 
 def test_a_removed_generation_helper_fails_in_one_line(monkeypatch) -> None:
     monkeypatch.delattr(GenerationMixin, "_prepare_position_ids_for_generation")
-    with pytest.raises(UpstreamChangedError, match=(
-            r"^transformers\.GenerationMixin\._prepare_position_ids_for_generation is missing: "
-            r".*tested with trl 1\.15\.x and transformers 5\.17\.x")):
-        grpo_trainer(max_nonfinite_steps=3, model=None)
+    refused(match=(
+        r"^transformers\.GenerationMixin\._prepare_position_ids_for_generation is missing: "
+        r".*tested with trl 1\.15\.x and transformers 5\.17\.x"))
 
 
 def test_a_bnb_4bit_quantizer_is_copied_with_compiling_allowed() -> None:
