@@ -200,6 +200,26 @@ def filled_mask(rows: int, span: int, filled: int) -> torch.Tensor:
     return ((slots >= padding) & (slots < filled))[:, None, None, :]
 
 
+class GroupedHeads:
+    """The attention module transformers' SDPA path reads: `heads` query heads over 8 key/value
+    heads, causal."""
+
+    is_causal = True
+
+    def __init__(self, heads: int) -> None:
+        self.num_key_value_groups = heads // 8
+
+
+def decode_step(rows: int, heads: int, slots: int, seed: int):
+    """A decode step's bf16 query (`rows` rows of `heads` heads of dim 128) and a bf16 key and
+    value cache of `slots` slots (8 heads), drawn after seeding torch with `seed`."""
+    torch.manual_seed(seed)
+    query = torch.randn(rows, heads, 1, 128, device="cuda", dtype=torch.bfloat16)
+    key, value = (torch.randn(rows, 8, slots, 128, device="cuda", dtype=torch.bfloat16)
+                  for _ in range(2))
+    return query, key, value
+
+
 @pytest.mark.parametrize("heads, span, mask_kind", [(16, 1408, "random"), (16, 1408, "filled"),
                                                     (32, 1408, "filled"), (16, 768, "filled")])
 def test_grouped_attention_matches_sdpa_in_bf16(heads, span, mask_kind):
@@ -211,19 +231,13 @@ def test_grouped_attention_matches_sdpa_in_bf16(heads, span, mask_kind):
 
     from vlmrl.training.rollout.decode_attention import grouped_decode_attention
 
-    class Module:
-        num_key_value_groups = heads // 8
-        is_causal = True
-
-    torch.manual_seed(1)
-    query = torch.randn(16, heads, 1, 128, device="cuda", dtype=torch.bfloat16)
-    key, value = (torch.randn(16, 8, 1408, 128, device="cuda", dtype=torch.bfloat16)
-                  for _ in range(2))
+    module = GroupedHeads(heads)
+    query, key, value = decode_step(16, heads, 1408, seed=1)
     mask = (torch.rand(16, 1, 1, span, device="cuda") > 0.3 if mask_kind == "random"
             else filled_mask(16, span, filled=span - 300))
-    expected, _ = sdpa_attention_forward(Module(), query.float(), key[:, :, :span].float(),
+    expected, _ = sdpa_attention_forward(module, query.float(), key[:, :, :span].float(),
                                          value[:, :, :span].float(), mask)
-    got, _ = grouped_decode_attention(sdpa_attention_forward)(Module(), query, key, value, mask)
+    got, _ = grouped_decode_attention(sdpa_attention_forward)(module, query, key, value, mask)
     error = ((got.float() - expected).norm() / expected.norm()).item()
     print(f"grouped vs SDPA (float32 reference), {heads} heads, {mask_kind} mask over {span}: "
           f"relative error {error:.2e}")
@@ -240,21 +254,14 @@ def test_fp8_cache_attention_matches_sdpa_over_its_values(heads):
 
     from vlmrl.training.rollout.decode_attention import FP8, grouped_decode_attention, stored
 
-    class Module:
-        num_key_value_groups = heads // 8
-        is_causal = True
-
-    torch.manual_seed(2)
-    query = torch.randn(32, heads, 1, 128, device="cuda", dtype=torch.bfloat16)
-    key, value = (torch.randn(32, 8, 1536, 128, device="cuda", dtype=torch.bfloat16)
-                  for _ in range(2))
+    module = GroupedHeads(heads)
+    query, key, value = decode_step(32, heads, 1536, seed=2)
     key8, value8 = stored(key, FP8), stored(value, FP8)
     mask = filled_mask(32, 1536, filled=1100)
-    expected, _ = sdpa_attention_forward(Module(), query.float(), key8.float(), value8.float(),
-                                         mask)
-    unquantized, _ = sdpa_attention_forward(Module(), query.float(), key.float(), value.float(),
+    expected, _ = sdpa_attention_forward(module, query.float(), key8.float(), value8.float(), mask)
+    unquantized, _ = sdpa_attention_forward(module, query.float(), key.float(), value.float(),
                                             mask)
-    got, _ = grouped_decode_attention(sdpa_attention_forward)(Module(), query, key8, value8, mask)
+    got, _ = grouped_decode_attention(sdpa_attention_forward)(module, query, key8, value8, mask)
     error = ((got.float() - expected).norm() / expected.norm()).item()
     moved = ((got.float() - unquantized).norm() / unquantized.norm()).item()
     print(f"float8 cache kernel, {heads} heads: relative error {error:.2e} against SDPA over "
@@ -274,10 +281,6 @@ def test_fp8_cache_attention_reads_each_rows_span_in_shares(monkeypatch, splits,
     from vlmrl.training.rollout import decode_attention
     from vlmrl.training.rollout.decode_attention import FP8, stored
 
-    class Module:
-        num_key_value_groups = 2
-        is_causal = True
-
     monkeypatch.setattr(decode_attention, "SPLITS", splits)
     torch.manual_seed(3)
     query = torch.randn(32, 16, 1, 128, device="cuda", dtype=torch.bfloat16)
@@ -287,8 +290,8 @@ def test_fp8_cache_attention_reads_each_rows_span_in_shares(monkeypatch, splits,
     else:
         mask = torch.zeros(32, 1, 1, 1408, dtype=torch.bool, device="cuda")
         mask[..., 5:40] = mask[..., 900:1300] = True
-    expected, _ = sdpa_attention_forward(Module(), query.float(), key8.float(), value8.float(),
-                                         mask)
+    expected, _ = sdpa_attention_forward(GroupedHeads(16), query.float(), key8.float(),
+                                         value8.float(), mask)
     got = decode_attention.cache_attention(query, key8, value8, mask[:, 0, 0], 128 ** -0.5)
     error = ((got.float() - expected).norm() / expected.norm()).item()
     assert got.shape == expected.shape
