@@ -4,12 +4,9 @@
 #
 #   tests/gpu/run_on_device.sh tests [pytest args...]   # tests/gpu (gpu-marked), or the paths named
 #   tests/gpu/run_on_device.sh bench [gspo_step.py args...]
-#   tests/gpu/run_on_device.sh probe [gspo_settings_probe.py args...]   # the tests' SFT/GSPO settings
 #   tests/gpu/run_on_device.sh learning [learning.py args...]   # the learning benchmark, no DVC
 #   tests/gpu/run_on_device.sh launch [launch_one_process.py args...]   # in-process vs accelerate launch
 #   tests/gpu/run_on_device.sh decode [decode_profile.py args...]   # ms per decode step, kernels
-#   tests/gpu/run_on_device.sh sweep [nf4_sweep.py args...]   # NF4 kernel tiles per projection
-#   tests/gpu/run_on_device.sh nonfinite [nonfinite_probe.py args...]   # where a run goes NaN
 #   tests/gpu/run_on_device.sh scaling [scaling.py args...]   # 1 vs 2 GPUs, strong/weak (2 GPUs)
 #   tests/gpu/run_on_device.sh setup                    # install only, print versions
 #   tests/gpu/run_on_device.sh gpus "MODE ARGS; MODE ARGS" "MODE ARGS" ...   # a list per GPU
@@ -135,11 +132,8 @@ case "$MODE" in
         exit "$rc" ;;
     learning) run_script benchmarks/learning.py learning --without-dvc --no-doc "$@" ;;
     bench) run_script benchmarks/gspo_step.py gspo_step "$@" ;;
-    probe) run_script benchmarks/gspo_settings_probe.py probe "$@" ;;
     launch) run_script benchmarks/launch_one_process.py launch_one_process "$@" ;;
     decode) run_script benchmarks/decode_profile.py decode_profile "$@" ;;
-    sweep) run_script benchmarks/nf4_sweep.py nf4_sweep "$@" ;;
-    nonfinite) run_script benchmarks/nonfinite_probe.py nonfinite "$@" ;;
     scaling) run_script benchmarks/scaling.py scaling "$@" ;;
-    *) echo "usage: $0 tests|bench|probe|decode|sweep|learning|launch|nonfinite|scaling|setup|gpus|pair [args]" >&2; exit 2 ;;
+    *) echo "usage: $0 tests|bench|decode|learning|launch|scaling|setup|gpus|pair [args]" >&2; exit 2 ;;
 esac

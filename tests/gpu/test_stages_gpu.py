@@ -71,13 +71,11 @@ CONFIGS["transformers-4bit-graph-fp8-nf4-linears"] = {
     **CONFIGS["transformers-4bit-graph-fp8-rolled-compiled"], "train.nf4_linears": True}
 DOWNSTREAM_CONFIGS = [name for name in CONFIGS if "-graph" not in name]
 # The cold start is the shipped one (params.yaml sft.args: 40 steps, cosine decay from 2e-3) at
-# batch 8. Measured on an H100 (transformers bf16) with `tests/gpu/run_on_device.sh probe --sft
-# 2e-3:40:cosine,2e-3:24:cosine,2e-3:6` (benchmarks/results/gspo_settings_probe_cosine.json): SFT
-# loss 12.2 -> 0.18, first generation format reward 1.59, no group with reward std 0, grad norm
-# 0.38 and 0.50. The earlier 12 steps at a constant 2e-3 became a knife edge once the reasoning
-# block turned into one fixed sentence (sft.reasoning): on the two-GPU host, with one process and
-# with two, every completion repeated "I read the image.</REASONING>" to the 32-token limit, and
-# every reward was 0 (the diagnosis run of 2026-11-26 in tests/gpu/README.md).
+# batch 8. On an H100 (transformers bf16) it took the SFT loss from 12.2 to 0.18, and GSPO's first
+# generation then had a format reward of 1.59, no group with reward std 0 and grad norms of 0.38
+# and 0.50. 12 steps at a constant 2e-3 are not enough once the reasoning block is one fixed
+# sentence (sft.reasoning): on two GPUs, with one process and with two, every completion
+# repeated "I read the image.</REASONING>" to the 32-token limit, and every reward was 0.
 SFT = {
     "sft.enabled": True,
     "sft.args.max_steps": 40,
@@ -89,7 +87,7 @@ SFT = {
 # 2 prompts x 8 generations per optimizer step; one generation serves two steps
 # (steps_per_generation 2 > gradient_accumulation_steps 1), so step 2 is off-policy. One
 # generation only: on this random model one update at lr 5e-4 moves a sequence's log-likelihood
-# by 1-4 nats, so step 2 clips exactly the negative-advantage rows (0.56-0.69 in 5 of 5 probe
+# by 1-4 nats, so step 2 clips exactly the negative-advantage rows (0.56-0.69 in 5 of 5
 # runs, whatever the epsilon pair from 3e-4 to 0.2), and the next generation lost the format in
 # 3 of 5 runs (every reward 0, grad_norm 0).
 GSPO = {
