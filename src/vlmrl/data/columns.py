@@ -30,7 +30,7 @@ RECORD_FIELDS: tuple[str, ...] = get_args(RecordField)
 DEFAULT_COLUMNS: dict[str, str] = {**{field: field for field in RECORD_FIELDS}, "id": "pid"}
 # Named `data.answer_pattern` rules. after_hashes: GSM8K's "<worked solution> #### 72".
 ANSWER_RULES: dict[str, str] = {"after_hashes": r"####\s*(.+?)\s*$"}
-# Where a row came from (`data_sources.Origin`); a key no dataset column uses.
+# Where a row came from (`vlmrl.data.sources.Origin`); a key no dataset column uses.
 ORIGIN = "__origin__"
 _INTEGER = re.compile(r"[-+]?\d+")
 _FLOAT = re.compile(r"[-+]?(\d+\.(\d*)|\.(\d+))")

@@ -32,9 +32,9 @@ def avoid_cudnn_attention() -> None:
     SDPA then picks flash or memory-efficient attention. On Hopper GPUs its backward returns NaN
     in the query gradient when an attention mask is passed, the sequence length is 64 more than
     a multiple of 128 and a row's log-sum-exp is below about -88.7 (pytorch/pytorch#196678,
-    huggingface/trl#7181); transformers bf16 training on data seed 7 hit it at GSPO step 7
-    (`benchmarks/nonfinite_probe.py`, docs/benchmarks.md). Training calls this before a trainer
-    is built; the forward pass, which evaluation uses, is not affected."""
+    huggingface/trl#7181); transformers bf16 training on data seed 7 hit it at GSPO step 7 on an
+    H100 (CHANGELOG.md, Fixed). Training calls this before a trainer is built; the forward pass,
+    which evaluation uses, is not affected."""
     if torch.cuda.is_available():
         torch.backends.cuda.enable_cudnn_sdp(False)
 

@@ -202,7 +202,7 @@ class GraphDecoder:
     def span(self, slot: int) -> int:
         """How much of the cache a step writing `slot` reads: with `spans` and the grouped
         attention the filled part rounded up to SPAN_ROUND (one graph per span, which raised the
-        "graph" profile's peak: docs/benchmarks.md), else all of it."""
+        "graph" profile's peak), else all of it."""
         if not self.spans or self.attention != "grouped":
             return self.plan.cache_len
         return min(self.plan.cache_len, (slot // SPAN_ROUND + 1) * SPAN_ROUND)

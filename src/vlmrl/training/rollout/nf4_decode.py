@@ -33,8 +33,9 @@ is added in float32 before the one rounding (PEFT rounds it first). The operator
 v; gate, up) go side by side through one launch of each kernel (`nf4_group_matmul`), each program
 picking its projection's weight, scales and adapter by its columns: one projection of a decode
 step is too small to fill the GPU, and each launch has fixed costs; which layers are grouped is
-`vlmrl.training.rollout.nf4_projections`' business. Measured speed and exactness:
-docs/benchmarks.md. Dropout is not applied (as in `MergedLoRA` and vLLM): with `train.lora.dropout`
+`vlmrl.training.rollout.nf4_projections`' business. Its share of a decode step's time:
+docs/benchmarks.md ("Where a decode step's time goes"); its error against bitsandbytes + PEFT:
+tests/gpu/test_graph_decode_gpu.py. Dropout is not applied (as in `MergedLoRA` and vLLM): with `train.lora.dropout`
 above 0 the layers of a module in training mode keep PEFT's forward."""
 
 from __future__ import annotations
@@ -133,10 +134,10 @@ class Tiles:
             raise ValueError(f"Tiles.max_registers is {self.max_registers}, not 32 to 255")
 
 
-# The tiles `benchmarks/nf4_sweep.py` found fastest over the decode step's projections of both
-# shapes (docs/benchmarks.md, the NF4 sweep), with the partial sums in bfloat16: the 8B recipe's
-# GSPO step measured shorter with them, their error at most twice bitsandbytes + PEFT's
-# (tests/gpu/test_graph_decode_gpu.py).
+# The tiles measured fastest over the decode step's projections of both shapes
+# (`benchmarks/decode_profile.py --sweep` times tile shapes per projection), with the partial sums
+# in bfloat16: the 8B recipe's GSPO step measured shorter with them, their error at most twice
+# bitsandbytes + PEFT's (tests/gpu/test_graph_decode_gpu.py).
 TILES = Tiles(block_n=128, k_blocks=2, xa_precision="fp16", partials="bfloat16")
 
 

@@ -1,13 +1,12 @@
 """bitsandbytes' 4-bit Linear multiplies through its `gemm_4bit` operator, which sends the
 training forward's row counts to a fallback in Python (dequantise the weight, then a plain matrix
 product), once per projection and pass: inside a compiled layer an opaque call with several
-launches and its Python on the host, which the 2B training micro-batches wait on
-(docs/benchmarks.md, "The 2B training phases wait on the host"). `nf4_linear` is the same product
-in torch operations that torch.compile fuses into the layer's graph: the weight dequantised as
-bitsandbytes dequantises it (nested scales undone in float32, each NF4 value times its block's
-scale in float32, rounded to the compute dtype), and kept by neither pass: the backward
-dequantises it again, as bitsandbytes' does, so a layer holds no dense weight between its
-forward and its backward."""
+launches and its Python on the host, which the 2B training micro-batches wait on. `nf4_linear`
+is the same product in torch operations that torch.compile fuses into the layer's graph: the
+weight dequantised as bitsandbytes dequantises it (nested scales undone in float32, each NF4
+value times its block's scale in float32, rounded to the compute dtype), and kept by neither
+pass: the backward dequantises it again, as bitsandbytes' does, so a layer holds no dense weight
+between its forward and its backward."""
 
 from __future__ import annotations
 
