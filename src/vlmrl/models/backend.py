@@ -39,6 +39,18 @@ def avoid_cudnn_attention() -> None:
         torch.backends.cuda.enable_cudnn_sdp(False)
 
 
+def repeatable_on_cpu() -> None:
+    """Makes a CPU run repeatable to the bit on one machine. MKL, torch's BLAS on a CPU, may use
+    fewer threads than asked when the machine is busy (its dynamic mode), and so sum a matrix
+    product in another order; setting the thread count, even to the one torch chose, turns that
+    off. Ops with a nondeterministic CPU kernel take their deterministic one. On a GPU nothing
+    changes: its kernels' order varies by design (tests/gpu/README.md)."""
+    if cuda_available():
+        return
+    torch.set_num_threads(torch.get_num_threads())
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
 def resolve_dtype(name: str) -> torch.dtype:
     if name == "auto":
         if not cuda_available():

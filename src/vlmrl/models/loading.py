@@ -31,6 +31,7 @@ from vlmrl.models.backend import (
     cuda_available,
     pick_backend,
     process_device,
+    repeatable_on_cpu,
     resolve_dtype,
 )
 from vlmrl.models.embedded import resolve_model_path
@@ -120,6 +121,7 @@ def load_model(settings: ModelParams, *, adapter: Path | str | None = None,
     """(model, processor, backend name) for inference; with `adapter`, the LoRA adapter is
     applied."""
     backend = backend_for(settings)
+    repeatable_on_cpu()
     model, processor = backend.load(resolve_model_path(settings), settings, adapter, device)
     return model, processor, backend.name
 
@@ -135,6 +137,7 @@ def load_policy(settings: ModelParams, lora: LoraParams, seed: int,
     The global RNGs are seeded first: PEFT draws lora_A from them, and TRL's trainers seed only
     once the model exists, so an unseeded init made two runs of the same params differ."""
     backend = backend_for(settings)
+    repeatable_on_cpu()
     set_seed(seed)
     model, processor = backend.load_policy(resolve_model_path(settings), settings, lora, seed,
                                            init_adapter, model_class)
@@ -173,6 +176,7 @@ def merge_adapter(model_settings: ModelParams, dtype: str, adapter: Path, row: M
     two apart, not bf16 rounding). Returns the adapter model's and the base model's logits on the
     row's image+question."""
     settings = sixteen_bit(model_settings, dtype)
+    repeatable_on_cpu()
     return backend_for(settings).merge(resolve_model_path(settings), settings, adapter, row,
                                        out_dir, base_dir)
 

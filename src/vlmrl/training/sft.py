@@ -38,6 +38,7 @@ from vlmrl.distributed.launch import (
 )
 from vlmrl.models.embedded import resolve_model_path
 from vlmrl.models.loading import backend_for, load_policy, write_start_marker
+from vlmrl.models.portable import make_adapter_portable
 from vlmrl.models.processor import is_text_checkpoint, message_text, save_processing
 from vlmrl.outputs import atomic_dir
 from vlmrl.params import ModelParams, Params, SftParams
@@ -144,6 +145,7 @@ def _train(settings: SftParams, params: Params, train_set: Path, staging: Path,
     trainer.model.save_pretrained(str(staging), **({"state_dict": state_dict}
                                                    if state_dict is not None else {}))
     save_processing(staging, processor)
+    make_adapter_portable(staging, params.model.name)  # the same files for the same adapter
     shutil.rmtree(staging / "_trainer", ignore_errors=True)
     rows = log_rows(trainer.state.log_history)
     losses = [row["loss"] for row in rows if "loss" in row]
