@@ -46,6 +46,11 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         "cli_schedule",
         "serve the pipeline on a cron schedule with Prefect (blocks), or register it on a work pool",
     ),
+    "node": Subcommand(
+        "vlmrl.pipeline.nodes",
+        "cli_node",
+        "run this machine's part of a training stage over several machines (Slurm, SSH)",
+    ),
     "ui": Subcommand(
         "vlmrl.ui.app", "cli_ui", "open the reward playground and eval browser on 127.0.0.1"
     ),

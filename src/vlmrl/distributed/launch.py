@@ -379,6 +379,7 @@ def finish_launched(code: int | BaseException, outputs: Sequence[Path]) -> None:
 
         recover_outputs(*outputs)
         if isinstance(code, BaseException):
+            print(file=sys.stderr, flush=True)  # ends a progress bar's line before the error's
             raise code
         raise SystemExit(code)
 

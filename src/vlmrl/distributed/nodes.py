@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import queue
+import signal
 import socket
 import subprocess
 import threading
@@ -337,13 +339,52 @@ def local_failure(nodes: Nodes, peers: Sequence[Peer], process: subprocess.Popen
 
 
 def stop_run(nodes: Nodes, peers: Sequence[Peer], process: subprocess.Popen, cause: str) -> None:
-    """Kills this node's processes (their workers die with them), tells the others and raises
-    the cause."""
-    if process.poll() is None:
-        process.kill()
-        process.wait()
+    """Kills this node's processes, tells the others and raises the cause."""
+    kill_tree(process)
     send_all(peers, f"stop {cause}")
     raise NodeError(cause)
+
+
+def kill_tree(process: subprocess.Popen) -> None:
+    """`accelerate launch` and its workers, killed at once and gone before this returns, so
+    that nothing they print comes after the line that says why (the workers would die with
+    their launcher anyway, a moment later)."""
+    tree = descendants(process.pid) if process.poll() is None else []
+    for pid in tree:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    if process.poll() is None:
+        process.kill()
+    process.wait()
+    deadline = time.monotonic() + 10
+    while any(map(alive, tree)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` still runs (a zombie has ended: its output is all written)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def descendants(pid: int) -> list[int]:
+    """The live processes below `pid`, from Linux's /proc (none elsewhere)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # it ended while being read
+        if fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
 
 
 def send_all(peers: Sequence[Peer], line: str) -> None:

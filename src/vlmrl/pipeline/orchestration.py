@@ -20,19 +20,19 @@ import argparse
 import contextlib
 import json
 import os
-import queue
-import signal
-import subprocess
 import sys
-import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
-from vlmrl.pipeline.dvc_env import dvc_env
+from vlmrl.pipeline.commands import (  # resolve_repo and stream_command: the flows' too
+    STDERR_TAIL_LINES,
+    CommandResult,
+    resolve_repo,
+    stream_command,
+)
 from vlmrl.pipeline.dvc_records import (
     LockWatcher,
     Outcome,
@@ -41,7 +41,13 @@ from vlmrl.pipeline.dvc_records import (
     stage_outcomes,
     stage_seconds,
 )
-from vlmrl.reporting.tables import flatten, markdown_table
+from vlmrl.pipeline.nodes import (
+    NODE_FLOW_NAME,
+    cli_run_nodes,
+    node_deployment,
+    node_deployment_name,
+    node_queue,
+)
 
 if TYPE_CHECKING:
     from uuid import UUID
@@ -52,9 +58,6 @@ if TYPE_CHECKING:
 
 FLOW_FILE = Path("flows") / "pipeline.py"
 FLOW_FUNCTION = "pipeline"
-METRICS_DIR = Path("data") / "metrics"
-DETAILS_DIR = Path("data") / "reports" / "details"  # what the metrics files leave out
-STDERR_TAIL_LINES = 40
 DEFAULT_DEPLOYMENT_NAME = "scheduled"
 
 # Offline by default: the project never phones home unless the user asks for it.
@@ -100,13 +103,6 @@ class StageFailed(RuntimeError):
     """A DVC command failed; the message carries the tail of its stderr."""
 
 
-@dataclass
-class CommandResult:
-    returncode: int
-    stdout: list[str] = field(default_factory=list)
-    stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=STDERR_TAIL_LINES))
-
-
 def format_override(key: str, value: Any) -> str:
     """One `-S key=value`; non-strings as JSON, which DVC parses back to the same YAML value."""
     text = value if isinstance(value, str) else json.dumps(value)
@@ -121,46 +117,6 @@ def experiment_command(stages: Sequence[str], overrides: Mapping[str, Any]) -> l
     settings = [arg for key, value in overrides.items()
                 for arg in ("-S", format_override(key, value))]
     return [sys.executable, "-m", "dvc", "exp", "run", "--single-item", *settings, *stages]
-
-
-# --- running a command with its output streamed -------------------------------------------------
-
-
-def _pump(stream: IO[str], name: str, lines: queue.Queue[tuple[str, str | None]]) -> None:
-    for line in stream:
-        lines.put((name, line.rstrip("\n")))
-    lines.put((name, None))
-
-
-def stream_command(cmd: Sequence[str], cwd: Path, on_line: Callable[[str, str], None]
-                   ) -> CommandResult:
-    """Runs cmd, calling on_line(stream, line) for each stdout/stderr line as it arrives, on the
-    calling thread (Prefect's run logger belongs to it). Progress bars' carriage returns count as
-    line ends. Interrupting the caller kills the whole process group (DVC and the stage)."""
-    process = subprocess.Popen(cmd, cwd=cwd, env=dvc_env(), text=True, bufsize=1,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               stdin=subprocess.DEVNULL, start_new_session=True)
-    lines: queue.Queue[tuple[str, str | None]] = queue.Queue()
-    pumps = [threading.Thread(target=_pump, args=(pipe, name, lines), daemon=True)
-             for pipe, name in ((process.stdout, "stdout"), (process.stderr, "stderr"))]
-    for pump in pumps:
-        pump.start()
-    result = CommandResult(returncode=-1)
-    try:
-        open_streams = len(pumps)
-        while open_streams:
-            name, line = lines.get()
-            if line is None:
-                open_streams -= 1
-                continue
-            (result.stdout if name == "stdout" else result.stderr_tail).append(line)
-            on_line(name, line)
-        result.returncode = process.wait()
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            process.wait()
-    return result
 
 
 def _failure_message(what: str, result: CommandResult) -> str:
@@ -220,80 +176,6 @@ def select_stages(requested: Iterable[str] | None, pipeline: Sequence[str]) -> l
     if not wanted:
         raise ValueError("no stages selected")
     return [stage for stage in pipeline if stage in wanted]
-
-
-def resolve_repo(repo: str | Path | None) -> Path:
-    path = Path(repo or Path.cwd()).resolve()
-    if not (path / "dvc.yaml").is_file():
-        raise FileNotFoundError(f"{path} has no dvc.yaml: pass the project repo directory")
-    return path
-
-
-# --- artifacts ----------------------------------------------------------------------------------
-
-
-def stage_metrics(repo: Path, name: str, folder: Path = METRICS_DIR) -> dict[str, Any]:
-    return json.loads((repo / folder / f"{name}.json").read_text(encoding="utf-8"))
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def before_after_markdown(baseline: Mapping[str, Any], post: Mapping[str, Any]) -> str:
-    """Every numeric top-level metric the two evaluations share: baseline, post, change."""
-    keys = [key for key, value in post.items()
-            if _is_number(value) and _is_number(baseline.get(key))]
-    rows = [(key, baseline[key], post[key], post[key] - baseline[key]) for key in keys]
-    return "# Evaluation before and after GSPO\n\n" + markdown_table(
-        ("metric", "baseline", "post", "change"), rows)
-
-
-def verification_markdown(result: Mapping[str, Any]) -> str:
-    """verify_lora.json: the verdict, one row per check, then the remaining fields."""
-    verdict = result.get("passed")
-    parts = ["# LoRA verification" + ("" if verdict is None else
-                                      f": {'passed' if verdict else 'FAILED'}")]
-    checks = result.get("checks")
-    if isinstance(checks, Mapping):
-        rows = [(name, check.get("passed"), check.get("detail", "")) if isinstance(check, Mapping)
-                else (name, check, "") for name, check in checks.items()]
-        parts.append(markdown_table(("check", "passed", "detail"), rows))
-    rest = {key: value for key, value in result.items() if key not in {"passed", "checks"}}
-    parts.append(markdown_table(("field", "value"), flatten(rest).items()))
-    return "\n\n".join(parts)
-
-
-def published_markdown(upload: Mapping[str, Any]) -> str:
-    if upload.get("bucket"):
-        where = f"`{upload.get('url') or 's3://' + upload['bucket'] + '/' + upload['prefix']}`"
-    else:
-        where = "nowhere: `upload.bucket` is empty, so only the manifest was written locally"
-    rows = [(key, value) for key, value in upload.items()]
-    return (f"# Published version `{upload.get('version')}`\n\nLocation: {where}\n\n"
-            + markdown_table(("field", "value"), rows))
-
-
-def stage_artifacts(stage: str, repo: Path) -> list[tuple[str, str, str]]:
-    """(key, markdown, description) for the artifacts a finished stage publishes to Prefect."""
-    if stage == "post_eval":
-        return [("eval-before-after",
-                 before_after_markdown(stage_metrics(repo, "baseline_eval"),
-                                       stage_metrics(repo, "post_eval")),
-                 "Evaluation metrics of the base model and of base + adapter")]
-    if stage == "verify_lora":
-        return [("lora-verification", verification_markdown(stage_metrics(repo, "verify_lora", DETAILS_DIR)),
-                 "Checks that the LoRA adapter is trained and loads")]
-    if stage == "upload":
-        upload = stage_metrics(repo, "upload", DETAILS_DIR)
-        return [("published-version", published_markdown(upload),
-                 f"Release {upload.get('version')} and its S3 location")]
-    return []
-
-
-def stage_table(reports: Sequence[StageReport]) -> list[dict[str, Any]]:
-    return [{"stage": report.stage, "outcome": report.outcome.value,
-             "seconds": round(report.seconds, 1)} for report in reports]
 
 
 # --- loading the flow, deployments, CLI ---------------------------------------------------------
@@ -404,7 +286,16 @@ def cli_run(argv: list[str]) -> int:
     set_offline_defaults()
     parser = argparse.ArgumentParser(prog="vlmrl run", description=cli_run.__doc__)
     _common_options(parser)
+    parser.add_argument("--nodes", type=int, default=1, metavar="N",
+                        help="machines that train one stage together (--stages: sft_cold_start "
+                             "or train_gspo, default train_gspo): one run on each node of "
+                             "--pool at once, given its rank (default: 1, the pipeline here)")
+    parser.add_argument("--pool", default=None, metavar="WORK_POOL",
+                        help="with --nodes: the work pool whose nodes train, each registered "
+                             "with `vlmrl schedule --pool WORK_POOL --node RANK` (default: none)")
     args = parser.parse_args(argv)
+    if args.nodes != 1 or args.pool:
+        return run_on_nodes(args)
     repo, overrides = resolve_repo(args.repo), parse_overrides(args.overrides)
     if not overrides and not os.environ.get("PREFECT_API_URL") and up_to_date(repo, args.stages):
         # Nothing to run and no server to keep the run: no temporary Prefect server is started.
@@ -420,6 +311,18 @@ def cli_run(argv: list[str]) -> int:
         return 1
     print_report(state.result())
     return 0
+
+
+def run_on_nodes(args: argparse.Namespace) -> int:
+    """`vlmrl run --nodes N --pool P` (vlmrl.pipeline.nodes); bad input is one line, status 1."""
+    try:
+        if args.nodes < 2:
+            raise ValueError(f"--nodes {args.nodes}: a run over several machines takes 2 or "
+                             "more (--pool goes with it)")
+        return cli_run_nodes(args, resolve_repo(args.repo))
+    except (ValueError, FileNotFoundError) as error:
+        print(f"vlmrl run: {error}", file=sys.stderr)
+        return 1
 
 
 def dvc_stages(repo: Path) -> list[str]:
@@ -459,11 +362,17 @@ def cli_schedule(argv: list[str]) -> int:
     parser.add_argument("--name", default=DEFAULT_DEPLOYMENT_NAME,
                         help=f"Prefect deployment name (default: {DEFAULT_DEPLOYMENT_NAME})")
     parser.add_argument("--timezone", default=None, help="IANA zone of the cron (default UTC)")
+    parser.add_argument("--node", type=int, default=None, metavar="RANK",
+                        help="with --pool: register this clone as node RANK of a training run "
+                             "over several machines (`vlmrl run --nodes`), run by a worker of "
+                             "the pool's queue node-RANK (default: none, the pipeline)")
     _common_options(parser)
     args = parser.parse_args(argv)
     if args.cron is None and args.pool is None:
         parser.error("--cron is required unless --pool is given")
     repo = resolve_repo(args.repo)
+    if args.node is not None:
+        return schedule_node(args, repo)
     overrides = parse_overrides(args.overrides) or None
     if args.pool:
         deployment_id = register_deployment(args.name, args.cron, repo, args.stages, overrides,
@@ -479,4 +388,24 @@ def cli_schedule(argv: list[str]) -> int:
     # Scheduled runs start in this process's directory, which must be the deployment's code path.
     os.chdir(repo)
     serve(deployment, limit=1)
+    return 0
+
+
+def schedule_node(args: argparse.Namespace, repo: Path) -> int:
+    """`vlmrl schedule --pool P --node R`: this clone as node R of pool P (vlmrl.pipeline.nodes)."""
+    unused = [flag for flag, value in (("--cron", args.cron), ("--stages", args.stages),
+                                       ("--set", args.overrides), ("--timezone", args.timezone))
+              if value]
+    problem = (f"--node {args.node}: a rank is 0 or more" if args.node < 0 else
+               f"{', '.join(unused)} do not go with --node: `vlmrl run --nodes` starts the "
+               "node runs and picks the stage" if unused else None)
+    if problem:
+        print(f"vlmrl schedule: {problem}", file=sys.stderr)
+        return 1
+    ensure_process_pool(args.pool)
+    deployment_id = node_deployment(args.pool, args.node, repo).apply()
+    print(f"deployment {NODE_FLOW_NAME}/{node_deployment_name(args.pool, args.node)} "
+          f"({deployment_id}) on work pool '{args.pool}', queue {node_queue(args.node)}, running "
+          f"in {repo}; start this machine's worker: prefect worker start --pool {args.pool} "
+          f"--work-queue {node_queue(args.node)} --limit 1")
     return 0
