@@ -181,9 +181,11 @@ def test_base_model_gguf_does_not_match_the_merged_model(exported: Exported) -> 
     assert exported.metrics["checks"]["base_gguf_differs_from_merged"]["passed"]
 
 
-def test_untrained_adapter_fails_the_base_control_and_leaves_no_outputs(
+def test_untrained_adapter_fails_the_base_control_and_keeps_the_earlier_outputs(
         exported: Exported) -> None:
-    """With every lora_B zero the merged model IS the base model: the control must catch it."""
+    """With every lora_B zero the merged model IS the base model: the control must catch it,
+    and the failed export leaves the outputs of the run before it as they were, nothing of its
+    own."""
     workdir = exported.workdir
     adapter = make_adapter(workdir / "adapters/untrained")
     stale = [workdir / "data/failed/merged/config.json", workdir / "data/failed/gguf/x.gguf",
@@ -199,10 +201,12 @@ def test_untrained_adapter_fails_the_base_control_and_leaves_no_outputs(
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
     assert "export failed 1 of 17 checks" in result.stderr
     assert "base_gguf_differs_from_merged" in result.stderr
-    assert not any(path.exists() for path in stale)
-    assert not (workdir / "data/failed/merged").exists()
-    assert not (workdir / "data/failed/gguf").exists()
-    assert not list((workdir / "data/failed").glob(".merged.*"))
+    assert all(path.read_text() == "stale" for path in stale)  # the earlier run's, as they were
+    assert sorted(path.name for path in (workdir / "data/failed/merged").iterdir()) == [
+        "config.json"]
+    assert sorted(path.name for path in (workdir / "data/failed/gguf").iterdir()) == ["x.gguf"]
+    assert not list((workdir / "data/failed").glob(".merged*"))
+    assert not list((workdir / "data/failed").glob(".gguf*"))
 
 
 def test_q4_k_m_file_holds_q4_k_tensors_named_as_released(exported: Exported) -> None:
