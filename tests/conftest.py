@@ -8,6 +8,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -15,6 +16,7 @@ import pytest
 from leftover_processes import pytest_configure, pytest_sessionfinish  # noqa: F401 - hooks
 from project_repo import dvc_env, make_project_repo, run, update_params  # noqa: F401
 from project_repo import stage_command as _stage_command
+from s3_server import MotoServer, start_moto_server
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
@@ -33,6 +35,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
+    """moto's S3 server on 127.0.0.1 (tests/s3_server.py), started for the first test that asks
+    and shared by the rest of the run; each test makes its own bucket."""
+    server = start_moto_server(tmp_path_factory.mktemp("moto"))
+    yield server
+    server.stop()
 
 
 def dvc_repro(repo: Path, *targets: str, check: bool = True, extra: tuple[str, ...] = ()):
@@ -114,6 +125,16 @@ def load_benchmark(name: str) -> ModuleType:
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def benchmark_fixture(name: str):
+    """A module-scoped fixture whose value is benchmarks/<name>.py (`load_benchmark`); bind it to
+    the fixture's name in the test module: `tables = benchmark_fixture("gspo_tables")`."""
+
+    def loaded() -> ModuleType:
+        return load_benchmark(name)
+
+    return pytest.fixture(scope="module")(loaded)
 
 
 def stop_process(process: subprocess.Popen, timeout_s: float) -> None:

@@ -12,16 +12,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, load_benchmark, run
+from conftest import ROOT, benchmark_fixture, run
 
 RESULTS = ROOT / "benchmarks" / "results"
 LINKED_DOCS = sorted([*ROOT.glob("docs/*.md"), ROOT / "README.md", ROOT / "CHANGELOG.md",
                       ROOT / "tests/gpu/README.md"])
 
 
-@pytest.fixture(scope="module")
-def doc_tables():
-    return load_benchmark("doc_tables")
+doc_tables = benchmark_fixture("doc_tables")
 
 
 def test_every_table_is_as_its_script_writes_it(doc_tables, tmp_path: Path) -> None:
@@ -86,12 +84,17 @@ def test_learning_summary_puts_seeds_down_and_runs_across(tmp_path: Path) -> Non
                  str(broken), "'mean_reward'")
 
 
-def test_learning_from_json_names_a_missing_field(tmp_path: Path) -> None:
-    doc = marked_doc(tmp_path, ("<!-- benchmarks/learning.py:begin -->",
-                                "<!-- benchmarks/learning.py:end -->"))
-    broken = without(RESULTS / "learning.json", tmp_path, "summary")
-    fails_naming(["benchmarks/learning.py", "--from-json", str(broken), "--doc", str(doc)],
-                 str(broken), "'summary'")
+@pytest.mark.parametrize(("script", "flag", "missing"), [("learning", "--from-json", "summary"),
+                                                     ("pipeline", "--render", "cached_flow")])
+def test_rendering_from_results_names_a_missing_field(tmp_path: Path, script: str, flag: str,
+                                                       missing: str) -> None:
+    """`benchmarks/<script>.py` rendering its results file without `missing` names the file and
+    the field."""
+    doc = marked_doc(tmp_path, (f"<!-- benchmarks/{script}.py:begin -->",
+                                f"<!-- benchmarks/{script}.py:end -->"))
+    broken = without(RESULTS / f"{script}.json", tmp_path, missing)
+    fails_naming([f"benchmarks/{script}.py", flag, str(broken), "--doc", str(doc)],
+                 str(broken), f"'{missing}'")
 
 
 def test_gspo_step_speed_summary_compares_within_a_file_and_marks_other_machines(
@@ -156,14 +159,6 @@ def test_scaling_render_names_a_missing_field(tmp_path: Path) -> None:
     fails_naming(["benchmarks/scaling.py", "--render", str(broken), "--out", str(broken),
                   "--doc", str(doc)], str(broken), "'generated_tokens_per_second'")
     assert "strong" not in doc.read_text()  # nothing written
-
-
-def test_pipeline_render_names_a_missing_field(tmp_path: Path) -> None:
-    doc = marked_doc(tmp_path, ("<!-- benchmarks/pipeline.py:begin -->",
-                                "<!-- benchmarks/pipeline.py:end -->"))
-    broken = without(RESULTS / "pipeline.json", tmp_path, "cached_flow")
-    fails_naming(["benchmarks/pipeline.py", "--render", str(broken), "--doc", str(doc)],
-                 str(broken), "'cached_flow'")
 
 
 def test_cpu_kernels_from_json_writes_its_table_and_names_a_missing_field(tmp_path: Path) -> None:

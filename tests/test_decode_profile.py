@@ -10,19 +10,12 @@ import json
 
 import pytest
 import torch
-from conftest import load_benchmark
+from conftest import benchmark_fixture
 
 from vlmrl.training.rollout.nf4_decode import Tiles
 
-
-@pytest.fixture(scope="module")
-def profile():
-    return load_benchmark("decode_profile")
-
-
-@pytest.fixture(scope="module")
-def tables():
-    return load_benchmark("decode_tables")
+profile = benchmark_fixture("decode_profile")
+tables = benchmark_fixture("decode_tables")
 
 
 def test_tiles_parse_in_order_and_by_name(profile) -> None:

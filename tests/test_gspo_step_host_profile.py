@@ -5,13 +5,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import pytest
-from conftest import load_benchmark
+from conftest import benchmark_fixture
 
-
-@pytest.fixture(scope="module")
-def profilers():
-    return load_benchmark("gspo_profilers")
+profilers = benchmark_fixture("gspo_profilers")
 
 
 def host_work() -> int:

@@ -10,19 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, load_benchmark
+from conftest import ROOT, benchmark_fixture
 
 from vlmrl.training.rollout.nf4_decode import TILES, Tiles
 
-
-@pytest.fixture(scope="module")
-def gspo_step():
-    return load_benchmark("gspo_step")
-
-
-@pytest.fixture(scope="module")
-def gspo_worker():
-    return load_benchmark("gspo_worker")
+gspo_step = benchmark_fixture("gspo_step")
+gspo_worker = benchmark_fixture("gspo_worker")
 
 
 def baseline_copy(tmp_path: Path, with_params: bool) -> Path:

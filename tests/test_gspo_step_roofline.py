@@ -7,28 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import load_benchmark
+from conftest import benchmark_fixture
 from transformers import AutoModelForCausalLM
 
-
-@pytest.fixture(scope="module")
-def measure():
-    return load_benchmark("gspo_measure")
-
-
-@pytest.fixture(scope="module")
-def tables():
-    return load_benchmark("gspo_tables")
-
-
-@pytest.fixture(scope="module")
-def profilers():
-    return load_benchmark("gspo_profilers")
-
-
-@pytest.fixture(scope="module")
-def configs():
-    return load_benchmark("gspo_configs")
+measure = benchmark_fixture("gspo_measure")
+tables = benchmark_fixture("gspo_tables")
+profilers = benchmark_fixture("gspo_profilers")
+configs = benchmark_fixture("gspo_configs")
 
 
 def test_decode_steps_count_every_generate_call(measure) -> None:

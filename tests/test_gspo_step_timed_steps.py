@@ -5,12 +5,9 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from conftest import ROOT, load_benchmark
+from conftest import ROOT, benchmark_fixture
 
-
-@pytest.fixture(scope="module")
-def gspo_step():
-    return load_benchmark("gspo_step")
+gspo_step = benchmark_fixture("gspo_step")
 
 
 def knobs(steps_per_generation: int, accumulation: int) -> dict:

@@ -7,12 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import load_benchmark
+from conftest import benchmark_fixture
 
-
-@pytest.fixture(scope="module")
-def learning():
-    return load_benchmark("learning")
+learning = benchmark_fixture("learning")
 
 
 def run(seed: int, format_delta: float, reward_delta: float) -> dict:

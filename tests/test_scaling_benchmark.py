@@ -10,21 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, load_benchmark, run
+from conftest import ROOT, benchmark_fixture, run
 
 from vlmrl.distributed.launch import DistributedParams, resolve
 from vlmrl.params import Params
 from vlmrl.training.gspo import local_generation_rows, split_batch
 
-
-@pytest.fixture(scope="module")
-def scaling():
-    return load_benchmark("scaling")
-
-
-@pytest.fixture(scope="module")
-def tables():
-    return load_benchmark("scaling_tables")
+scaling = benchmark_fixture("scaling")
+tables = benchmark_fixture("scaling_tables")
 
 
 def rank_record(rank: int, *, step_seconds=(5.0, 1.0, 4.0, 2.0), sync=(0.4, 0.5),
