@@ -35,13 +35,6 @@ UPLOAD_DETAILS = "data/reports/details/upload.json"  # the summary; metrics/uplo
 
 
 @pytest.fixture(scope="session")
-def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
-    server = start_moto_server(tmp_path_factory.mktemp("moto"))
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="session")
 def auth_s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
     server = start_moto_server(
         tmp_path_factory.mktemp("moto-auth"), {"INITIAL_NO_AUTH_ACTION_COUNT": "0"}

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from s3_server import TEST_ACCESS_KEY, TEST_SECRET_KEY, MotoServer, start_moto_server
+from s3_server import TEST_ACCESS_KEY, TEST_SECRET_KEY, MotoServer
 from test_publish import (  # noqa: F401  (aws_env: the autouse fixture, for these tests too)
     PREFIX,
     REPO_ROOT,
@@ -47,30 +47,23 @@ QUANT_KEY = f"{PREFIX}/v1/gguf/model-Q4_K_M.gguf"
 
 
 @pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
-    server = start_moto_server(tmp_path_factory.mktemp("moto"))
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def golden_bucket(s3: MotoServer, tmp_path_factory: pytest.TempPathFactory) -> str:
+def golden_bucket(s3_server: MotoServer, tmp_path_factory: pytest.TempPathFactory) -> str:
     """One good release, v1, copied into a fresh bucket for each test to tamper with."""
     name = f"golden-{uuid.uuid4().hex[:12]}"
-    s3.client().create_bucket(Bucket=name)
+    s3_server.client().create_bucket(Bucket=name)
     project = make_project(tmp_path_factory.mktemp("golden"), {})
     with pytest.MonkeyPatch.context() as env:  # the function-scoped aws_env is not active yet
         env.setenv("AWS_ACCESS_KEY_ID", TEST_ACCESS_KEY)
         env.setenv("AWS_SECRET_ACCESS_KEY", TEST_SECRET_KEY)
         env.setenv("AWS_EC2_METADATA_DISABLED", "true")
         env.delenv("AWS_PROFILE", raising=False)
-        publish_project(project, upload_params(s3, name, version="v1"))
+        publish_project(project, upload_params(s3_server, name, version="v1"))
     return name
 
 
 @pytest.fixture
-def release(s3: MotoServer, golden_bucket: str) -> str:
-    client = s3.client()
+def release(s3_server: MotoServer, golden_bucket: str) -> str:
+    client = s3_server.client()
     name = f"release-{uuid.uuid4().hex[:12]}"
     client.create_bucket(Bucket=name)
     for item in client.list_objects_v2(Bucket=golden_bucket)["Contents"]:
@@ -230,17 +223,17 @@ def refused_pull(
 def test_crafted_release_is_refused_and_nothing_is_written(
     hostile: Callable[[MotoServer, str, Path], list[str]],
     existing: bool,
-    s3: MotoServer,
+    s3_server: MotoServer,
     release: str,
     tmp_path: Path,
     temporary_root: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    expected = hostile(s3, release, tmp_path)
+    expected = hostile(s3_server, release, tmp_path)
     destination = tmp_path / "out" / "a" / "b" / "to"
     if existing:
         write_bytes(destination / "keep.txt", b"a previous pull")
-    error = refused_pull(s3, release, destination, temporary_root, capsys)
+    error = refused_pull(s3_server, release, destination, temporary_root, capsys)
     message = error.strip().splitlines()[-1]  # a progress bar may come before it
     assert message.startswith("error: ") and "Traceback" not in error
     for words in expected:
@@ -248,12 +241,12 @@ def test_crafted_release_is_refused_and_nothing_is_written(
 
 
 def test_version_with_dotdot_on_the_command_line_is_refused(
-    s3: MotoServer, release: str, tmp_path: Path, temporary_root: Path,
+    s3_server: MotoServer, release: str, tmp_path: Path, temporary_root: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     destination = tmp_path / "fresh" / "to"
     error = refused_pull(
-        s3, release, destination, temporary_root, capsys, "--version", "../v1"
+        s3_server, release, destination, temporary_root, capsys, "--version", "../v1"
     )
     assert "invalid version '../v1'" in error
     assert not (tmp_path / "fresh").exists()
@@ -340,13 +333,13 @@ def test_reads_stop_as_soon_as_an_object_outgrows_its_size() -> None:
 
 
 def test_single_file_pull_by_quant_or_file_name(
-    s3: MotoServer, release: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    s3_server: MotoServer, release: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    location = location_args(s3, release)
+    location = location_args(s3_server, release)
     quant = tmp_path / "quant"
     assert vlmrl_main(["pull", "--what", "gguf", "--file", "Q4_K_M", "--to", str(quant),
                        *location]) == 0
-    genuine = s3.client().get_object(Bucket=release, Key=QUANT_KEY)["Body"].read()
+    genuine = s3_server.client().get_object(Bucket=release, Key=QUANT_KEY)["Body"].read()
     assert directory_snapshot(quant) == {"model-Q4_K_M.gguf": genuine}
 
     both = tmp_path / "both"
@@ -366,11 +359,11 @@ def test_single_file_pull_by_quant_or_file_name(
 
 
 def test_versions_lists_an_invalid_release_with_its_problem(
-    s3: MotoServer, release: str, capsys: pytest.CaptureFixture[str]
+    s3_server: MotoServer, release: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    put(s3, release, f"{PREFIX}/v0/manifest.json", b"not json")
-    put(s3, release, f"{PREFIX}/bad..name/manifest.json", b"{}")
-    assert vlmrl_main(["versions", *location_args(s3, release)]) == 0
+    put(s3_server, release, f"{PREFIX}/v0/manifest.json", b"not json")
+    put(s3_server, release, f"{PREFIX}/bad..name/manifest.json", b"{}")
+    assert vlmrl_main(["versions", *location_args(s3_server, release)]) == 0
     rows = {line[2:].split()[0]: line for line in capsys.readouterr().out.splitlines()[3:]}
     assert set(rows) == {"v0", "bad..name", "v1"}
     assert "invalid: " in rows["v0"] and "is not valid JSON" in rows["v0"]
@@ -383,42 +376,42 @@ def test_versions_lists_an_invalid_release_with_its_problem(
 
 
 def test_latest_moves_only_forward_unless_promoted(
-    s3: MotoServer, tmp_path: Path
+    s3_server: MotoServer, tmp_path: Path
 ) -> None:
     bucket = f"forward-{uuid.uuid4().hex[:12]}"
-    s3.client().create_bucket(Bucket=bucket)
+    s3_server.client().create_bucket(Bucket=bucket)
     project = make_project(tmp_path, {})
-    publish_project(project, upload_params(s3, bucket, version="v1"))
-    publish_project(project, upload_params(s3, bucket, version="v2"))
-    assert latest_version(s3, bucket) == "v2"
+    publish_project(project, upload_params(s3_server, bucket, version="v1"))
+    publish_project(project, upload_params(s3_server, bucket, version="v2"))
+    assert latest_version(s3_server, bucket) == "v2"
 
-    again = publish_project(project, upload_params(s3, bucket, version="v1"))
+    again = publish_project(project, upload_params(s3_server, bucket, version="v1"))
     assert (again.uploaded_files, again.latest) == (0, "v2")  # a no-op that keeps latest
-    assert latest_version(s3, bucket) == "v2"
+    assert latest_version(s3_server, bucket) == "v2"
 
-    promoted = publish_project(project, upload_params(s3, bucket, version="v1",
+    promoted = publish_project(project, upload_params(s3_server, bucket, version="v1",
                                                       promote=True))
-    assert promoted.latest == "v1" and latest_version(s3, bucket) == "v1"
-    publish_project(project, upload_params(s3, bucket, version="v3"))
-    assert latest_version(s3, bucket) == "v3"
+    assert promoted.latest == "v1" and latest_version(s3_server, bucket) == "v1"
+    publish_project(project, upload_params(s3_server, bucket, version="v3"))
+    assert latest_version(s3_server, bucket) == "v3"
 
-    put(s3, bucket, f"{PREFIX}/latest.json", {"version": "../v3"})
+    put(s3_server, bucket, f"{PREFIX}/latest.json", {"version": "../v3"})
     with pytest.raises(PublishError, match="latest.json.*upload.promote: true"):
-        publish_project(project, upload_params(s3, bucket, version="v4"))
-    publish_project(project, upload_params(s3, bucket, version="v4", promote=True))
-    assert latest_version(s3, bucket) == "v4"
+        publish_project(project, upload_params(s3_server, bucket, version="v4"))
+    publish_project(project, upload_params(s3_server, bucket, version="v4", promote=True))
+    assert latest_version(s3_server, bucket) == "v4"
 
 
 @pytest.mark.parametrize("checksum", [True, False])
 def test_uploads_carry_a_sha256_checksum_unless_turned_off(
-    s3: MotoServer, tmp_path: Path, checksum: bool
+    s3_server: MotoServer, tmp_path: Path, checksum: bool
 ) -> None:
     bucket = f"checksum-{uuid.uuid4().hex[:12]}"
-    s3.client().create_bucket(Bucket=bucket)
+    s3_server.client().create_bucket(Bucket=bucket)
     project = make_project(tmp_path, {})
-    publish_project(project, upload_params(s3, bucket, version="v1", checksum=checksum))
+    publish_project(project, upload_params(s3_server, bucket, version="v1", checksum=checksum))
     for key in (f"{PREFIX}/v1/adapter/adapter_config.json", f"{PREFIX}/v1/manifest.json"):
-        head = s3.client().head_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED")
+        head = s3_server.client().head_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED")
         assert ("ChecksumSHA256" in head) is checksum
 
 
@@ -462,12 +455,12 @@ print(json.dumps({"import_s": imported, "codes": codes, "heavy": heavy}))
 
 
 def test_pull_and_versions_import_neither_torch_nor_transformers(
-    s3: MotoServer, release: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    s3_server: MotoServer, release: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         filter(None, [str(REPO_ROOT / "src"), os.environ.get("PYTHONPATH")]))}
     completed = subprocess.run(
-        [sys.executable, "-c", PROBE, *location_args(s3, release)],
+        [sys.executable, "-c", PROBE, *location_args(s3_server, release)],
         cwd=tmp_path, env=env, capture_output=True, text=True, check=False, timeout=300,
     )
     assert completed.returncode == 0, completed.stderr

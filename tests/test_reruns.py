@@ -8,12 +8,11 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from conftest import dvc_repro, run, update_params
-from s3_server import TEST_ACCESS_KEY, TEST_SECRET_KEY, MotoServer, start_moto_server
+from s3_server import TEST_ACCESS_KEY, TEST_SECRET_KEY, MotoServer
 
 from vlmrl.pipeline.dvc_env import dvc_env
 
@@ -63,13 +62,6 @@ def test_a_failed_rerun_loses_no_metric_or_report(repo: Path) -> None:
 
     run(["dvc", "checkout", "train_gspo"], repo)
     assert snapshot(repo) == before
-
-
-@pytest.fixture(scope="module")
-def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
-    server = start_moto_server(tmp_path_factory.mktemp("moto"))
-    yield server
-    server.stop()
 
 
 def objects(server: MotoServer, bucket: str) -> dict[str, str]:

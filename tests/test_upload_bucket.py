@@ -22,8 +22,8 @@ from test_publish import (
 
 from vlmrl.cli import main as vlmrl_main
 
-# test_publish's fixtures: its moto server, a fresh bucket, and only the test credentials.
-s3_server = test_publish.s3_server
+# test_publish's fixtures: a fresh bucket (on conftest's moto server) and only the test
+# credentials.
 bucket = test_publish.bucket
 aws_env = test_publish.aws_env
 
