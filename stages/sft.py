@@ -9,8 +9,6 @@ several train together."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from vlmrl.distributed.launch import (
     is_main_process,
     launch_unless_worker,
@@ -18,18 +16,16 @@ from vlmrl.distributed.launch import (
     training_plan,
 )
 from vlmrl.errors import run_stage
-from vlmrl.outputs import stage_outputs, stage_parser, write_json_atomic
+from vlmrl.outputs import stage_outputs, training_stage_parser, write_json_atomic
 from vlmrl.params import load_params
 from vlmrl.reporting.metrics import write_stage_metrics
 
 
 def main() -> int:
-    parser = stage_parser(__doc__, timings=True)
-    parser.add_argument("--train-set", type=Path, required=True)
-    parser.add_argument("--out", type=Path, required=True, help="starting adapter directory")
-    parser.add_argument("--log", type=Path, required=True,
-                        help="per-step log (a JSON list), rewritten at every logging step")
-    args = parser.parse_args()
+    """The stage: the cold-start SFT in this process or relaunched with one process per GPU, or a
+    pass-through marker where `sft` trains nothing; rank 0 writes the starting adapter, the log
+    and the metrics. Returns the exit status."""
+    args = training_stage_parser(__doc__, "starting adapter directory").parse_args()
 
     outputs = (args.out, args.metrics, args.log, args.details, args.timings)
     params = load_params(args.params)  # a bad param fails here, before any file moves

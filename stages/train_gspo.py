@@ -19,18 +19,17 @@ from vlmrl.distributed.launch import (
     use_expandable_segments,
 )
 from vlmrl.errors import run_stage
-from vlmrl.outputs import atomic_dir, stage_outputs, stage_parser, write_json_atomic
+from vlmrl.outputs import atomic_dir, stage_outputs, training_stage_parser, write_json_atomic
 from vlmrl.params import load_params
 from vlmrl.reporting.metrics import write_stage_metrics
 
 
 def main() -> int:
-    parser = stage_parser(__doc__, timings=True)
-    parser.add_argument("--train-set", type=Path, required=True)
-    parser.add_argument("--out", type=Path, required=True, help="adapter directory")
+    """The stage: GSPO training in this process or relaunched with one process per GPU (or
+    machine), resumed from its checkpoints where a run was cut off; rank 0 writes the adapter,
+    the logs, the sample completions, the curves and the metrics. Returns the exit status."""
+    parser = training_stage_parser(__doc__, "adapter directory")
     parser.add_argument("--checkpoints", type=Path, required=True)
-    parser.add_argument("--log", type=Path, required=True,
-                        help="per-step log (a JSON list), rewritten at every logging step")
     parser.add_argument("--completions", type=Path, required=True)
     parser.add_argument("--samples", type=Path, required=True,
                         help="TRL's sample completions table (train.grpo.log_completions)")
@@ -67,7 +66,13 @@ def main() -> int:
 
 
 def write_outputs(args: argparse.Namespace, result) -> None:
-    """`result`: vlmrl.training.gspo.TrainResult."""
+    """Writes a finished training's declared outputs beside the adapter: the sample completions
+    (TRL's parquet files), the per-step log, the metrics and the training curves.
+
+    Args:
+        args: the command line, for the output paths.
+        result: the `vlmrl.training.gspo.TrainResult` that `train` returned on rank 0.
+    """
     from vlmrl.training.gspo import plot_training_curves
 
     with atomic_dir(args.completions) as staging:

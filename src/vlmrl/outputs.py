@@ -138,3 +138,14 @@ def stage_parser(description: str, *, timings: bool = False) -> argparse.Argumen
                                  "depend on")
     parser.add_argument("--params", type=Path, default=Path("params.yaml"))
     return parser
+
+
+def training_stage_parser(description: str, out_help: str) -> argparse.ArgumentParser:
+    """`stage_parser` (with timings) for a training stage, with the paths both have: the train
+    set, the adapter directory it writes (`out_help` says which) and the per-step log."""
+    parser = stage_parser(description, timings=True)
+    parser.add_argument("--train-set", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True, help=out_help)
+    parser.add_argument("--log", type=Path, required=True,
+                        help="per-step log (a JSON list), rewritten at every logging step")
+    return parser
