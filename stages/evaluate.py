@@ -42,6 +42,8 @@ POST_ONLY = ("adapter", "baseline", "baseline_metrics", "report")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The stage's command line (`sys.argv` where `argv` is None): the mode, then its paths;
+    post's paths are required in post and refused in baseline, `--start-adapter` the reverse."""
     parser = stage_parser(__doc__.splitlines()[0], timings=True)
     parser.add_argument("mode", choices=("baseline", "post"))
     parser.add_argument("--eval-set", type=Path, required=True)
@@ -70,6 +72,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def check_baseline_inputs(args: argparse.Namespace) -> None:
+    """Stops post_eval before any model loads where baseline_eval's records or metrics are
+    missing, naming the file and the stage that makes it."""
     for path in (args.baseline, args.baseline_metrics):
         if not path.is_file():
             raise FileNotFoundError(f"{path}: not found; the baseline_eval stage makes it "
@@ -77,12 +81,15 @@ def check_baseline_inputs(args: argparse.Namespace) -> None:
 
 
 def load_baseline(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """baseline_eval's records and headline metrics, which the report compares post against."""
     import json
 
     return read_records(args.baseline), json.loads(args.baseline_metrics.read_text(encoding="utf-8"))
 
 
 def flipped_images(eval_set: Path, pids: set[str]) -> dict[str, Any]:
+    """The images of the eval records `pids` (the flipped ones the report shows), by pid; only
+    those rows are decoded."""
     from datasets import load_from_disk
 
     dataset = load_from_disk(str(eval_set))
@@ -92,6 +99,14 @@ def flipped_images(eval_set: Path, pids: set[str]) -> dict[str, Any]:
 
 def write_post_report(args: argparse.Namespace, records: list[dict[str, Any]],
                       metrics: dict[str, Any]) -> dict[str, Any]:
+    """Writes post_eval's before/after report into `args.report` (atomically) and returns post's
+    metrics with the deltas against the baseline (`vs_baseline`).
+
+    Args:
+        args: the command line, for the baseline's files, the eval set and the report folder.
+        records: post's scored records, one per eval item.
+        metrics: post's metrics as the evaluation computed them.
+    """
     baseline_records, baseline_metrics = load_baseline(args)
     flips = find_flips(baseline_records, records)
     images = flipped_images(args.eval_set, set(flips["wrong_to_right"] + flips["right_to_wrong"]))
@@ -101,6 +116,9 @@ def write_post_report(args: argparse.Namespace, records: list[dict[str, Any]],
 
 
 def evaluate(args: argparse.Namespace, params: Params) -> dict[str, Any] | None:
+    """Runs the evaluation of `args.mode` (the starting model, or base + `--adapter`) and writes
+    its records, per-category accuracy, metrics and, in post, the report; returns the metrics,
+    or None on a rank other than 0 of a launched run (rank 0 writes)."""
     from vlmrl.evaluation.evaluate import run_evaluation  # torch: once the GPUs are chosen
     from vlmrl.models.loading import starting_adapter
 
@@ -122,6 +140,8 @@ def evaluate(args: argparse.Namespace, params: Params) -> dict[str, Any] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The stage: in this process, or relaunched with one process per GPU where `eval` params
+    ask for several; every output appears at once or not at all. Returns the exit status."""
     args = parse_args(argv)
     outputs = [args.out / "records.jsonl", args.metrics, args.details, args.by_category,
                args.timings, *([args.report] if args.report else [])]

@@ -20,6 +20,8 @@ from vlmrl.reporting.metrics import write_stage_metrics
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The stage's paths (from `sys.argv` where `argv` is None): the adapter and eval set it
+    reads, the merged model and GGUF folders it writes, and `stage_parser`'s own."""
     parser = stage_parser(__doc__.splitlines()[0], timings=True)
     parser.add_argument("--adapter", type=Path, required=True)
     parser.add_argument("--eval-set", type=Path, required=True)
@@ -29,6 +31,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The stage: merge, convert and check (`run_export`), the outputs appearing only when every
+    check passed; prints one summary line. Returns the exit status."""
     args = parse_args(argv)
     outputs = (args.merged, args.gguf, args.metrics, args.details, args.timings)
     params = load_params(args.params)  # a bad param fails here, before any file moves

@@ -21,6 +21,9 @@ from vlmrl.rewards.answer_format import answer_format
 
 
 def main() -> None:
+    """The stage: read data.source, prepare and split the records, and write the train and eval
+    datasets, the data report and the metrics together (all or none); prints what was left out
+    and where the reasons are."""
     parser = stage_parser(__doc__)
     parser.add_argument("--out", type=Path, required=True, help="directory for train/ and eval/")
     parser.add_argument("--report", type=Path, required=True)

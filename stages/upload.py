@@ -15,12 +15,14 @@ from vlmrl.errors import run_stage
 from vlmrl.outputs import stage_outputs, stage_parser, write_json_atomic, write_text_atomic
 from vlmrl.params import load_params
 from vlmrl.publish import S3Location, UploadResult, params_hash, publish
-from vlmrl.publish.upload import check_upload_params
 from vlmrl.publish.model_card import CardInputs, build_release_cards
+from vlmrl.publish.upload import check_upload_params
 from vlmrl.reporting.metrics import write_stage_metrics
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The stage's paths (from `sys.argv` where `argv` is None): the artifact folders and metrics
+    it publishes, the metrics the cards report, the manifest and cards it writes; `--promote`."""
     parser = stage_parser(__doc__.splitlines()[0])
     option = parser.add_argument
     option("--adapter", type=Path, required=True)
@@ -43,6 +45,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def report_upload(result: UploadResult, location: S3Location, manifest_out: Path) -> None:
+    """Prints what the upload did at `location`: a bucket created, a release already published
+    from the same inputs, or how many files went up and how many were already there.
+
+    Args:
+        result: what `publish` returned.
+        location: the bucket and prefix it published to.
+        manifest_out: where the stage wrote the release's manifest, named in the line.
+    """
     if result.bucket_created:
         print(f"created bucket '{location.bucket}' at {location.endpoint_description()}")
     if result.already_published:
@@ -59,6 +69,9 @@ def report_upload(result: UploadResult, location: S3Location, manifest_out: Path
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The stage: check the upload params, render the three model cards and publish the release
+    (without `upload.bucket`, only the manifest, locally); the outputs appear once all of it
+    succeeded. Returns the exit status."""
     args = parse_args(argv)
     outputs = (args.manifest, args.metrics, args.details, args.model_card,
                args.adapter_card, args.gguf_card)

@@ -20,6 +20,8 @@ from vlmrl.verification.lora import report_summary, verify_adapter
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The stage's paths (from `sys.argv` where `argv` is None): the adapter and the eval set
+    whose first item the logits are compared on, and `stage_parser`'s own."""
     parser = stage_parser(__doc__.splitlines()[0])
     parser.add_argument("--adapter", type=Path, required=True)
     parser.add_argument("--eval-set", type=Path, required=True)
@@ -27,6 +29,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The stage: every check of the adapter; the metrics are written only when all pass, else
+    the findings are printed and the stage exits 1. Returns the exit status."""
     args = parse_args(argv)
     params = load_params(args.params)  # a bad param fails here, before any file moves
     with stage_outputs(args.metrics, args.details):

@@ -100,6 +100,15 @@ def _run_cli(action: Any) -> int:
 
 
 def cli_pull(argv: list[str]) -> int:
+    """`vlmrl pull`: download a published version (or some of its files) into `--to`, each file
+    checked against the manifest before the folder appears; a refusal is one `error:` line.
+
+    Args:
+        argv: the command line after `vlmrl pull`.
+
+    Returns:
+        The exit status: 0 when pulled, 1 after a publish error.
+    """
     parser = _parser(
         "vlmrl pull",
         "Download a published version into DIR; every file is checked against the manifest's "
@@ -163,6 +172,15 @@ def _metrics_cell(info: VersionInfo) -> str:
 
 
 def cli_versions(argv: list[str]) -> int:
+    """`vlmrl versions`: list the published versions with their headline metrics, marking the
+    latest (`--json` for the list as JSON).
+
+    Args:
+        argv: the command line after `vlmrl versions`.
+
+    Returns:
+        The exit status: 0 when listed, 1 after a publish error.
+    """
     parser = _parser(
         "vlmrl versions", "List the published versions, their metrics, and which one is latest."
     )
@@ -198,6 +216,15 @@ def cli_versions(argv: list[str]) -> int:
 
 
 def cli_create_bucket(argv: list[str]) -> int:
+    """`vlmrl create-bucket`: create the bucket that `upload.*` (or the options) name, in its
+    region; one that exists already is left as it is.
+
+    Args:
+        argv: the command line after `vlmrl create-bucket`.
+
+    Returns:
+        The exit status: 0 when the bucket exists afterwards, 1 after a publish error.
+    """
     parser = _parser(
         "vlmrl create-bucket",
         "Create the bucket the upload stage publishes to, in its region; a bucket that already "

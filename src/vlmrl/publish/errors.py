@@ -10,17 +10,21 @@ class PublishError(UserError, RuntimeError):
 
 
 class MissingInputError(PublishError):
-    pass
+    """An input the release is built from (an artifact folder, the GGUF folder's README) is not
+    there; the message names it and the stage that makes it."""
 
 
 class CredentialsError(PublishError):
-    pass
+    """The store refused or never got usable credentials (none in the AWS chain, an unknown key,
+    a bad secret, no permission); the message names the bucket and endpoint, never a secret."""
 
 
 class VersionConflictError(PublishError):
-    pass
+    """The version is already published with other files, or with a manifest that is not valid,
+    and `upload.overwrite` is off."""
 
 
 class IntegrityError(PublishError):
-    pass
+    """What the store holds does not match what it should: an object of another size or SHA256
+    than its manifest says, a path that leaves the destination, a read past its limit."""
 

@@ -43,6 +43,9 @@ HASH_CHUNK = 8 * 1024 * 1024
 
 @dataclass(frozen=True)
 class ArtifactFile:
+    """One file of a release: its group (`GROUPS`), its path in the group, where it is on this
+    machine, and the size and SHA256 the manifest records for it."""
+
     group: str
     path: str  # POSIX path relative to the group's directory
     local_path: Path
@@ -92,6 +95,12 @@ def replace_file(files: Sequence[ArtifactFile], replacement: ArtifactFile) -> li
 
 
 def collect_artifacts(inputs: Mapping[str, Path]) -> list[ArtifactFile]:
+    """Every file of the release's groups, with its size and SHA256, in `GROUPS` order.
+
+    Args:
+        inputs: each group's local folder (`adapter`, `merged`, `gguf`, `metrics`); a group may
+            be left out, a name outside `GROUPS` is refused.
+    """
     unknown = sorted(set(inputs) - set(GROUPS))
     if unknown:
         raise PublishError(f"unknown artifact groups: {', '.join(unknown)}")
@@ -115,6 +124,8 @@ def read_manifest_metrics(metrics_dir: Path | None) -> dict[str, Any]:
 
 
 def params_hash(params: Any) -> str:
+    """The SHA256 of `params` (params.yaml as a mapping) in canonical JSON: the same params give
+    the same digest on any machine, whatever their key order."""
     canonical = json.dumps(params, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(canonical.encode()).hexdigest()
 
@@ -130,6 +141,7 @@ def _git(args: Sequence[str], repo_dir: Path) -> str | None:
 
 
 def git_revision(repo_dir: Path) -> str | None:
+    """The commit checked out in `repo_dir`, or None outside a git checkout (or without git)."""
     return _git(["rev-parse", "HEAD"], repo_dir)
 
 

@@ -44,6 +44,9 @@ class PulledFile:
 
 @dataclass
 class PullResult:
+    """What a pull wrote: the version it resolved (`latest` named), the destination folder and
+    the files in it."""
+
     version: str
     destination: Path
     files: list[PulledFile] = field(default_factory=list)
@@ -190,6 +193,10 @@ def _download_entries(
 
 @dataclass
 class VersionInfo:
+    """One published version as `vlmrl versions` lists it: when and from which commit it was
+    made, its headline metrics, whether `latest` names it, and why it is not a valid release
+    where it is not."""
+
     version: str
     created_at: str
     git_revision: str | None

@@ -47,6 +47,9 @@ NOT_FOUND_CODES = frozenset({"404", "NoSuchKey", "NotFound"})
 
 @dataclass(frozen=True)
 class S3Location:
+    """Where releases live: a bucket, the prefix the versions sit under, and the endpoint (an
+    S3-compatible store's URL, or None for AWS) and region."""
+
     bucket: str
     prefix: str = ""
     endpoint_url: str | None = None
@@ -63,6 +66,13 @@ class S3Location:
 
 
 def make_s3_client(location: S3Location, max_attempts: int = 5) -> Any:
+    """A boto3 S3 client for `location`, with credentials from the standard AWS chain only.
+
+    Args:
+        location: the bucket's endpoint and region; an `endpoint_url` (MinIO, R2, moto) gets
+            path-style addressing and checksums only where the request requires them.
+        max_attempts: attempts per request under botocore's standard retry mode.
+    """
     import boto3
     from botocore.config import Config
 

@@ -273,6 +273,18 @@ def upload_release(
     manifest: dict[str, Any],
     params: UploadParams,
 ) -> UploadResult:
+    """Publish `files` and their manifest as `manifest["version"]` under `location`: claim the
+    version, upload what the store does not hold yet (each object checked after it lands), then
+    the manifest, then move `latest.json` where `latest_after` says. A version already published
+    from the same inputs is left untouched.
+
+    Args:
+        client: a boto3 S3 client (`make_s3_client`).
+        location: the bucket and prefix the release goes under.
+        files: the release's files (`collect_artifacts`).
+        manifest: the manifest `build_manifest` made of `files`.
+        params: the upload section: bucket creation, overwrite, promote, checksums, part size.
+    """
     version = manifest["version"]
     with s3_errors(location, CREATE_BUCKET_HINT):
         if params.create_bucket:

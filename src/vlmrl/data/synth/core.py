@@ -70,6 +70,8 @@ class Kind:
 
 
 def build(kind: Kind, answer_format: str, rng: random.Random) -> Problem:
+    """A problem of `kind` in `answer_format`, drawing again from the same `rng` while the builder
+    returns None (a tie, no threshold), at most MAX_ATTEMPTS times."""
     builder = kind.builders[answer_format]
     for _ in range(MAX_ATTEMPTS):
         problem = builder(rng)
@@ -180,6 +182,7 @@ def float_problem(
 
 
 def text_choices(rng: random.Random, answer: str, pool: Sequence[str]) -> list[str]:
+    """Four choices in a random order: `answer` and three others from `pool`."""
     choices = rng.sample([item for item in pool if item != answer], 3) + [answer]
     rng.shuffle(choices)
     return choices
@@ -197,12 +200,15 @@ def threshold_between(rng: random.Random, values: Sequence[int]) -> int | None:
 
 
 def distinct_values(rng: random.Random, count: int, low: int, high: int) -> list[int]:
+    """`count` different integers from `low` to `high` (both included), in random order."""
     return rng.sample(range(low, high + 1), count)
 
 
 def article(noun: str) -> str:
+    """The indefinite article before `noun` ("an age", "a score")."""
     return "an" if noun[0] in "aeiou" else "a"
 
 
 def mean(values: Sequence[int]) -> Fraction:
+    """The exact mean of `values`, so that rounding happens once, in `format_float`."""
     return Fraction(sum(values), len(values))
