@@ -397,8 +397,8 @@ def schedule_node(args: argparse.Namespace, repo: Path) -> int:
                                        ("--set", args.overrides), ("--timezone", args.timezone))
               if value]
     problem = (f"--node {args.node}: a rank is 0 or more" if args.node < 0 else
-               f"{', '.join(unused)} do not go with --node: `vlmrl run --nodes` starts the "
-               "node runs and picks the stage" if unused else None)
+               f"{', '.join(unused)}: not with --node (`vlmrl run --nodes` starts the node "
+               "runs and picks the stage)" if unused else None)
     if problem:
         print(f"vlmrl schedule: {problem}", file=sys.stderr)
         return 1
