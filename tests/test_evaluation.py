@@ -302,7 +302,8 @@ def _must_not_load(*args, **kwargs):
     raise AssertionError("the model was loaded before the inputs were checked")
 
 
-def test_stage_failure_removes_stale_outputs_and_names_the_stage(eval_set, tmp_path, capsys):
+def test_stage_failure_keeps_the_earlier_outputs_and_names_the_stage(eval_set, tmp_path, capsys):
+    """A failed evaluation leaves the outputs of the run before it as they were."""
     stage = load_stage_module()
     out, metrics, report = tmp_path / "post", tmp_path / "post_eval.json", tmp_path / "report"
     details, by_category = tmp_path / "details.json", tmp_path / "by_category.json"
@@ -322,7 +323,8 @@ def test_stage_failure_removes_stale_outputs_and_names_the_stage(eval_set, tmp_p
     assert rc == 1
     error = capsys.readouterr().err
     assert "no-baseline.json" in error and "baseline_eval" in error
-    assert not any(path.exists() for path in (*stale, report))
+    assert all(path.read_text() == "stale" for path in stale)
+    assert sorted(path.name for path in report.iterdir()) == ["report.md"]
 
 
 def test_stage_post_requires_its_inputs():

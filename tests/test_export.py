@@ -20,13 +20,10 @@ from vlmrl.export.gguf import (
     GGUFError,
     converter_source,
     expected_tensor_type,
-    greedy_tokens,
-    image_chat,
     is_converter_source,
-    last_position_logits,
-    open_gguf,
     read_gguf_info,
 )
+from vlmrl.export.llama_runtime import greedy_tokens, image_chat, last_position_logits, open_gguf
 from vlmrl.models.forward import (
     first_eval_row,
     forward_logits,
@@ -251,7 +248,8 @@ def damaged_copies(source: Path, directory: Path) -> dict[str, Path]:
 DAMAGE_PROBE = """
 import sys
 from pathlib import Path
-from vlmrl.export.gguf import GGUFError, open_gguf, read_gguf_info
+from vlmrl.export.gguf import GGUFError, read_gguf_info
+from vlmrl.export.llama_runtime import open_gguf
 for name in sys.argv[1:]:
     for action in (read_gguf_info, lambda p: open_gguf(p).__enter__()):
         try:

@@ -11,13 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from vlmrl.export.gguf import (
-    GGUFError,
-    convert_hf_to_gguf,
-    gguf_general_name,
-    gguf_py,
-    read_gguf_info,
-)
+from vlmrl.export.gguf import GGUFError, convert_hf_to_gguf, gguf_py, read_gguf_info
+from vlmrl.export.llama_runtime import gguf_general_name
 from vlmrl.models.embedded import ensure_embedded_model
 from vlmrl.models.portable import gguf_metadata
 

@@ -6,6 +6,7 @@ other inputs under that version are refused (on a real S3 server, moto's)."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import uuid
 from pathlib import Path
@@ -42,7 +43,8 @@ def snapshot(repo: Path) -> dict[str, bytes]:
 
 
 def error_lines(stderr: str) -> list[str]:
-    return [line for line in stderr.splitlines() if " failed" in line]
+    """The stage's own error lines (`<stage> failed...`), without DVC's."""
+    return [line for line in stderr.splitlines() if re.match(r"^\w+ failed", line)]
 
 
 @pytest.mark.slow

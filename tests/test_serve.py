@@ -28,8 +28,9 @@ from leftover_processes import descendants
 from s3_server import free_port, start_moto_server
 
 from vlmrl import publish as pub
-from vlmrl.export.gguf import convert_hf_to_gguf, image_chat, image_data_url
+from vlmrl.export.gguf import convert_hf_to_gguf
 from vlmrl.export.gguf_release import write_gguf_consumer_files
+from vlmrl.export.llama_runtime import image_chat, image_data_url
 from vlmrl.models.embedded import ensure_embedded_model
 from vlmrl.models.portable import gguf_metadata
 from vlmrl.serve.command import ServeError, parse_args, serve_command

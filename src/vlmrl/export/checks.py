@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from vlmrl.errors import UserError
-from vlmrl.export.gguf import open_gguf
+from vlmrl.export.llama_runtime import open_gguf
 
 QUANT_PROMPTS = (
     "<|im_start|>user\nWhat is 3 + 4? Answer with a number.<|im_end|>\n<|im_start|>assistant\n",

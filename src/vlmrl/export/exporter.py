@@ -40,15 +40,17 @@ from vlmrl.export.gguf import (
     convert_hf_to_gguf,
     converter_source,
     expected_tensor_type,
-    greedy_tokens,
-    image_chat,
-    last_position_logits,
     llama_ftype,
-    open_gguf,
-    quantize_gguf,
     read_gguf_info,
 )
 from vlmrl.export.gguf_release import write_gguf_consumer_files
+from vlmrl.export.llama_runtime import (
+    greedy_tokens,
+    image_chat,
+    last_position_logits,
+    open_gguf,
+    quantize_gguf,
+)
 from vlmrl.models.backend import cuda_available
 from vlmrl.models.embedded import resolve_model_path
 from vlmrl.models.forward import (

@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     from llama_cpp.server.cli import add_args_from_model, parse_model_from_args
     from llama_cpp.server.settings import ModelSettings, ServerSettings, Settings
 
-    from vlmrl.export.gguf import quiet_llama_logs
+    from vlmrl.export.llama_runtime import quiet_llama_logs
 
     parser = argparse.ArgumentParser(prog="python -m vlmrl.serve.app",
                                      description="Runs llama_cpp.server's app for vlmrl serve.")

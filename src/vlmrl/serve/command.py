@@ -18,8 +18,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from vlmrl.export.gguf import GGUFError, gguf_general_name
+from vlmrl.export.gguf import GGUFError
 from vlmrl.export.gguf_release import PROJECTOR_KIND, default_model_file
+from vlmrl.export.llama_runtime import gguf_general_name
 
 SERVER_MODULE = "vlmrl.serve.app"
 
