@@ -176,9 +176,9 @@ def merge_adapter(model_settings: ModelParams, dtype: str, adapter: Path, row: M
     two apart, not bf16 rounding). Returns the adapter model's and the base model's logits on the
     row's image+question."""
     settings = sixteen_bit(model_settings, dtype)
+    backend = backend_for(settings)  # Unsloth, when chosen, is imported before CUDA is asked
     repeatable_on_cpu()
-    return backend_for(settings).merge(resolve_model_path(settings), settings, adapter, row,
-                                       out_dir, base_dir)
+    return backend.merge(resolve_model_path(settings), settings, adapter, row, out_dir, base_dir)
 
 
 def load_merged(merged_dir: Path, dtype: str = "float32") -> tuple[Any, Any]:
