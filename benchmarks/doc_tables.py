@@ -24,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = "benchmarks/results"
-DOCS = {"{doc}": "docs/benchmarks.md", "{readme}": "README.md"}
+DOCS = {"{doc}": "docs/benchmarks.md", "{readme}": "README.md", "{prefect}": "docs/prefect.md"}
 # The configurations of the speed tables: the Unsloth reference, TRL's generate (NF4, static
 # cache, compiled), and the recipe of the file's model shape.
 SPEED_2B = "unsloth_4bit,gpu_profile_mb8_spg4_rows16,gpu_profile_graph_fp8_rolled_compiled_images"
@@ -60,6 +60,7 @@ TABLES: tuple[list[str], ...] = (
     ["scaling.py", "--render", f"{RESULTS}/scaling.json", "--out", f"{RESULTS}/scaling.json",
      "--doc", "{doc}"],
     ["launch_one_process.py", "--render", f"{RESULTS}/launch_one_process.json", "--doc", "{doc}"],
+    ["flow_overhead.py", "--render", f"{RESULTS}/flow_overhead.json", "--doc", "{prefect}"],
     gspo_step_block("h200x2-pool-2b", "gspo_step_h200x2_pool_2b"),
     gspo_step_block("h200x2-8b-four", "gspo_step_h200x2_8b_four"),
     ["decode_profile.py", "--from-json", f"{RESULTS}/decode_profile_h200_parts_bfloat16_2b.json",
