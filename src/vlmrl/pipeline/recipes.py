@@ -143,9 +143,22 @@ def merge(defaults: str, recipe: str, recipe_source: Path | str = "the recipe") 
     merged = load_body(base_body, PARAMS_FILE, base_header.count("\n") + 1)
     overlay(merged, load_body(recipe_body, recipe_source, recipe_header.count("\n") + 1))
     stream = io.StringIO()
-    dvc_yaml().dump(merged, stream)
+    dvc_yaml().dump(plain_lists(merged), stream)
     header = (recipe_header if recipe_header.strip() else base_header).rstrip("\n")
     return f"{header}\n\n{stream.getvalue()}" if header else stream.getvalue()
+
+
+def plain_lists(node: Any) -> Any:
+    """Every list under `node` as a plain one, which the writer puts one item a line: what
+    `dvc exp run -S` does to each list of params.yaml whatever key it sets (its Hydra overrides
+    rebuild the lists), so a file written so keeps its lines through DVC's round trip."""
+    if isinstance(node, CommentedMap):
+        for key, value in node.items():
+            node[key] = plain_lists(value)
+        return node
+    if isinstance(node, list):
+        return [plain_lists(item) for item in node]
+    return node
 
 
 def overlay(base: CommentedMap, over: CommentedMap) -> None:
