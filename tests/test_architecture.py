@@ -265,3 +265,13 @@ def test_no_module_is_too_long_to_read() -> None:
     lengths = {module: len(path.read_text(encoding="utf-8").splitlines())
                for module, path in FILES.items()}
     assert not {m: n for m, n in lengths.items() if n > MAX_MODULE_LINES}
+
+
+def test_no_class_is_assembled_with_type() -> None:
+    """Classes are class statements, whose bases a reader sees in one place; `type(name, bases,
+    namespace)` would assemble one at run time."""
+    made = [f"{module}:{node.lineno}" for module, path in FILES.items()
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id == "type" and len(node.args) == 3]
+    assert not made, f"type(name, bases, namespace) in {made}"

@@ -116,6 +116,10 @@ def distinct_images_class(base: type) -> type:
     """`base` with DistinctImages first, under `base`'s own name: saved (`image_processor_type`)
     as `base`, which is what `AutoImageProcessor` and llama.cpp's converter load; pickled by
     reference to this module, where it is kept under that name."""
-    made = type(base.__name__, (DistinctImages, base), {"__module__": __name__})
-    globals()[base.__name__] = made
-    return made
+
+    class Made(DistinctImages, base):
+        __qualname__ = base.__name__
+
+    Made.__name__ = base.__name__
+    globals()[base.__name__] = Made
+    return Made

@@ -42,8 +42,14 @@ def rollout_class(model_class: type) -> type:
     """`model_class` with `RolloutGeneration` in front, under the same name and module (the
     names transformers writes into a saved config and reads the modeling source by), one class
     per model class."""
-    return type(model_class.__name__, (RolloutGeneration, model_class),
-                {"__module__": model_class.__module__, "__doc__": model_class.__doc__})
+
+    class Rollout(RolloutGeneration, model_class):
+        __module__ = model_class.__module__
+        __qualname__ = model_class.__qualname__
+        __doc__ = model_class.__doc__
+
+    Rollout.__name__ = model_class.__name__
+    return Rollout
 
 
 def rollout_model(model) -> RolloutGeneration:
