@@ -103,8 +103,8 @@ def test_metrics_show_lists_only_numbers(pipeline_repo: Path) -> None:
     ((_revision, workspace),) = shown.items()
     files = workspace["data"]
     stages = yaml.safe_load((pipeline_repo / "dvc.yaml").read_text())["stages"]
-    declared = {next(iter(entry)) for stage in stages.values()
-                for entry in stage.get("metrics", [])}
+    declared = {entry if isinstance(entry, str) else next(iter(entry))
+                for stage in stages.values() for entry in stage.get("metrics", [])}
     assert len(declared) == 8, declared
     assert {Path(name).name for name in files} == {Path(name).name for name in declared}
     for name, content in files.items():
