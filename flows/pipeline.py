@@ -2,14 +2,15 @@
 
 Prefect schedules the pipeline and shows it (per-stage logs, metrics artifacts, retries); DVC
 decides what is stale, so each task runs its stage through `dvc repro` and Prefect's own caching is
-off. Param overrides become one DVC experiment (`dvc exp run -S`) instead of edits to params.yaml.
-Run once with `vlmrl run`, on a schedule with `vlmrl schedule --cron "0 3 * * *"` (served there), or
-by a worker on the GPU machine with `vlmrl schedule --pool gpu` (docs/prefect.md). A training stage
-over several machines is one `node` run per machine (`vlmrl schedule --pool gpu --node RANK` in each
-machine's clone), started together by `nodes` (`vlmrl run --nodes N --pool gpu`); those commands
-set the project's offline defaults for Prefect (`vlmrl.pipeline.orchestration.set_offline_defaults`) before
-Prefect is imported. Importing this file from Python imports Prefect with the environment as it is.
-"""
+off; the stages before the first one that the run's opening `dvc status` calls stale are reported
+cached without a DVC process each. Param overrides become one DVC experiment (`dvc exp run -S`)
+instead of edits to params.yaml. Run once with `vlmrl run`, on a schedule with `vlmrl schedule
+--cron "0 3 * * *"` (served there), or by a worker on the GPU machine with `vlmrl schedule --pool
+gpu` (docs/prefect.md). A training stage over several machines is one `node` run per machine
+(`vlmrl schedule --pool gpu --node RANK` in each machine's clone), started together by `nodes`
+(`vlmrl run --nodes N --pool gpu`); those commands set the project's offline defaults for Prefect
+(`vlmrl.pipeline.orchestration.set_offline_defaults`) before Prefect is imported. Importing this
+file from Python imports Prefect with the environment as it is."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from vlmrl.pipeline.orchestration import (
     run_experiment,
     run_stage,
     select_stages,
+    unchanged_prefix,
 )
 
 
@@ -47,10 +49,10 @@ def publish_artifacts(stage: str, repo: str) -> None:
         create_markdown_artifact(markdown=markdown, key=key, description=description)
 
 
-def stage_task(stage: str, **options: Any) -> Task[[str], StageReport]:
-    def run(repo: str) -> StageReport:
+def stage_task(stage: str, **options: Any) -> Task[[str, bool], StageReport]:
+    def run(repo: str, known_up_to_date: bool = False) -> StageReport:
         logger = get_run_logger()
-        report = run_stage(stage, resolve_repo(repo), logger.info)
+        report = run_stage(stage, resolve_repo(repo), logger.info, known_up_to_date)
         logger.info("stage '%s': %s in %.1f s", stage, report.outcome.value, report.seconds)
         publish_artifacts(stage, repo)
         return report
@@ -93,7 +95,9 @@ def pipeline(stages: list[str] | None = None, repo: str | None = None,
     if overrides:
         report = experiment(selected, overrides, repo)
     else:
-        report = PipelineReport([stage(repo) for stage in PIPELINE if stage.name in selected])
+        unchanged = unchanged_prefix(resolve_repo(repo), selected)
+        report = PipelineReport([stage(repo, stage.name in unchanged)
+                                 for stage in PIPELINE if stage.name in selected])
     create_table_artifact(table=stage_table(report.stages), key="pipeline-stages",
                           description="What DVC did with each stage: ran, cached or restored")
     return report

@@ -38,6 +38,7 @@ from vlmrl.pipeline.orchestration import (
     run_stage,
     select_stages,
     stream_command,
+    unchanged_prefix,
 )
 
 CRON = "0 3 * * *"
@@ -161,6 +162,38 @@ def test_vlmrl_run_on_an_up_to_date_pipeline_starts_no_prefect_server(tmp_path: 
         "toy            cached        0.0 s",
         "every stage is up to date; no Prefect server was started",
         "prefect imported: False"]
+
+
+def chain_stage(name: str, dep: str | None, out: str) -> dict:
+    write = f"open('{out}', 'w').write(str(yaml.safe_load(open('params.yaml'))['{name}']))"
+    stage = {"cmd": f"python -c \"import yaml; {write}\"", "params": [name], "outs": [out]}
+    return stage | ({"deps": [dep]} if dep else {})
+
+
+def test_the_flow_skips_dvc_only_for_stages_before_the_first_stale_one(tmp_path: Path):
+    """A stage after a stale one can go stale when that one runs, though `dvc status` does not
+    call it stale yet: only the stages before the first stale one are reported without DVC."""
+    chain = {"stages": {"first": chain_stage("first", None, "a.txt"),
+                        "second": chain_stage("second", "a.txt", "b.txt"),
+                        "third": chain_stage("third", "b.txt", "c.txt")}}
+    (tmp_path / "dvc.yaml").write_text(yaml.safe_dump(chain))
+    params = {"first": 1, "second": 1, "third": 1}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    for cmd in (["git", "init", "-q"], ["dvc", "init", "-q", "--no-scm"], ["dvc", "repro"]):
+        run(cmd, tmp_path)
+    stages = ["first", "second", "third"]
+    assert unchanged_prefix(tmp_path, stages) == set(stages)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params | {"second": 2}))
+    assert unchanged_prefix(tmp_path, stages) == {"first"}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params | {"first": 2}))
+    assert unchanged_prefix(tmp_path, stages) == set()
+    assert unchanged_prefix(tmp_path, ["third"]) == {"third"}  # alone, nothing before it runs
+
+    lines: list[str] = []
+    report = run_stage("first", tmp_path, lines.append, known_up_to_date=True)
+    assert (report.outcome, lines) == (Outcome.CACHED,
+                                       ["first: up to date (dvc status at the start of the run)"])
+    assert (tmp_path / "a.txt").read_text() == "1"  # no DVC ran, so the stale stage did not
 
 
 def test_failed_stage_raises_with_its_stderr(toy_repo: Path):
