@@ -35,7 +35,7 @@ VLMRL = str(Path(sys.executable).parent / "vlmrl")
 COMMANDS = {"dvc repro": [sys.executable, "-m", "dvc", "repro"],
             "vlmrl run, no server": [VLMRL, "run"],
             "vlmrl run, PREFECT_API_URL set": [VLMRL, "run"]}
-TARGET_S = 8.0  # `vlmrl run` on an up-to-date pipeline, no server
+TARGET_S = 8.0  # `vlmrl run` on an up-to-date pipeline
 
 
 def timed(command: list[str], repo: Path, env: dict[str, str], runs: int) -> list[float]:
@@ -73,10 +73,11 @@ def table(results: dict) -> str:
     for name, seconds in results["seconds"].items():
         rows.append(f"| `{name}` | {statistics.median(seconds):.1f} | {min(seconds):.1f} | "
                     f"{max(seconds):.1f} |")
-    no_server = statistics.median(results["seconds"]["vlmrl run, no server"])
-    verdict = "met" if no_server <= TARGET_S else "missed"
+    slowest = max(statistics.median(seconds) for name, seconds in results["seconds"].items()
+                  if name.startswith("vlmrl run"))
+    verdict = "met" if slowest <= TARGET_S else "missed"
     note = (f"Median of {results['runs']} runs each on {results['machine']} (target for `vlmrl "
-            f"run`: at most {TARGET_S:.0f} s, {verdict}); measured by "
+            f"run`, with or without a server: at most {TARGET_S:.0f} s, {verdict}); measured by "
             "`benchmarks/flow_overhead.py`.")
     return "\n".join([*rows, "", note])
 
