@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import sys
@@ -345,7 +346,7 @@ def dvc_stages(repo: Path) -> list[str]:
 def up_to_date(repo: Path, stages: Sequence[str] | None) -> bool:
     """Whether DVC would reproduce none of the selected stages (`dvc status`)."""
     selected = select_stages(stages, dvc_stages(repo))
-    return not read_records(repo, selected).stale
+    return len(unchanged_prefix(repo, selected)) == len(selected)
 
 
 def unchanged_prefix(repo: Path, stages: Sequence[str]) -> set[str]:
@@ -353,12 +354,7 @@ def unchanged_prefix(repo: Path, stages: Sequence[str]) -> set[str]:
     runs, so their inputs stay as they are and `dvc repro` would skip them. A stage after a stale
     one may go stale once that one runs, so the rest are left to `dvc repro`."""
     stale = read_records(repo, stages).stale
-    prefix: set[str] = set()
-    for stage in stages:
-        if stage in stale:
-            break
-        prefix.add(stage)
-    return prefix
+    return set(itertools.takewhile(lambda stage: stage not in stale, stages))
 
 
 def print_report(report: PipelineReport) -> None:
